@@ -1,0 +1,89 @@
+"""Agent adapters: what an actor runs between the env and the wire.
+
+An adapter owns the actor-side policy copy, says which trajectory schema it
+fills, turns a batch of observations into env actions plus the arrays to record,
+and loads published parameters. The actor loop (``actors.loop``) is the same
+for every adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from impala.trajectory import ArraySpec, TrajectorySchema, impala_unroll_schema
+from impala.envs.vector import StepResult
+
+
+def state_dict_schema(module: torch.nn.Module) -> TrajectorySchema:
+    """The exact layout a params message for ``module`` must have."""
+    return TrajectorySchema(
+        tuple(ArraySpec(k, str(v.numpy().dtype) if v.dtype != torch.bfloat16 else "bfloat16", tuple(v.shape)) for k, v in module.state_dict().items())
+    )
+
+
+def state_dict_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().to("cpu").contiguous().numpy() for k, v in module.state_dict().items()}
+
+
+def load_state_arrays(module: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+    # Copy: the arrays are views over received ZeroMQ frames.
+    module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+
+
+class ImpalaAgent:
+    """Discrete actions sampled from the policy logits of an IMPALA network."""
+
+    def __init__(self, settings: Mapping[str, Any], *, obs_shape: tuple[int, ...], obs_dtype: str, num_actions: int, num_envs: int, unroll_length: int, seed: int) -> None:
+        from impala.models import build_model
+
+        self.model = build_model(settings["model"], obs_shape, num_actions, use_lstm=settings.get("use_lstm", False))
+        self.model.eval()
+        self.use_lstm = bool(settings.get("use_lstm", False))
+        self.core_size = self.model.core_state_size if self.use_lstm else 0
+        self.schema = impala_unroll_schema(unroll_length, obs_shape, obs_dtype, num_actions, self.core_size)
+        self.params_schema = state_dict_schema(self.model)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.core_state = self.model.initial_state(num_envs) if self.use_lstm else None
+
+    def load_params(self, arrays: Mapping[str, np.ndarray]) -> None:
+        load_state_arrays(self.model, arrays)
+
+    def unroll_start(self) -> dict[str, np.ndarray]:
+        """Arrays recorded once per unroll (per env along axis 0)."""
+        if not self.use_lstm:
+            return {}
+        h, c = self.core_state
+        # [layers=1, K, H] x2 -> [K, 2, H]
+        return {"core_state": torch.stack([h[0], c[0]], dim=1).numpy()}
+
+    @torch.inference_mode()
+    def act(self, obs: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        obs_t = torch.from_numpy(obs).unsqueeze(0)
+        first_t = torch.from_numpy(first).unsqueeze(0)
+        out, self.core_state = self.model(obs_t, first_t, self.core_state)
+        logits = out.policy_logits[0]
+        actions = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=self.generator).squeeze(-1)
+        actions_np = actions.numpy()
+        return actions_np, {"actions": actions_np, "behaviour_logits": logits.numpy()}
+
+    @staticmethod
+    def transition(result: StepResult) -> dict[str, np.ndarray]:
+        return {"rewards": result.reward, "dones": result.terminated | result.truncated}
+
+    @staticmethod
+    def observation(obs: np.ndarray, first: np.ndarray) -> dict[str, np.ndarray]:
+        return {"obs": obs, "first": first}
+
+
+def make_agent(settings: Mapping[str, Any], **kw: Any):
+    kind = settings.get("kind", "impala")
+    if kind == "impala":
+        return ImpalaAgent(settings, **kw)
+    if kind == "ppo":
+        from actors.ppo_agent import PPOAgent
+
+        return PPOAgent(settings, **kw)
+    raise ValueError(f"unknown agent kind {kind!r}")

@@ -1,0 +1,157 @@
+"""The actor loop: step K envs with one batched forward pass, send unrolls, pick up weights.
+
+Runs inside the actor's child process (``Actor.run``), or in the calling
+process in serial/debug use. Every message is one complete ZeroMQ multipart
+message, which ZeroMQ delivers whole or not at all, so an actor killed
+mid-unroll can never deliver a partial unroll.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from actors.actor import ActorConfig, exit_if_orphaned
+from actors.agents import make_agent
+from impala import wire
+from impala.envs import make_env
+from impala.envs.fingerprint import measure_fingerprint
+from impala.envs.vector import EpisodeTracker, GymVecEnv
+
+log = logging.getLogger(__name__)
+
+
+def build_vec_env(config: ActorConfig):
+    if config.env.id.startswith("unity:"):
+        from impala.envs.unity import UnityVecEnv
+
+        kw = dict(config.env.kwargs)
+        return UnityVecEnv(kw.pop("file_name"), worker_id=config.actor_id, seed=config.seed, **kw)
+    return GymVecEnv(config.env, config.num_envs, seed=config.seed)
+
+
+def env_fingerprint(config: ActorConfig) -> dict[str, Any] | None:
+    """Measured in this process on a probe env built from the same spec."""
+    if config.env.id.startswith("unity:"):
+        return None
+    probe = make_env(config.env, seed=config.seed)
+    try:
+        return measure_fingerprint(probe, steps=config.fingerprint_steps, seed=config.seed).to_dict()
+    finally:
+        probe.close()
+
+
+class ActorLink:
+    """The actor's two sockets: PUSH trajectories, SUB parameters."""
+
+    def __init__(self, config: ActorConfig, parent_pid: int | None) -> None:
+        self.config = config
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context.instance()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, config.send_hwm)
+        self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.connect(config.trajectory_endpoint)
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.RCVHWM, 4)
+        self.sub.connect(config.params_endpoint)
+
+    def _alive(self) -> None:
+        if self.parent_pid is not None:
+            exit_if_orphaned(self.parent_pid)
+
+    def send(self, frames: list) -> None:
+        # Block under backpressure (the learner's high-water mark), but keep checking the learner lives.
+        while not self.push.poll(1000, zmq.POLLOUT):
+            self._alive()
+        self.push.send_multipart(frames, copy=False)
+
+    def latest_params(self, schema, timeout_ms: int = 0) -> wire.Message | None:
+        """Drain the SUB socket and return the newest valid params message (or None)."""
+        newest = None
+        while self.sub.poll(timeout_ms, zmq.POLLIN):
+            timeout_ms = 0
+            frames = self.sub.recv_multipart(copy=False)
+            try:
+                msg = wire.decode(frames, schema=schema, expect_kind="params")
+            except wire.WireError as e:
+                log.error("actor %d: dropping bad params message: %s", self.config.actor_id, e)
+                continue
+            if newest is None or msg.version > newest.version:
+                newest = msg
+        return newest
+
+    def close(self) -> None:
+        self.push.close()
+        self.sub.close()
+
+
+def run_actor(config: ActorConfig, parent_pid: int | None = None, max_unrolls: int | None = None) -> None:
+    """Build envs, say hello, wait for weights, then stream unrolls forever (or ``max_unrolls``)."""
+    link = ActorLink(config, parent_pid)
+    fingerprint = env_fingerprint(config)
+    envs = build_vec_env(config)
+    K, T = envs.num_envs, config.unroll_length
+    obs = envs.reset()
+    agent = make_agent(
+        config.agent,
+        obs_shape=tuple(obs.shape[1:]),
+        obs_dtype=str(obs.dtype),
+        num_actions=getattr(envs.action_space, "n", 0),
+        num_envs=K,
+        unroll_length=T,
+        seed=config.seed,
+    )
+    link.send(wire.encode("hello", actor=config.actor_id, version=-1, info={"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K}))
+
+    params = None
+    deadline = time.monotonic() + config.params_timeout_s
+    while params is None:
+        link._alive()
+        if time.monotonic() > deadline:
+            log.error("actor %d: no parameters from %s after %.0fs; exiting", config.actor_id, config.params_endpoint, config.params_timeout_s)
+            return
+        params = link.latest_params(agent.params_schema, timeout_ms=200)
+    agent.load_params(params.arrays)
+    version = params.version
+
+    first = np.ones(K, dtype=bool)
+    episodes = EpisodeTracker(K)
+    unrolls = 0
+    try:
+        while max_unrolls is None or unrolls < max_unrolls:
+            # Fresh buffers each unroll: ZeroMQ sends them zero-copy and may still hold the last ones.
+            buf = {a.name: np.empty((K, *a.shape), dtype=a.dtype) for a in agent.schema.arrays}
+            for name, value in agent.unroll_start().items():
+                buf[name][:] = value
+            for t in range(T):
+                for name, value in agent.observation(obs, first).items():
+                    buf[name][:, t] = value
+                env_actions, recorded = agent.act(obs, first)
+                result = envs.step(env_actions)
+                for name, value in {**recorded, **agent.transition(result)}.items():
+                    buf[name][:, t] = value
+                obs = result.obs
+                first = result.terminated | result.truncated
+                episodes.record(result.reward, first)
+            for name, value in agent.observation(obs, first).items():
+                buf[name][:, T] = value
+            returns, lengths = episodes.pop()
+            for k in range(K):
+                # Episode stats ride on the first env's message only, so none is counted twice.
+                info = wire.episode_info(returns, lengths) if k == 0 else {}
+                link.send(wire.encode("unroll", actor=config.actor_id, version=version, arrays={n: buf[n][k] for n in buf}, info=info))
+            unrolls += 1
+            newest = link.latest_params(agent.params_schema)
+            if newest is not None and newest.version > version:
+                agent.load_params(newest.arrays)
+                version = newest.version
+    finally:
+        envs.close()
+        link.close()

@@ -1,0 +1,70 @@
+"""Supervise N actor processes: start, restart the dead with a new seed, stop all."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import time
+from typing import Callable
+
+from actors.actor import Actor, ActorConfig
+
+log = logging.getLogger(__name__)
+
+
+class ActorPool:
+    """Starts actors with an explicit start method and keeps them running.
+
+    An actor that dies (crash, OOM, SIGKILL) is restarted with a fresh seed and
+    the restart is logged and counted; the learner never goes down with it.
+    """
+
+    def __init__(self, configs: list[ActorConfig], *, start_method: str = "spawn", actor_class: Callable[..., Actor] = Actor) -> None:
+        if start_method not in multiprocessing.get_all_start_methods():
+            raise ValueError(f"start method {start_method!r} is not available here (have: {multiprocessing.get_all_start_methods()})")
+        self.ctx = multiprocessing.get_context(start_method)
+        self.start_method = start_method
+        self.configs = list(configs)
+        self.actor_class = actor_class
+        self.actors: list[Actor] = []
+        self.restarts = 0
+        self._incarnation = [0] * len(configs)
+
+    def _spawn(self, config: ActorConfig) -> Actor:
+        actor = self.actor_class(config, start_method=self.start_method)
+        actor.start()
+        return actor
+
+    def start(self) -> None:
+        self.actors = [self._spawn(c) for c in self.configs]
+
+    def supervise(self) -> list[int]:
+        """Restart dead actors; returns the ids restarted."""
+        restarted = []
+        for i, actor in enumerate(self.actors):
+            if actor.is_alive():
+                continue
+            code = actor.exitcode
+            self._incarnation[i] += 1
+            config = dataclasses.replace(self.configs[i], seed=self.configs[i].seed + 7919 * self._incarnation[i])
+            log.warning("actor %d exited with code %s; restarting with seed %d", config.actor_id, code, config.seed)
+            actor.join(timeout=0)
+            self.actors[i] = self._spawn(config)
+            self.restarts += 1
+            restarted.append(config.actor_id)
+        return restarted
+
+    def pids(self) -> list[int]:
+        return [a.pid for a in self.actors if a.pid is not None]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for actor in self.actors:
+            if actor.is_alive():
+                actor.terminate()
+        deadline = time.monotonic() + timeout
+        for actor in self.actors:
+            actor.join(timeout=max(0.0, deadline - time.monotonic()))
+            if actor.is_alive():
+                actor.kill()
+                actor.join(timeout=1.0)

@@ -1,0 +1,69 @@
+"""Environment specs and construction.
+
+What crosses a process boundary is an ``EnvSpec``: a frozen, picklable
+description (id plus kwargs). The environment object itself never does: a
+child process builds its own from the spec (see SEEDS.md part 1 for the bug
+this prevents).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+
+from impala.envs.atari import is_atari, make_atari, register_classic_ids
+
+
+class UnknownEnvError(ValueError):
+    """An env id that no registry knows."""
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A picklable description of an environment.
+
+    Attributes:
+        id: a gymnasium id (``PongDeterministic-v4``, ``CartPole-v1``, ``Ant-v5``, ...).
+        kwargs: keyword overrides passed to the env's constructor (e.g.
+            ``{"frameskip": 4}``); must be picklable plain data.
+        preprocess: apply DeepMind Atari preprocessing (Atari ids only).
+    """
+
+    id: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    preprocess: bool = True
+
+    def __post_init__(self) -> None:
+        check_env_id(self.id)
+
+    @property
+    def atari(self) -> bool:
+        return is_atari(self.id)
+
+
+def _ensure_registries() -> None:
+    register_classic_ids()
+
+
+def check_env_id(env_id: str) -> None:
+    """Raise ``UnknownEnvError`` listing close matches when ``env_id`` is unknown."""
+    _ensure_registries()
+    if env_id in gym.registry:
+        return
+    matches = difflib.get_close_matches(env_id, list(gym.registry.keys()), n=5, cutoff=0.6)
+    hint = f" Close matches: {', '.join(matches)}." if matches else ""
+    raise UnknownEnvError(f"unknown env id {env_id!r}.{hint}")
+
+
+def make_env(spec: EnvSpec, *, seed: int | None = None) -> gym.Env:
+    """Build the environment described by ``spec`` in the calling process."""
+    if spec.atari:
+        return make_atari(spec.id, seed=seed, preprocess=spec.preprocess, **spec.kwargs)
+    env = gym.make(spec.id, **spec.kwargs)
+    if seed is not None:
+        env.reset(seed=seed)
+        env.action_space.seed(seed)
+    return env

@@ -1,0 +1,201 @@
+"""Atari environments: the classic gym ids and DeepMind preprocessing.
+
+ale-py >= 0.11 stopped registering the ``Deterministic`` ids (ale-py CHANGELOG
+0.11.1, PR #561), and its ``Pong-v4`` means a *stochastic* frameskip drawn from
+{2, 3, 4}. A run configured with ``PongDeterministic-v4`` must get the classic
+meaning, so we register those ids ourselves:
+
+* ``{Game}Deterministic-v4``: frameskip 4 (3 for SpaceInvaders, whose lasers
+  blink with period 4), ``repeat_action_probability`` 0.0, minimal action set,
+  gym's ``max_episode_steps`` 100000.
+* ``{Game}Deterministic-v0``: the same with sticky actions 0.25.
+
+ale-py's own ids (``Pong-v4``, ``PongNoFrameskip-v4``, ``ALE/Pong-v5``) keep the
+meanings ale-py gives them today.
+
+Preprocessing (Mnih et al. 2015, as used by IMPALA): the action is repeated
+``frameskip`` times with rewards summed and the last two frames max-pooled,
+84x84 grayscale, a stack of 4 frames, up to 30 no-op actions at reset. The frame
+skip is done here rather than inside the ALE so that the max-pool can see the
+second-to-last frame; a stochastic skip ``(lo, hi)`` is drawn per step from
+``[lo, hi)`` with the env's own generator, exactly as ale-py draws it. Sticky
+actions stay inside the ALE, which applies them per emulator frame. Rewards are
+*not* clipped here: the learner clips them, so episode returns stay true.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+CLASSIC_MAX_EPISODE_STEPS = 100_000
+_ALE_ENTRY_POINT = "ale_py.env:AtariEnv"
+_registered = False
+
+
+def _classic_frameskip(game: str) -> int:
+    # Gym used 3 for SpaceInvaders: with 4 the lasers are invisible (they blink every 4 frames).
+    return 3 if game == "space_invaders" else 4
+
+
+def register_classic_ids() -> None:
+    """Register ale-py's ids plus the classic ``Deterministic`` ids. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    import ale_py
+
+    gym.register_envs(ale_py)
+    pattern = re.compile(r"^([A-Za-z]+)-v4$")
+    for env_id, spec in list(gym.registry.items()):
+        match = pattern.match(env_id)
+        if not match or spec.entry_point != _ALE_ENTRY_POINT:
+            continue
+        name = match.group(1)
+        if name.endswith("NoFrameskip"):
+            continue
+        game = spec.kwargs["game"]
+        for version, sticky in (("v4", 0.0), ("v0", 0.25)):
+            new_id = f"{name}Deterministic-{version}"
+            if new_id in gym.registry:
+                continue
+            gym.register(
+                id=new_id,
+                entry_point=_ALE_ENTRY_POINT,
+                kwargs={
+                    "game": game,
+                    "obs_type": "rgb",
+                    "frameskip": _classic_frameskip(game),
+                    "repeat_action_probability": sticky,
+                    "full_action_space": False,
+                },
+                max_episode_steps=CLASSIC_MAX_EPISODE_STEPS,
+            )
+    _registered = True
+
+
+def is_atari(env_id: str) -> bool:
+    register_classic_ids()
+    spec = gym.registry.get(env_id)
+    return spec is not None and spec.entry_point == _ALE_ENTRY_POINT
+
+
+class DeepMindAtari(gym.Wrapper):
+    """Frame skip with max-pool, 84x84 grayscale, frame stack, no-op starts.
+
+    Observation: uint8 ``[stack, 84, 84]``. ``frameskip`` is an int or a
+    ``(lo, hi)`` pair meaning uniform in ``[lo, hi)``; the wrapped ALE env must
+    itself have frameskip 1.
+    """
+
+    def __init__(
+        self,
+        env: gym.Env,
+        *,
+        frameskip: int | tuple[int, int],
+        noop_max: int = 30,
+        screen_size: int = 84,
+        stack: int = 4,
+    ) -> None:
+        super().__init__(env)
+        if getattr(env.unwrapped, "_frameskip", 1) != 1:
+            raise ValueError("DeepMindAtari needs the underlying ALE env built with frameskip=1")
+        if isinstance(frameskip, int):
+            if frameskip < 1:
+                raise ValueError(f"frameskip must be >= 1, got {frameskip}")
+        else:
+            lo, hi = frameskip
+            if not 1 <= lo < hi:
+                raise ValueError(f"frameskip range must satisfy 1 <= lo < hi, got {frameskip}")
+        self.frameskip = frameskip
+        self.noop_max = noop_max
+        self.screen_size = screen_size
+        self.stack = stack
+        self.ale = env.unwrapped.ale
+        h, w = self.ale.getScreenDims()
+        self._buffers = [np.empty((h, w), dtype=np.uint8), np.empty((h, w), dtype=np.uint8)]
+        self._frames: deque[np.ndarray] = deque(maxlen=stack)
+        self.observation_space = gym.spaces.Box(0, 255, (stack, screen_size, screen_size), np.uint8)
+
+    def _skip(self) -> int:
+        if isinstance(self.frameskip, int):
+            return self.frameskip
+        lo, hi = self.frameskip
+        return int(self.env.unwrapped.np_random.integers(lo, hi))
+
+    def _processed_frame(self, pooled: bool) -> np.ndarray:
+        import cv2
+
+        frame = self._buffers[0]
+        if pooled:
+            np.maximum(self._buffers[0], self._buffers[1], out=frame)
+        return cv2.resize(frame, (self.screen_size, self.screen_size), interpolation=cv2.INTER_AREA)
+
+    def _observation(self) -> np.ndarray:
+        return np.stack(self._frames, axis=0)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        _, info = self.env.reset(seed=seed, options=options)
+        if self.noop_max > 0:
+            noops = int(self.env.unwrapped.np_random.integers(1, self.noop_max + 1))
+            for _ in range(noops):
+                _, _, terminated, truncated, info = self.env.step(0)
+                if terminated or truncated:
+                    _, info = self.env.reset()
+        self.ale.getScreenGrayscale(self._buffers[0])
+        frame = self._processed_frame(pooled=False)
+        for _ in range(self.stack):
+            self._frames.append(frame)
+        return self._observation(), info
+
+    def step(self, action: int):
+        total_reward = 0.0
+        terminated = truncated = False
+        info: dict[str, Any] = {}
+        skip = self._skip()
+        pooled = False
+        for t in range(skip):
+            _, reward, terminated, truncated, info = self.env.step(action)
+            total_reward += float(reward)
+            if t == skip - 2:
+                self.ale.getScreenGrayscale(self._buffers[1])
+            if terminated or truncated or t == skip - 1:
+                self.ale.getScreenGrayscale(self._buffers[0])
+                # Pool only when both of the last two frames of a full skip were seen.
+                pooled = t == skip - 1 and skip >= 2
+                break
+        self._frames.append(self._processed_frame(pooled=pooled))
+        return self._observation(), total_reward, terminated, truncated, info
+
+
+def make_atari(env_id: str, *, seed: int | None = None, preprocess: bool = True, **overrides: Any) -> gym.Env:
+    """Build an Atari env with the registry's settings (plus ``overrides``).
+
+    With ``preprocess`` the frame skip moves from the ALE into ``DeepMindAtari``
+    (same dynamics, but the max-pool can see both frames); the registered
+    ``max_episode_steps`` stays in agent steps.
+    """
+    register_classic_ids()
+    spec = gym.registry[env_id]
+    kwargs = {**spec.kwargs, **overrides}
+    max_steps = kwargs.pop("max_episode_steps", spec.max_episode_steps)
+    if not preprocess:
+        env = gym.make(env_id, max_episode_steps=max_steps, **{k: v for k, v in overrides.items() if k != "max_episode_steps"})
+        return env
+    frameskip = kwargs.pop("frameskip", 1)
+    if isinstance(frameskip, list):
+        frameskip = tuple(frameskip)
+    kwargs["frameskip"] = 1
+    kwargs["obs_type"] = "grayscale"  # cheaper; DeepMindAtari reads the grayscale screen directly
+    base = gym.make(env_id, max_episode_steps=None, disable_env_checker=True, **kwargs)
+    # gym.make wraps in OrderEnforcing etc.; strip to the raw env so the wrapper owns stepping.
+    env: gym.Env = DeepMindAtari(base.unwrapped, frameskip=frameskip)
+    if max_steps is not None:
+        env = gym.wrappers.TimeLimit(env, max_episode_steps=max_steps)
+    if seed is not None:
+        env.reset(seed=seed)
+    return env

@@ -1,0 +1,305 @@
+"""IMPALA networks (Espeholt et al. 2018, Fig. 3): shallow CNN, deep ResNet, MLP torso,
+an optional LSTM core that resets at episode starts, a policy head and a PopArt value head.
+
+All networks take time-major ``[T, B, *obs_shape]`` observations. Image frames are
+uint8 ``[C, H, W]`` (e.g. ``[4, 84, 84]``) and are scaled by 1/255 inside the model,
+so the wire and the actors keep the 4x smaller uint8; floating-point image inputs are
+taken as already scaled to [0, 1].
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from impala.popart import PopArtValueHead
+
+__all__ = [
+    "CoreState",
+    "NetOutput",
+    "ShallowCNN",
+    "DeepResNet",
+    "MLPTorso",
+    "ImpalaNet",
+    "build_model",
+    "MODEL_KINDS",
+]
+
+MODEL_KINDS = ("auto", "shallow", "deep", "mlp")
+
+# (h, c), each [num_layers=1, B, hidden]; the empty tuple when there is no LSTM.
+CoreState = tuple[torch.Tensor, ...]
+
+
+class NetOutput(NamedTuple):
+    """What :meth:`ImpalaNet.forward` returns (besides the new core state).
+
+    policy_logits: shape [T, B, num_actions].
+    values: normalized values of each step's task, shape [T, B] (multiply by the
+      PopArt sigma and add mu for return units).
+    task_values: normalized values for every task, shape [T, B, num_tasks].
+    """
+
+    policy_logits: torch.Tensor
+    values: torch.Tensor
+    task_values: torch.Tensor
+
+
+def _scale_frames(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    x = x.float() * (1.0 / 255.0) if x.dtype == torch.uint8 else x.float()
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+class _ImageTorso(nn.Module):
+    """Shared plumbing: frame scaling, channels_last input, flatten size from obs_shape."""
+
+    out_features: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.channels_last = False
+
+    def to_channels_last(self) -> "_ImageTorso":
+        """Use NHWC for convolutions (faster with cuDNN/bf16 on recent GPUs)."""
+        self.channels_last = True
+        return self.to(memory_format=torch.channels_last)
+
+    def _conv_features(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _flat_size(self, obs_shape: Sequence[int]) -> int:
+        if len(obs_shape) != 3:
+            raise ValueError(f"{type(self).__name__} needs image observations [C, H, W], got shape {tuple(obs_shape)}")
+        with torch.no_grad():
+            return int(self._conv_features(torch.zeros(1, *obs_shape)).flatten(1).shape[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] uint8 (or float in [0, 1]) -> [N, out_features]."""
+        x = self._conv_features(_scale_frames(x, self.channels_last))
+        return F.relu(self.fc(x.flatten(1)))
+
+
+class ShallowCNN(_ImageTorso):
+    """IMPALA shallow torso: conv 16 8x8/4, ReLU, conv 32 4x4/2, ReLU, fc 256, ReLU."""
+
+    def __init__(self, obs_shape: Sequence[int] = (4, 84, 84), out_features: int = 256) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(obs_shape[0], 16, kernel_size=8, stride=4)
+        self.conv2 = nn.Conv2d(16, 32, kernel_size=4, stride=2)
+        self.fc = nn.Linear(self._flat_size(obs_shape), out_features)
+        self.out_features = out_features
+
+    def _conv_features(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv2(F.relu(self.conv1(x))))
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Not in place: the skip path needs the un-activated input.
+        return x + self.conv1(F.relu(self.conv0(F.relu(x))))
+
+
+class DeepResNet(_ImageTorso):
+    """IMPALA deep torso: sections of (3x3 conv, 3x3/2 max-pool, 2 residual blocks) with
+    channels (16, 32, 32), then ReLU, fc 256, ReLU."""
+
+    def __init__(
+        self,
+        obs_shape: Sequence[int] = (4, 84, 84),
+        channels: Sequence[int] = (16, 32, 32),
+        out_features: int = 256,
+    ) -> None:
+        super().__init__()
+        sections = []
+        in_ch = obs_shape[0]
+        for ch in channels:
+            sections.append(
+                nn.Sequential(
+                    nn.Conv2d(in_ch, ch, kernel_size=3, padding=1),
+                    nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
+                    _ResidualBlock(ch),
+                    _ResidualBlock(ch),
+                )
+            )
+            in_ch = ch
+        self.sections = nn.Sequential(*sections)
+        self.fc = nn.Linear(self._flat_size(obs_shape), out_features)
+        self.out_features = out_features
+
+    def _conv_features(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.sections(x))
+
+
+class MLPTorso(nn.Module):
+    """MLP for vector observations: [N, obs_dim] -> [N, hidden[-1]]."""
+
+    def __init__(self, obs_dim: int, hidden: Sequence[int] = (64, 64), activation: type[nn.Module] = nn.ReLU) -> None:
+        super().__init__()
+        if obs_dim < 1 or not hidden:
+            raise ValueError(f"MLPTorso needs obs_dim >= 1 and at least one hidden layer, got {obs_dim}, {hidden}")
+        layers: list[nn.Module] = []
+        in_dim = obs_dim
+        for h in hidden:
+            layers += [nn.Linear(in_dim, h), activation()]
+            in_dim = h
+        self.net = nn.Sequential(*layers)
+        self.out_features = in_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.float())
+
+
+class ImpalaNet(nn.Module):
+    """Torso -> optional LSTM core -> policy logits + PopArt value head.
+
+    Args:
+      torso: maps [N, *obs_shape] to [N, torso.out_features].
+      num_actions: size of the discrete action space.
+      use_lstm: add a one-layer LSTM core (``core_size`` units) that is reset to zero
+        at each step flagged ``first``.
+      num_tasks: outputs of the PopArt value head.
+      core_size: LSTM width.
+      popart_kwargs: ``beta``, ``sigma_min``, ``sigma_max`` for :class:`PopArtValueHead`.
+    """
+
+    def __init__(
+        self,
+        torso: nn.Module,
+        num_actions: int,
+        *,
+        use_lstm: bool = False,
+        num_tasks: int = 1,
+        core_size: int = 256,
+        **popart_kwargs: float,
+    ) -> None:
+        super().__init__()
+        if num_actions < 1:
+            raise ValueError(f"num_actions must be >= 1, got {num_actions}")
+        self.torso = torso
+        self.num_actions = num_actions
+        self.use_lstm = use_lstm
+        out = torso.out_features
+        self.core = nn.LSTM(out, core_size, num_layers=1) if use_lstm else None
+        if use_lstm:
+            out = core_size
+        self.policy = nn.Linear(out, num_actions)
+        self.baseline = PopArtValueHead(out, num_tasks, **popart_kwargs)
+
+    def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> CoreState:
+        """Zero LSTM state ``(h, c)``, each [1, batch_size, core_size]; ``()`` without LSTM."""
+        if self.core is None:
+            return ()
+        if device is None:
+            device = self.policy.weight.device
+        return tuple(torch.zeros(1, batch_size, self.core.hidden_size, device=device) for _ in range(2))
+
+    def forward(
+        self,
+        obs: torch.Tensor,
+        first: torch.Tensor,
+        core_state: CoreState | None = None,
+        task_ids: torch.Tensor | None = None,
+    ) -> tuple[NetOutput, CoreState]:
+        """Run T steps for B environments.
+
+        Args:
+          obs: observations, shape [T, B, *obs_shape].
+          first: bool, shape [T, B]; True where a new episode starts at this step
+            (the LSTM state entering that step is zeroed, as TorchBeast's ``notdone``).
+          core_state: LSTM state entering step 0; ``None`` = :meth:`initial_state`.
+          task_ids: int64 [T, B] selecting the PopArt task for ``values``; None = task 0.
+
+        Returns:
+          ``(NetOutput, new_core_state)``; the state leaving step T-1.
+        """
+        if obs.dim() < 3:
+            raise ValueError(f"obs must be time-major [T, B, *obs_shape], got shape {tuple(obs.shape)}")
+        T, B = obs.shape[:2]
+        if first.shape != (T, B):
+            raise ValueError(f"first has shape {tuple(first.shape)} but obs is [T, B] = [{T}, {B}, ...]")
+        x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
+        if self.core is not None:
+            if core_state is None:
+                core_state = self.initial_state(B, device=x.device)
+            x, core_state = self._run_core(x.view(T, B, -1), first, core_state)
+            x = x.reshape(T * B, -1)
+        else:
+            core_state = ()
+        logits = self.policy(x).view(T, B, self.num_actions)
+        task_values = self.baseline(x).view(T, B, -1)
+        if task_ids is None:
+            values = task_values[..., 0]
+        else:
+            values = task_values.gather(-1, task_ids.long().unsqueeze(-1)).squeeze(-1)
+        return NetOutput(logits, values, task_values), core_state
+
+    def _run_core(
+        self, x: torch.Tensor, first: torch.Tensor, state: CoreState
+    ) -> tuple[torch.Tensor, CoreState]:
+        # Episodes are long compared to T, so split the unroll only at the steps where
+        # some env starts a new episode and run each piece as one fused cuDNN call,
+        # instead of T single-step calls. Inside a piece no state is reset, so this is
+        # exactly the per-step masking.
+        T = x.shape[0]
+        notfirst = (~first.bool()).to(x.dtype).unsqueeze(-1)  # [T, B, 1]
+        cuts = (first[1:].any(dim=1).nonzero().flatten() + 1).tolist()
+        bounds = [0] + cuts + [T]
+        h, c = state
+        outputs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            mask = notfirst[start].unsqueeze(0)  # [1, B, 1]
+            out, (h, c) = self.core(x[start:end], (h * mask, c * mask))
+            outputs.append(out)
+        return torch.cat(outputs, dim=0), (h, c)
+
+
+def build_model(
+    kind: str,
+    obs_shape: Sequence[int],
+    num_actions: int,
+    use_lstm: bool = False,
+    *,
+    num_tasks: int = 1,
+    **popart_kwargs: float,
+) -> ImpalaNet:
+    """Build an :class:`ImpalaNet`.
+
+    Args:
+      kind: "shallow", "deep", "mlp", or "auto" (mlp for 1-D obs, shallow for [C, H, W]).
+      obs_shape: one observation's shape, e.g. (4, 84, 84) or (4,).
+      num_actions: discrete action count.
+      use_lstm: add the LSTM core.
+      num_tasks: PopArt value-head outputs.
+    """
+    obs_shape = tuple(int(d) for d in obs_shape)
+    if kind == "auto":
+        if len(obs_shape) == 1:
+            kind = "mlp"
+        elif len(obs_shape) == 3:
+            kind = "shallow"
+        else:
+            raise ValueError(
+                f"model kind 'auto' cannot choose for obs_shape {obs_shape}: expected 1-D vectors or [C, H, W] "
+                f"images; pass kind='mlp' with flattened observations instead"
+            )
+    if kind == "shallow":
+        torso: nn.Module = ShallowCNN(obs_shape)
+    elif kind == "deep":
+        torso = DeepResNet(obs_shape)
+    elif kind == "mlp":
+        if len(obs_shape) != 1:
+            raise ValueError(f"model kind 'mlp' needs 1-D observations, got obs_shape {obs_shape}")
+        torso = MLPTorso(obs_shape[0])
+    else:
+        raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
+    return ImpalaNet(torso, num_actions, use_lstm=use_lstm, num_tasks=num_tasks, **popart_kwargs)

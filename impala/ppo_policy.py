@@ -1,0 +1,252 @@
+"""Gaussian actor-critic for PPO, ML-Agents or SB3 style (PPO_SEMANTICS.md #9-#12).
+
+Both styles use *separate* actor and critic MLP bodies and a state-independent
+log-std parameter initialized to 0. Activation, initialization, observation
+normalization and the log-prob form are independent switches:
+
+- ``init="mlagents"``: every linear ``kaiming_normal_(nonlinearity="linear") * gain``
+  with zero bias; hidden gain 1.0, mean head 0.2; the value head is
+  Xavier-uniform gain 1 (``torch_entities/layers.py::linear_layer`` defaults).
+- ``init="sb3"``: orthogonal, extractor gain sqrt(2), action head 0.01, value
+  head 1, zero bias (``common/policies.py::ActorCriticPolicy._build``).
+- ``obs_norm="mlagents"``: one in-network normalizer per body (actor and critic
+  each own a copy, as ML-Agents does), updated by :meth:`update_normalizer`.
+- ``obs_norm="vecnormalize"``: one frozen RunningMeanStd snapshot shared by
+  both bodies; the learner owns the live statistics.
+- ``log_prob_form="mlagents"``: ML-Agents' epsilon-padded Gaussian formulas;
+  ``"exact"``: ``torch.distributions.Normal``.
+
+Actions are returned raw (unclipped); :func:`env_action` maps them to what the
+environment receives (#10).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from impala import ppo
+from impala.normalizers import FrozenObsNormalizer, MLAgentsNormalizer
+
+ACTIVATIONS = {"swish": nn.SiLU, "tanh": nn.Tanh, "relu": nn.ReLU}
+INITS = ("mlagents", "sb3")
+OBS_NORMS = ("mlagents", "vecnormalize", "none")
+LOG_PROB_FORMS = ("mlagents", "exact")
+ACTION_CLIPS = ("mlagents", "bounds")
+
+MLAGENTS_HIDDEN_GAIN = 1.0
+MLAGENTS_MEAN_GAIN = 0.2
+MLAGENTS_VALUE_GAIN = 1.0
+SB3_HIDDEN_GAIN = math.sqrt(2.0)
+SB3_ACTION_GAIN = 0.01
+SB3_VALUE_GAIN = 1.0
+MLAGENTS_ACTION_LIMIT = 3.0
+
+
+class ActOutput(NamedTuple):
+    action: torch.Tensor  # [B, A] raw sample (store this; send env_action(action) to the env)
+    log_prob: torch.Tensor  # [B, A] per-dimension log-probabilities
+    value: torch.Tensor  # [B]
+
+
+class EvalOutput(NamedTuple):
+    log_prob: torch.Tensor  # [B, A]
+    entropy: torch.Tensor  # [B, A] per-dimension entropy
+    value: torch.Tensor  # [B]
+
+
+def init_linear_mlagents(layer: nn.Linear, gain: float, generator: torch.Generator | None = None) -> None:
+    """``kaiming_normal_(nonlinearity="linear")`` (std 1/sqrt(fan_in)) times ``gain``; zero bias."""
+    nn.init.kaiming_normal_(layer.weight, nonlinearity="linear", generator=generator)
+    with torch.no_grad():
+        layer.weight.mul_(gain)
+    nn.init.zeros_(layer.bias)
+
+
+def init_linear_xavier(layer: nn.Linear, gain: float, generator: torch.Generator | None = None) -> None:
+    nn.init.xavier_uniform_(layer.weight, gain=gain, generator=generator)
+    nn.init.zeros_(layer.bias)
+
+
+def init_linear_orthogonal(layer: nn.Linear, gain: float, generator: torch.Generator | None = None) -> None:
+    nn.init.orthogonal_(layer.weight, gain=gain, generator=generator)
+    nn.init.zeros_(layer.bias)
+
+
+def mlp_body(in_dim: int, hidden_units: int, num_layers: int, activation: str) -> nn.Sequential:
+    """``in->h`` then ``(num_layers-1)`` x ``h->h``, each followed by the activation."""
+    act = ACTIVATIONS[activation]
+    layers: list[nn.Module] = [nn.Linear(in_dim, hidden_units), act()]
+    for _ in range(num_layers - 1):
+        layers += [nn.Linear(hidden_units, hidden_units), act()]
+    return nn.Sequential(*layers)
+
+
+def env_action(action: torch.Tensor | np.ndarray, *, mode: str, low=None, high=None):
+    """What the env receives for a raw sample (#10).
+
+    mode="mlagents": ``clamp(a, -3, 3) / 3`` (``AgentAction.to_action_tuple(clip=True)``).
+    mode="bounds": ``clip(a, low, high)`` (SB3).
+    Works on numpy arrays and tensors; the stored action stays raw.
+    """
+    is_t = isinstance(action, torch.Tensor)
+    if mode == "mlagents":
+        if is_t:
+            return torch.clamp(action, -MLAGENTS_ACTION_LIMIT, MLAGENTS_ACTION_LIMIT) / MLAGENTS_ACTION_LIMIT
+        return np.clip(action, -MLAGENTS_ACTION_LIMIT, MLAGENTS_ACTION_LIMIT) / MLAGENTS_ACTION_LIMIT
+    if mode == "bounds":
+        if low is None or high is None:
+            raise ValueError("env_action(mode='bounds') needs the action space's low and high")
+        if is_t:
+            lo = torch.as_tensor(low, dtype=action.dtype, device=action.device)
+            hi = torch.as_tensor(high, dtype=action.dtype, device=action.device)
+            return torch.maximum(torch.minimum(action, hi), lo)
+        return np.clip(action, low, high)
+    raise ValueError(f"action_clip must be one of {ACTION_CLIPS}, got {mode!r}")
+
+
+class ActorCritic(nn.Module):
+    """Separate actor and critic MLPs with a state-independent Gaussian.
+
+    Attributes of interest: ``actor_body``, ``mu_head``, ``log_sigma`` [A],
+    ``critic_body``, ``value_head``, and the normalizers ``actor_norm`` /
+    ``critic_norm`` (ML-Agents) or ``obs_norm`` (vecnormalize).
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        action_dim: int,
+        *,
+        hidden_units: int,
+        num_layers: int,
+        activation: str = "swish",
+        init: str = "mlagents",
+        obs_norm: str = "mlagents",
+        log_prob_form: str = "mlagents",
+        seed: int | None = None,
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        if init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        if obs_norm not in OBS_NORMS:
+            raise ValueError(f"obs_norm must be one of {OBS_NORMS}, got {obs_norm!r}")
+        if log_prob_form not in LOG_PROB_FORMS:
+            raise ValueError(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {log_prob_form!r}")
+        self.obs_dim, self.action_dim = obs_dim, action_dim
+        self.obs_norm_kind, self.log_prob_form = obs_norm, log_prob_form
+
+        if obs_norm == "mlagents":
+            self.actor_norm = MLAgentsNormalizer(obs_dim)
+            self.critic_norm = MLAgentsNormalizer(obs_dim)
+        elif obs_norm == "vecnormalize":
+            self.obs_norm = FrozenObsNormalizer(obs_dim)
+
+        self.actor_body = mlp_body(obs_dim, hidden_units, num_layers, activation)
+        self.critic_body = mlp_body(obs_dim, hidden_units, num_layers, activation)
+        self.mu_head = nn.Linear(hidden_units, action_dim)
+        self.value_head = nn.Linear(hidden_units, 1)
+        self.log_sigma = nn.Parameter(torch.zeros(action_dim))
+
+        gen = None
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+        hidden = [m for body in (self.actor_body, self.critic_body) for m in body if isinstance(m, nn.Linear)]
+        if init == "mlagents":
+            for layer in hidden:
+                init_linear_mlagents(layer, MLAGENTS_HIDDEN_GAIN, gen)
+            init_linear_mlagents(self.mu_head, MLAGENTS_MEAN_GAIN, gen)
+            init_linear_xavier(self.value_head, MLAGENTS_VALUE_GAIN, gen)
+        else:
+            for layer in hidden:
+                init_linear_orthogonal(layer, SB3_HIDDEN_GAIN, gen)
+            init_linear_orthogonal(self.mu_head, SB3_ACTION_GAIN, gen)
+            init_linear_orthogonal(self.value_head, SB3_VALUE_GAIN, gen)
+
+    # ---------------------------------------------------------------- pieces
+
+    def _actor_in(self, obs: torch.Tensor, normalized: bool) -> torch.Tensor:
+        if normalized or self.obs_norm_kind == "none":
+            return obs
+        if self.obs_norm_kind == "mlagents":
+            return self.actor_norm(obs)
+        return self.obs_norm(obs)
+
+    def _critic_in(self, obs: torch.Tensor, normalized: bool) -> torch.Tensor:
+        if normalized or self.obs_norm_kind == "none":
+            return obs
+        if self.obs_norm_kind == "mlagents":
+            return self.critic_norm(obs)
+        return self.obs_norm(obs)
+
+    def mean(self, obs: torch.Tensor, *, normalized: bool = False) -> torch.Tensor:
+        """Action mean [B, A] for observations [B, obs_dim]."""
+        return self.mu_head(self.actor_body(self._actor_in(obs, normalized)))
+
+    def value(self, obs: torch.Tensor, *, normalized: bool = False) -> torch.Tensor:
+        """State value [B] for observations [B, obs_dim]."""
+        return self.value_head(self.critic_body(self._critic_in(obs, normalized))).squeeze(-1)
+
+    def log_prob_per_dim(self, actions: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+        if self.log_prob_form == "mlagents":
+            return ppo.gaussian_log_prob_mlagents(actions, mu, self.log_sigma)
+        return ppo.gaussian_log_prob_exact(actions, mu, self.log_sigma)
+
+    def entropy_per_dim(self, batch: int) -> torch.Tensor:
+        log_sigma = self.log_sigma.expand(batch, self.action_dim)
+        if self.log_prob_form == "mlagents":
+            return ppo.gaussian_entropy_mlagents(log_sigma)
+        return ppo.gaussian_entropy_exact(log_sigma)
+
+    # ------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def act(
+        self, obs: torch.Tensor, *, deterministic: bool = False, generator: torch.Generator | None = None
+    ) -> ActOutput:
+        """Sample actions for raw observations [B, obs_dim].
+
+        Returns the raw sample [B, A] (unclipped), its per-dimension
+        log-probability [B, A] and the value [B].
+        """
+        mu = self.mean(obs)
+        if deterministic:
+            action = mu
+        else:
+            noise = torch.randn(mu.shape, dtype=mu.dtype, device=mu.device, generator=generator)
+            action = mu + torch.exp(self.log_sigma) * noise
+        return ActOutput(action, self.log_prob_per_dim(action, mu), self.value(obs))
+
+    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor, *, normalized: bool = False) -> EvalOutput:
+        """Per-dimension log-probs [B, A], per-dimension entropy [B, A] and values [B].
+
+        ``normalized=True`` when ``obs`` already went through the (vecnormalize)
+        obs transform, as SB3's buffer stores them.
+        """
+        mu = self.mean(obs, normalized=normalized)
+        return EvalOutput(
+            self.log_prob_per_dim(actions, mu), self.entropy_per_dim(obs.shape[0]), self.value(obs, normalized=normalized)
+        )
+
+    @torch.no_grad()
+    def update_normalizer(self, obs: torch.Tensor) -> None:
+        """Fold one trajectory's raw obs [T, obs_dim] into both ML-Agents normalizers.
+
+        A no-op for other obs_norm kinds: the vecnormalize snapshot is set by
+        the learner, which owns the running statistics.
+        """
+        if self.obs_norm_kind == "mlagents":
+            self.actor_norm.update(obs)
+            self.critic_norm.update(obs)
+
+    def normalize_obs(self, obs: torch.Tensor) -> torch.Tensor:
+        """The vecnormalize transform (identity for other kinds), as the buffer stores obs."""
+        if self.obs_norm_kind == "vecnormalize":
+            return self.obs_norm(obs)
+        return obs

@@ -1,0 +1,121 @@
+"""The trajectory schema: declared once, used by actors, the wire codec and the learners.
+
+A schema is an ordered set of named arrays with exact dtypes and shapes (time
+first). Actors fill buffers allocated from it, the codec checks every incoming
+message against it before touching the payload, and learners stack unrolls
+along a new batch axis 1 to get time-major ``[T(+1), B, ...]`` tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    name: str
+    dtype: str  # numpy dtype name, e.g. "uint8", "float32"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class TrajectorySchema:
+    """An ordered collection of ``ArraySpec``. Immutable and picklable."""
+
+    arrays: tuple[ArraySpec, ...]
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.arrays]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate array names in schema: {names}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.arrays)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def __getitem__(self, name: str) -> ArraySpec:
+        for a in self.arrays:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    def allocate(self) -> dict[str, np.ndarray]:
+        """Zeroed buffers for one unroll."""
+        return {a.name: np.zeros(a.shape, dtype=a.dtype) for a in self.arrays}
+
+    def check(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Raise ValueError unless ``arrays`` matches the schema exactly."""
+        if set(arrays) != set(self.names):
+            raise ValueError(f"arrays {sorted(arrays)} do not match schema {sorted(self.names)}")
+        for a in self.arrays:
+            x = arrays[a.name]
+            if x.dtype != np.dtype(a.dtype) or tuple(x.shape) != a.shape:
+                raise ValueError(f"{a.name}: expected {a.dtype}{list(a.shape)}, got {x.dtype}{list(x.shape)}")
+
+
+def impala_unroll_schema(
+    unroll_length: int,
+    obs_shape: tuple[int, ...],
+    obs_dtype: str,
+    num_actions: int,
+    core_state_size: int = 0,
+) -> TrajectorySchema:
+    """One actor unroll for V-trace.
+
+    ``obs[t]`` and ``first[t]`` for t in 0..T (the extra step is the bootstrap
+    observation); ``actions``, ``rewards``, ``dones`` and ``behaviour_logits``
+    for the T transitions. ``first[t]`` is True when ``obs[t]`` starts an
+    episode (the LSTM core resets there); ``dones[t]`` is True when transition
+    t ended an episode (terminated or truncated), so ``first[t+1] == dones[t]``.
+    With an LSTM core, ``core_state`` holds the (h, c) state before ``obs[0]``.
+    """
+    T = unroll_length
+    arrays = [
+        ArraySpec("obs", obs_dtype, (T + 1, *obs_shape)),
+        ArraySpec("first", "bool", (T + 1,)),
+        ArraySpec("actions", "int64", (T,)),
+        ArraySpec("rewards", "float32", (T,)),
+        ArraySpec("dones", "bool", (T,)),
+        ArraySpec("behaviour_logits", "float32", (T, num_actions)),
+    ]
+    if core_state_size:
+        arrays.append(ArraySpec("core_state", "float32", (2, core_state_size)))
+    return TrajectorySchema(tuple(arrays))
+
+
+def ppo_unroll_schema(unroll_length: int, obs_dim: int, action_dim: int) -> TrajectorySchema:
+    """One actor unroll for PPO (continuous actions, vector observations).
+
+    Observations are stored **raw** (the learner normalizes them with its own
+    statistics, as ML-Agents does). ``final_obs[t]`` is the last observation of
+    an episode that ended at transition t (for bootstrapping truncated
+    episodes); elsewhere it is zero. ``log_probs`` are per action dimension.
+    """
+    T = unroll_length
+    return TrajectorySchema(
+        (
+            ArraySpec("obs", "float32", (T + 1, obs_dim)),
+            ArraySpec("actions", "float32", (T, action_dim)),
+            ArraySpec("log_probs", "float32", (T, action_dim)),
+            ArraySpec("rewards", "float32", (T,)),
+            ArraySpec("terminated", "bool", (T,)),
+            ArraySpec("truncated", "bool", (T,)),
+            ArraySpec("final_obs", "float32", (T, obs_dim)),
+        )
+    )
+
+
+def stack_time_major(unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema) -> dict[str, np.ndarray]:
+    """Stack B unrolls into ``[T(+1), B, ...]`` arrays."""
+    return {a.name: np.stack([u[a.name] for u in unrolls], axis=1) for a in schema.arrays}

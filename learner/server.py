@@ -1,0 +1,212 @@
+"""The learner's transport: ZeroMQ sockets and the receive thread.
+
+PULL receives trajectories from every actor (PUSH); a PUB socket broadcasts
+versioned parameters. The receive thread validates each message against the
+schema before it reaches the learner and drops (and counts, per reason and
+actor) anything malformed, oversized, off-schema or non-finite. It never lets a
+bad message raise out of the thread. Valid unrolls go into a bounded queue: when
+the learner falls behind, the queue fills, the thread stops reading, and
+ZeroMQ's high-water marks push back on the actors.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import zmq
+
+from impala import wire
+from impala.trajectory import TrajectorySchema
+
+log = logging.getLogger(__name__)
+
+
+class PortInUseError(RuntimeError):
+    pass
+
+
+class TrajectoryServer:
+    """Owns the learner's sockets and receive thread.
+
+    Args:
+        schema: the unroll layout every "unroll" message must match.
+        bind: address to bind (127.0.0.1 unless the user asks otherwise).
+        port: trajectory port; parameters use ``port + 1``. 0 picks free ports.
+        queue_size: valid unrolls held before pushing back.
+        on_hello: called with (actor_id, info) for each hello; returns None to
+            accept the actor or an error string to refuse it (its unrolls are
+            then dropped and ``refused`` records why).
+        max_bytes: size bound on one message's payload (the schema's size plus slack).
+    """
+
+    def __init__(
+        self,
+        schema: TrajectorySchema,
+        *,
+        bind: str = "127.0.0.1",
+        port: int = 0,
+        queue_size: int = 64,
+        on_hello: Callable[[int, Mapping[str, Any]], str | None] | None = None,
+        rcv_hwm: int = 8,
+    ) -> None:
+        self.schema = schema
+        self.max_bytes = schema.nbytes + 1024
+        self.on_hello = on_hello or (lambda actor, info: None)
+        self.ctx = zmq.Context.instance()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, rcv_hwm)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        # Refuse oversized messages inside ZeroMQ itself, before they are buffered.
+        self.pull.setsockopt(zmq.MAXMSGSIZE, self.max_bytes + wire.MAX_HEADER_BYTES)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 2)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.trajectory_port, self.params_port = self._bind(bind, port)
+        host = "127.0.0.1" if bind in ("0.0.0.0", "*") else bind
+        self.trajectory_endpoint = f"tcp://{host}:{self.trajectory_port}"
+        self.params_endpoint = f"tcp://{host}:{self.params_port}"
+        self.queue: queue.Queue[wire.Message] = queue.Queue(maxsize=queue_size)
+        self.accepted: dict[int, dict[str, Any]] = {}
+        self.refused: dict[int, str] = {}
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.received = 0
+        self.episode_returns: collections.deque[float] = collections.deque(maxlen=100)
+        self.episode_lengths: collections.deque[int] = collections.deque(maxlen=100)
+        self.episodes_total = 0
+        self._stats_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive_loop, name="trajectory-receiver", daemon=True)
+
+    def _bind(self, bind: str, port: int) -> tuple[int, int]:
+        addr = f"tcp://{bind}"
+        try:
+            if port == 0:
+                tport = self.pull.bind_to_random_port(addr)
+                pport = self.pub.bind_to_random_port(addr)
+                return tport, pport
+            self.pull.bind(f"{addr}:{port}")
+            self.pub.bind(f"{addr}:{port + 1}")
+            return port, port + 1
+        except zmq.ZMQError as e:
+            self.close()
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUseError(
+                    f"port {port} or {port + 1} on {bind} is already in use; pass --port with another port, or --port 0 to pick free ones"
+                ) from None
+            raise PortInUseError(f"cannot bind {addr}:{port}: {e}; check --bind and --port") from None
+
+    # ---- receive thread -------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def _drop(self, reason: str, actor: Any, detail: str) -> None:
+        with self._stats_lock:
+            self.dropped[reason] += 1
+        log.warning("dropped message from actor %s (%s): %s", actor, reason, detail)
+
+    def _receive_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.pull.poll(100, zmq.POLLIN):
+                    continue
+                frames = self.pull.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            self.received += 1
+            self._handle(frames)
+
+    def _handle(self, frames: list) -> None:
+        try:
+            header = wire.decode_header(frames[0])
+        except wire.WireError as e:
+            self._drop("malformed", "?", str(e))
+            return
+        actor = header["actor"]
+        kind = header["kind"]
+        if kind == "hello":
+            reason = self.on_hello(actor, header["info"])
+            if reason is None:
+                self.accepted[actor] = dict(header["info"])
+                self.refused.pop(actor, None)
+            else:
+                self.refused[actor] = reason
+                self.accepted.pop(actor, None)
+                log.error("refused actor %d: %s", actor, reason)
+            return
+        if kind != "unroll":
+            self._drop("unexpected_kind", actor, kind)
+            return
+        if actor not in self.accepted:
+            self._drop("unknown_actor", actor, self.refused.get(actor, "no hello received"))
+            return
+        try:
+            msg = wire.decode(frames, schema=self.schema, max_bytes=self.max_bytes)
+            returns, lengths = wire.parse_episode_info(msg.info)
+        except wire.WireError as e:
+            self._drop("schema", actor, str(e))
+            return
+        bad = wire.check_finite(msg.arrays)
+        if bad is not None:
+            self._drop("non_finite", actor, f"{bad} holds NaN/inf")
+            return
+        with self._stats_lock:
+            self.episode_returns.extend(returns)
+            self.episode_lengths.extend(lengths)
+            self.episodes_total += len(returns)
+        while not self._stop.is_set():
+            try:
+                self.queue.put(msg, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    # ---- learner side ---------------------------------------------------
+    def get(self, timeout: float | None = None) -> wire.Message | None:
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
+        self.pub.send_multipart(wire.encode("params", actor=0, version=version, arrays=arrays), copy=False)
+
+    def stats(self) -> dict[str, float]:
+        with self._stats_lock:
+            returns = list(self.episode_returns)
+            out = {
+                "transport/received": float(self.received),
+                "transport/dropped": float(sum(self.dropped.values())),
+                "transport/queue_depth": float(self.queue.qsize()),
+                "charts/episodes": float(self.episodes_total),
+            }
+            for reason, n in self.dropped.items():
+                out[f"transport/dropped_{reason}"] = float(n)
+        if returns:
+            out["charts/mean_return_100"] = float(np.mean(returns))
+            out["charts/mean_length_100"] = float(np.mean(self.episode_lengths))
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        for s in (self.pull, self.pub):
+            if not s.closed:
+                s.close(linger=0)
+
+    def wait_for_hellos(self, n: int, timeout: float, check: Callable[[], None] = lambda: None) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.accepted) + len(self.refused) < n:
+            check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.accepted)} of {n} actors said hello within {timeout:.0f}s")
+            time.sleep(0.05)

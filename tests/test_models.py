@@ -1,0 +1,143 @@
+"""IMPALA networks: shapes for Pong and CartPole, LSTM reset at episode starts."""
+
+import pytest
+import torch
+
+from impala import models
+
+PONG_OBS = (4, 84, 84)
+PONG_ACTIONS = 6
+
+
+def _frames(T, B, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (T, B, *PONG_OBS), generator=g, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("kind", ["shallow", "deep"])
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_pong_shapes(kind, use_lstm):
+    torch.manual_seed(0)
+    net = models.build_model(kind, PONG_OBS, PONG_ACTIONS, use_lstm=use_lstm)
+    T, B = 3, 2
+    first = torch.zeros(T, B, dtype=torch.bool)
+    out, state = net(_frames(T, B), first)
+    assert out.policy_logits.shape == (T, B, PONG_ACTIONS)
+    assert out.values.shape == (T, B)
+    assert out.task_values.shape == (T, B, 1)
+    assert out.values.dtype == torch.float32
+    if use_lstm:
+        assert [s.shape for s in state] == [(1, B, 256), (1, B, 256)]
+        assert [s.shape for s in net.initial_state(B)] == [(1, B, 256), (1, B, 256)]
+    else:
+        assert state == () and net.initial_state(B) == ()
+    out.policy_logits.sum().add(out.values.sum()).backward()
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_torso_architectures():
+    shallow, deep = models.ShallowCNN(PONG_OBS), models.DeepResNet(PONG_OBS)
+    assert shallow.fc.in_features == 32 * 9 * 9  # 84 -8/4-> 20 -4/2-> 9
+    assert deep.fc.in_features == 32 * 11 * 11  # 84 -pool/2-> 42 -> 21 -> 11
+    assert [s[0].out_channels for s in deep.sections] == [16, 32, 32]
+    assert sum(isinstance(m, models._ResidualBlock) for m in deep.modules()) == 6
+
+
+def test_uint8_scaled_inside_model():
+    torch.manual_seed(0)
+    torso = models.ShallowCNN(PONG_OBS)
+    frames = _frames(1, 2)[0]
+    torch.testing.assert_close(torso(frames), torso(frames.float() / 255.0))
+
+
+def test_channels_last_matches():
+    torch.manual_seed(0)
+    net = models.build_model("deep", PONG_OBS, PONG_ACTIONS)
+    obs, first = _frames(2, 2), torch.zeros(2, 2, dtype=torch.bool)
+    ref, _ = net(obs, first)
+    net.torso.to_channels_last()
+    assert net.torso.sections[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    got, _ = net(obs, first)
+    torch.testing.assert_close(got.policy_logits, ref.policy_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_lstm_resets_at_first():
+    torch.manual_seed(0)
+    net = models.build_model("shallow", PONG_OBS, PONG_ACTIONS, use_lstm=True)
+    T, B = 5, 3
+    obs = _frames(T, B, seed=1)
+    # A state that is clearly not the initial one.
+    _, warm_state = net(_frames(4, B, seed=2), torch.zeros(4, B, dtype=torch.bool))
+    assert warm_state[0].abs().sum() > 0
+
+    fresh, _ = net(obs[2:], torch.zeros(T - 2, B, dtype=torch.bool))  # starts from initial_state
+
+    first = torch.zeros(T, B, dtype=torch.bool)
+    first[2, 1] = True  # env 1 starts a new episode at step 2
+    out, _ = net(obs, first, warm_state)
+    torch.testing.assert_close(out.policy_logits[2:, 1], fresh.policy_logits[:, 1])
+    torch.testing.assert_close(out.values[2:, 1], fresh.values[:, 1])
+    # Env 0 had no reset: its outputs depend on the carried state.
+    assert not torch.allclose(out.policy_logits[2:, 0], fresh.policy_logits[:, 0])
+
+    no_reset, _ = net(obs, torch.zeros(T, B, dtype=torch.bool), warm_state)
+    assert not torch.allclose(no_reset.policy_logits[2:, 1], fresh.policy_logits[:, 1])
+    # Steps before the reset are untouched by it.
+    torch.testing.assert_close(no_reset.policy_logits[:2], out.policy_logits[:2])
+
+    first_at_0 = torch.zeros(T, B, dtype=torch.bool)
+    first_at_0[0] = True
+    from_reset, _ = net(obs, first_at_0, warm_state)
+    from_init, _ = net(obs, torch.zeros(T, B, dtype=torch.bool))
+    torch.testing.assert_close(from_reset.policy_logits, from_init.policy_logits)
+
+
+def test_lstm_segments_match_per_step_loop():
+    # The segment-wise core must equal TorchBeast's one-step-at-a-time notdone masking.
+    torch.manual_seed(0)
+    net = models.build_model("mlp", (4,), 2, use_lstm=True)
+    T, B = 9, 4
+    obs = torch.randn(T, B, 4)
+    first = torch.rand(T, B) < 0.3
+    state = tuple(torch.randn(1, B, 256) for _ in range(2))
+    out, (h, c) = net(obs, first, state)
+    x = net.torso(obs.reshape(T * B, 4)).view(T, B, -1)
+    hs, cs = state
+    ys = []
+    for t in range(T):
+        nd = (~first[t]).float().view(1, B, 1)
+        y, (hs, cs) = net.core(x[t : t + 1], (hs * nd, cs * nd))
+        ys.append(y)
+    ref_logits = net.policy(torch.cat(ys)).view(T, B, 2)
+    torch.testing.assert_close(out.policy_logits, ref_logits)
+    torch.testing.assert_close(h, hs)
+    torch.testing.assert_close(c, cs)
+
+
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_mlp_cartpole_shapes(use_lstm):
+    net = models.build_model("auto", (4,), 2, use_lstm=use_lstm)
+    assert isinstance(net.torso, models.MLPTorso) and net.torso.out_features == 64
+    out, _ = net(torch.randn(7, 3, 4), torch.zeros(7, 3, dtype=torch.bool))
+    assert out.policy_logits.shape == (7, 3, 2) and out.values.shape == (7, 3)
+
+
+def test_build_model_kinds_and_errors():
+    assert isinstance(models.build_model("auto", PONG_OBS, 6).torso, models.ShallowCNN)
+    assert isinstance(models.build_model("deep", PONG_OBS, 6).torso, models.DeepResNet)
+    with pytest.raises(ValueError, match="unknown model kind 'resnet'; choose one of auto, shallow, deep, mlp"):
+        models.build_model("resnet", PONG_OBS, 6)
+    with pytest.raises(ValueError, match="'mlp' needs 1-D observations"):
+        models.build_model("mlp", PONG_OBS, 6)
+    with pytest.raises(ValueError, match="'auto' cannot choose"):
+        models.build_model("auto", (3, 4), 6)
+    with pytest.raises(ValueError, match="image observations"):
+        models.build_model("shallow", (4,), 6)
+
+
+def test_task_ids_select_popart_head():
+    net = models.build_model("mlp", (4,), 2, num_tasks=3)
+    tasks = torch.tensor([[0, 2], [1, 2]])
+    out, _ = net(torch.randn(2, 2, 4), torch.zeros(2, 2, dtype=torch.bool), task_ids=tasks)
+    assert out.task_values.shape == (2, 2, 3)
+    torch.testing.assert_close(out.values, out.task_values.gather(-1, tasks[..., None]).squeeze(-1))
