@@ -214,8 +214,10 @@ class PopArtValueHead(nn.Module):
     The layer runs in its own dtype (float32), even under autocast: normalized values are
     mapped back through ``sigma`` (up to 1e6), which would magnify bf16 rounding.
 
-    Note: optimizer moments of ``weight``/``bias`` are not rescaled by POP (neither
-    are they in the reference implementations).
+    Notes: optimizer moments of ``weight``/``bias`` are not rescaled by POP (neither
+    are they in the reference implementations). ``module.to(torch.float32)`` or
+    ``.float()`` also casts these buffers down to float32; move devices with
+    ``.to(device)`` only.
     """
 
     def __init__(

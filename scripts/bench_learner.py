@@ -40,9 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed updates (default 3 on CPU, 10 on CUDA)")
     p.add_argument("--iters", type=int, default=None, help="timed updates (default 5 on CPU, 50 on CUDA)")
     p.add_argument("--quick", action="store_true", help="1 warm-up and 2 timed updates")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass (CUDA only)")
-    p.add_argument("--channels-last", action="store_true", help="NHWC convolutions (CUDA only)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass (meant for CUDA; runs on CPU too)")
+    p.add_argument("--channels-last", action="store_true", help="NHWC convolutions (meant for CUDA; runs on CPU too)")
     p.add_argument("--lstm", action="store_true", help="add the LSTM-256 core")
+    p.add_argument("--compile", action="store_true", help="torch.compile the network (forward and backward)")
     p.add_argument("--h2d", action="store_true", help="copy each batch from pinned host memory (CUDA)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (CPU runs)")
     args = p.parse_args(argv)
@@ -50,8 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False; use --device cpu")
-    if args.device == "cpu" and (args.bf16 or args.channels_last or args.h2d):
-        p.error("--bf16, --channels-last and --h2d are CUDA options; drop them for --device cpu")
+    if args.device == "cpu" and args.h2d:
+        p.error("--h2d measures host-to-GPU copies; drop it for --device cpu")
     cuda = args.device == "cuda"
     if args.quick:
         args.warmup, args.iters = 1, 2
@@ -83,6 +84,7 @@ def bench(kind: str, args: argparse.Namespace) -> dict:
     net = models.build_model(kind, OBS_SHAPE, NUM_ACTIONS, use_lstm=args.lstm).to(device)
     if args.channels_last:
         net.torso.to_channels_last()
+    model = torch.compile(net) if args.compile else net
     # TorchBeast's Atari settings.
     opt = torch.optim.RMSprop(net.parameters(), lr=6e-4, alpha=0.99, eps=0.01, momentum=0.0)
     host = make_batch(T, B, device, pin=args.h2d)
@@ -90,7 +92,7 @@ def bench(kind: str, args: argparse.Namespace) -> dict:
     def update() -> torch.Tensor:
         batch = {k: v.to(device, non_blocking=True) for k, v in host.items()} if args.h2d else host
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            out, _ = net(batch["obs"], batch["first"])
+            out, _ = model(batch["obs"], batch["first"])
         loss = popart.popart_impala_loss(
             batch["behaviour_logits"],
             out.policy_logits[:-1],
@@ -134,7 +136,8 @@ def main(argv=None) -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(
         f"# learner update: T={args.unroll_length} B={args.batch_size} obs={OBS_SHAPE} uint8 "
-        f"A={NUM_ACTIONS} lstm={args.lstm} bf16={args.bf16} channels_last={args.channels_last} h2d={args.h2d}"
+        f"A={NUM_ACTIONS} lstm={args.lstm} bf16={args.bf16} channels_last={args.channels_last} "
+        f"compile={args.compile} h2d={args.h2d}"
     )
     print(
         f"# {where}; torch {torch.__version__}; python {platform.python_version()}; "
