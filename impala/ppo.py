@@ -278,9 +278,23 @@ def clipped_policy_loss(
     surr2 = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon) * a
     loss = -torch.min(surr1, surr2).mean()
     with torch.no_grad():
-        approx_kl = ((ratio - 1.0) - log_ratio).mean()
-        clip_fraction = ((ratio - 1.0).abs() > epsilon).to(ratio.dtype).mean()
-    return PolicyLossOutput(loss, ratio, approx_kl, clip_fraction)
+        kl = approx_kl(log_ratio)
+        frac = clip_fraction(ratio, epsilon=epsilon)
+    return PolicyLossOutput(loss, ratio, kl, frac)
+
+
+def approx_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``mean((r - 1) - log r)``, r = exp(log_ratio): Schulman's k3 estimate of KL(old||new), as SB3 logs it.
+
+    Args:
+      log_ratio: [B, A] or [B], in the same form as the ratio the loss uses.
+    """
+    return (torch.exp(log_ratio) - 1.0 - log_ratio).mean()
+
+
+def clip_fraction(ratio: torch.Tensor, *, epsilon: float) -> torch.Tensor:
+    """Fraction of ratio elements outside ``1 +- epsilon``. Args: ratio [B, A] or [B]."""
+    return ((ratio - 1.0).abs() > epsilon).to(ratio.dtype).mean()
 
 
 def value_loss_mlagents(

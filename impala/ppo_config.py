@@ -1,0 +1,596 @@
+"""PPOConfig: every ML-Agents-vs-SB3 difference as its own option (PPO_SEMANTICS.md).
+
+Usage::
+
+    cfg = PPOConfig.preset("mlagents")                     # left column everywhere
+    cfg = PPOConfig.preset("sb3", ratio="per_dim")         # right column, one row swapped
+    cfg = from_mlagents_yaml("configs/Crawler.yaml")       # an ML-Agents trainer config
+    parser = argparse.ArgumentParser(); config_to_argparse(parser)
+    cfg = config_from_args(parser.parse_args())            # any option from the command line
+
+The config is frozen and validated once, in ``__post_init__``; use
+``dataclasses.replace`` (or ``preset(..., **overrides)``) to derive another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from impala import ppo
+
+SEMANTICS = ("mlagents", "sb3")
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names it and says what is allowed."""
+
+
+def _f(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """PPO options. Defaults are the ``mlagents`` preset (ML-Agents' own defaults).
+
+    Row numbers (#n) refer to docs/PPO_SEMANTICS.md. Field docs follow below.
+    """
+
+    # ------------------------------------------------------------- semantics
+    advantage_norm: Literal["buffer", "minibatch", "none"] = _f(
+        "buffer",
+        "#1. 'buffer': once per update over the whole buffer, population std, +1e-10 (ML-Agents). "
+        "'minibatch': per minibatch of more than 1 sample, unbiased std, +1e-8 (SB3). 'none': raw advantages.",
+    )
+    ratio: Literal["per_dim", "summed"] = _f(
+        "per_dim",
+        "#2. 'per_dim': probability ratio per action dimension, shape (B, A), advantage broadcast (ML-Agents). "
+        "'summed': log-probs summed over dimensions, ratio shape (B,) (SB3).",
+    )
+    value_loss: Literal["mlagents_clipped", "mse", "sb3_clipped"] = _f(
+        "mlagents_clipped",
+        "#3. 'mlagents_clipped': mean(max((R-V)^2, (R-Vc)^2)) with Vc clipped by the decayed policy epsilon. "
+        "'mse': mse(R, V) (SB3 default). 'sb3_clipped': mse(R, V_old + clamp(V-V_old, +-clip_range_vf)), no max.",
+    )
+    clip_range_vf: float | None = _f(
+        None, "#3. Value clip for value_loss='sb3_clipped' (required there, must be None otherwise)."
+    )
+    entropy_reduce: Literal["mean", "sum"] = _f(
+        "mean", "#4. Reduce per-dimension Gaussian entropy over action dims by 'mean' (ML-Agents) or 'sum' (SB3)."
+    )
+    log_prob_form: Literal["mlagents", "exact"] = _f(
+        "mlagents",
+        "#9. 'mlagents': -(x-mu)^2/(2 sigma^2+1e-7) - log(sigma+1e-7) - log(sqrt(2 pi)), entropy "
+        "0.5 log(2 pi e sigma^2 + 1e-7). 'exact': torch.distributions.Normal (SB3).",
+    )
+    lr_schedule: Literal["linear", "constant"] = _f(
+        "linear", "#6. Learning-rate schedule over max_steps agent steps: 'linear' decays to lr_floor."
+    )
+    epsilon_schedule: Literal["linear", "constant"] = _f(
+        "linear", "#6. Clip-epsilon schedule (ML-Agents follows lr_schedule unless set; SB3 constant)."
+    )
+    beta_schedule: Literal["linear", "constant"] = _f(
+        "linear", "#6. Entropy-coefficient schedule (ML-Agents follows lr_schedule unless set; SB3 constant)."
+    )
+    lr_floor: float = _f(ppo.MLAGENTS_LR_FLOOR, "#6. Value the linear lr schedule ends at (ML-Agents 1e-10, SB3 0).")
+    epsilon_floor: float = _f(
+        ppo.MLAGENTS_EPSILON_FLOOR, "#6. Value the linear epsilon schedule ends at (ML-Agents 0.1, SB3 0)."
+    )
+    beta_floor: float = _f(ppo.MLAGENTS_BETA_FLOOR, "#6. Value the linear beta schedule ends at (ML-Agents 1e-5, SB3 0).")
+    max_grad_norm: float | None = _f(None, "#7. Global grad-norm clip; None = no clipping (ML-Agents), SB3 0.5.")
+    adam_eps: float = _f(1e-8, "#7. Adam epsilon: torch default 1e-8 (ML-Agents), 1e-5 (SB3).")
+    target_kl: float | None = _f(
+        None, "#7. Stop the update's epochs when a minibatch's approx_kl > 1.5 * target_kl (SB3); None = never."
+    )
+    update_trigger: Literal["over_buffer_size", "buffer_full"] = _f(
+        "over_buffer_size",
+        "#8. 'over_buffer_size': update once the buffer holds MORE than buffer_size steps (ML-Agents; whole "
+        "trajectories so the size varies). 'buffer_full': at buffer_size steps = n_steps * n_envs (SB3).",
+    )
+    minibatch_remainder: Literal["drop", "keep"] = _f(
+        "drop", "#8. Per epoch, 'drop' the last partial minibatch (ML-Agents) or 'keep' it (SB3)."
+    )
+    action_clip: Literal["mlagents", "bounds"] = _f(
+        "mlagents", "#10. Env receives clamp(a, -3, 3) / 3 ('mlagents') or clip(a, low, high) ('bounds', SB3)."
+    )
+    init: Literal["mlagents", "sb3"] = _f(
+        "mlagents",
+        "#11. 'mlagents': kaiming_normal(linear) x gain (hidden 1.0, mean head 0.2), value head Xavier-uniform. "
+        "'sb3': orthogonal, sqrt(2) / 0.01 / 1. Zero biases in both.",
+    )
+    activation: Literal["swish", "tanh", "relu"] = _f("swish", "#11. Hidden activation: swish/SiLU (ML-Agents), tanh (SB3).")
+    obs_norm: Literal["mlagents", "vecnormalize", "none"] = _f(
+        "mlagents",
+        "#12. 'mlagents': in-network normalizer per body, updated per trajectory, raw obs in the buffer. "
+        "'vecnormalize': SB3 RunningMeanStd, clip 10, normalized obs in the buffer. 'none'.",
+    )
+    reward_norm: bool = _f(False, "#12. VecNormalize reward scaling by the discounted-return std (SB3 True, ML-Agents False).")
+    gae_form: Literal["mlagents", "sb3"] = _f(
+        "mlagents",
+        "#13. 'mlagents': values recomputed by the current network when a trajectory is ingested, GAE per "
+        "episode segment with a value_next bootstrap. 'sb3': values from action time (when sent), episode-start "
+        "masks, truncation bootstrap folded into the reward.",
+    )
+    bootstrap_truncated: bool = _f(
+        True, "#14. Bootstrap from V(final obs) when an episode is truncated/interrupted (both libraries: True)."
+    )
+
+    # ------------------------------------------------------- hyperparameters
+    batch_size: int = _f(1024, "Minibatch size in steps (ML-Agents batch_size, SB3 batch_size).")
+    buffer_size: int = _f(10240, "Steps per update (ML-Agents buffer_size; SB3 n_steps * n_envs).")
+    learning_rate: float = _f(3e-4, "Initial Adam learning rate.")
+    beta: float = _f(5e-3, "Initial entropy coefficient (ML-Agents beta, SB3 ent_coef).")
+    epsilon: float = _f(0.2, "Initial PPO clip range (ML-Agents epsilon, SB3 clip_range).")
+    lambd: float = _f(0.95, "GAE lambda (ML-Agents lambd, SB3 gae_lambda).")
+    num_epoch: int = _f(3, "Passes over the buffer per update (ML-Agents num_epoch, SB3 n_epochs).")
+    hidden_units: int = _f(128, "Width of every hidden layer (ML-Agents hidden_units; SB3 net_arch width).")
+    num_layers: int = _f(2, "Hidden layers per body (ML-Agents num_layers; SB3 net_arch depth).")
+    gamma: float = _f(0.99, "Discount (ML-Agents reward_signals.extrinsic.gamma).")
+    time_horizon: int = _f(
+        64, "Steps per trajectory piece an actor sends before cutting (ML-Agents time_horizon; SB3 n_steps)."
+    )
+    max_steps: int = _f(500_000, "Total agent steps of the run; the schedules decay over it.")
+    vf_coef: float = _f(0.5, "Value-loss coefficient (0.5 in both libraries).")
+    seed: int = _f(0, "Seed for network init and minibatch shuffling.")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_field(f, getattr(self, f.name))
+        if self.value_loss == "sb3_clipped" and self.clip_range_vf is None:
+            raise ConfigError("clip_range_vf: required when value_loss='sb3_clipped' (e.g. clip_range_vf=0.2)")
+        if self.value_loss != "sb3_clipped" and self.clip_range_vf is not None:
+            raise ConfigError(
+                f"clip_range_vf: only used by value_loss='sb3_clipped' (value_loss is {self.value_loss!r}); "
+                "set value_loss='sb3_clipped' or clip_range_vf=None"
+            )
+        for name in ("batch_size", "buffer_size", "num_epoch", "hidden_units", "num_layers", "time_horizon", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("learning_rate", "epsilon", "adam_eps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("beta", "vf_coef", "lr_floor", "epsilon_floor", "beta_floor"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("gamma", "lambd"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
+        for name in ("max_grad_norm", "target_kl", "clip_range_vf"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ConfigError(f"{name}: must be > 0 or None, got {v}")
+        if self.batch_size > self.buffer_size:
+            raise ConfigError(
+                f"batch_size: {self.batch_size} is larger than buffer_size {self.buffer_size}; "
+                "lower batch_size or raise buffer_size"
+            )
+        if self.minibatch_remainder == "keep" and self.buffer_size % self.batch_size == 1:
+            warnings.warn(
+                f"buffer_size={self.buffer_size} leaves a last minibatch of 1 sample: its advantages are not "
+                "normalized and it can make training unstable (SB3 warns the same); pick a batch_size dividing it",
+                stacklevel=3,
+            )
+
+    # --------------------------------------------------------------- presets
+    @classmethod
+    def preset(cls, semantics: str, **overrides: Any) -> "PPOConfig":
+        """'mlagents' = left column of PPO_SEMANTICS.md everywhere, 'sb3' = right column.
+
+        Hyperparameters default to each library's own defaults. Any field can be
+        overridden. As in ML-Agents, when ``lr_schedule`` is overridden and
+        ``epsilon_schedule`` / ``beta_schedule`` are not, the mlagents preset
+        lets them follow it.
+        """
+        if semantics not in SEMANTICS:
+            raise ConfigError(f"semantics: must be one of {SEMANTICS}, got {semantics!r}")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown PPOConfig option (known: {', '.join(field_names())})")
+        base = dict(_PRESETS[semantics])
+        if semantics == "mlagents" and "lr_schedule" in overrides:
+            base["epsilon_schedule"] = base["beta_schedule"] = overrides["lr_schedule"]
+        base.update(overrides)
+        return cls(**base)
+
+    @property
+    def field_docs(self) -> dict[str, str]:
+        return {f.name: f.metadata["doc"] for f in dataclasses.fields(self)}
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "mlagents": {f.name: f.default for f in dataclasses.fields(PPOConfig)},
+    "sb3": dict(
+        advantage_norm="minibatch",
+        ratio="summed",
+        value_loss="mse",
+        clip_range_vf=None,
+        entropy_reduce="sum",
+        log_prob_form="exact",
+        lr_schedule="constant",
+        epsilon_schedule="constant",
+        beta_schedule="constant",
+        lr_floor=0.0,
+        epsilon_floor=0.0,
+        beta_floor=0.0,
+        max_grad_norm=0.5,
+        adam_eps=1e-5,
+        target_kl=None,
+        update_trigger="buffer_full",
+        minibatch_remainder="keep",
+        action_clip="bounds",
+        init="sb3",
+        activation="tanh",
+        obs_norm="vecnormalize",
+        reward_norm=True,
+        gae_form="sb3",
+        bootstrap_truncated=True,
+        # SB3 PPO defaults (n_steps 2048, one env).
+        batch_size=64,
+        buffer_size=2048,
+        learning_rate=3e-4,
+        beta=0.0,
+        epsilon=0.2,
+        lambd=0.95,
+        num_epoch=10,
+        hidden_units=64,
+        num_layers=2,
+        gamma=0.99,
+        time_horizon=2048,
+        max_steps=1_000_000,
+        vf_coef=0.5,
+        seed=0,
+    ),
+}
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(PPOConfig)]
+
+
+_HINTS = typing.get_type_hints(PPOConfig)
+
+
+def _describe(name: str) -> tuple[tuple[Any, ...] | None, type | None, bool]:
+    """(Literal choices or None, base type, whether None is allowed) of a field."""
+    tp = _HINTS[name]
+    optional = False
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        optional = type(None) in args
+        rest = [a for a in args if a is not type(None)]
+        tp = rest[0]
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp), None, optional
+    return None, tp, optional
+
+
+def _check_field(f: dataclasses.Field, value: Any) -> None:
+    choices, base, optional = _describe(f.name)
+    if value is None:
+        if optional:
+            return
+        raise ConfigError(f"{f.name}: must not be None")
+    if choices is not None:
+        if value not in choices:
+            raise ConfigError(f"{f.name}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{f.name}: must be true or false, got {value!r}")
+    elif base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{f.name}: must be an integer, got {value!r}")
+    elif base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{f.name}: must be a finite number, got {value!r}")
+
+
+def _append_field_docs() -> None:
+    lines = ["", "    Fields:"]
+    for f in dataclasses.fields(PPOConfig):
+        lines.append(f"      {f.name}: {f.metadata['doc']}")
+    PPOConfig.__doc__ = (PPOConfig.__doc__ or "") + "\n".join(lines) + "\n"
+
+
+_append_field_docs()
+
+
+# ------------------------------------------------------------ ML-Agents YAML
+
+# Keys we read: key -> PPOConfig field (None = handled specially).
+_HYPER_KEYS = {
+    "batch_size": "batch_size",
+    "buffer_size": "buffer_size",
+    "learning_rate": "learning_rate",
+    "beta": "beta",
+    "epsilon": "epsilon",
+    "lambd": "lambd",
+    "num_epoch": "num_epoch",
+    "learning_rate_schedule": "lr_schedule",
+    "beta_schedule": "beta_schedule",
+    "epsilon_schedule": "epsilon_schedule",
+}
+_HYPER_IGNORED = {"shared_critic"}
+_NETWORK_KEYS = {"normalize", "hidden_units", "num_layers"}
+_NETWORK_IGNORED = {"vis_encode_type", "memory", "goal_conditioning_type", "deterministic", "conditioning_type"}
+_BEHAVIOR_KEYS = {"trainer_type", "hyperparameters", "network_settings", "reward_signals", "max_steps", "time_horizon"}
+_BEHAVIOR_IGNORED = {
+    "summary_freq",
+    "keep_checkpoints",
+    "checkpoint_interval",
+    "even_checkpoints",
+    "threaded",
+    "init_path",
+    "self_play",
+    "behavioral_cloning",
+}
+_EXTRINSIC_IGNORED = {"strength", "network_settings"}
+_TOP_IGNORED = {
+    "env_settings",
+    "engine_settings",
+    "checkpoint_settings",
+    "torch_settings",
+    "environment_parameters",
+    "debug",
+    "default_settings",
+}
+# ML-Agents defaults for keys the file may omit (mlagents/trainers/settings.py).
+_MLAGENTS_DEFAULTS = {
+    "batch_size": 1024,
+    "buffer_size": 10240,
+    "learning_rate": 3e-4,
+    "beta": 5e-3,
+    "epsilon": 0.2,
+    "lambd": 0.95,
+    "num_epoch": 3,
+    "learning_rate_schedule": "linear",
+    "normalize": False,
+    "hidden_units": 128,
+    "num_layers": 2,
+    "gamma": 0.99,
+    "max_steps": 500_000,
+    "time_horizon": 64,
+}
+
+
+def _ignored(path: str) -> None:
+    warnings.warn(f"{path}: ML-Agents option not used by this trainer; ignored", stacklevel=3)
+
+
+def _mapping(value: Any, path: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _number(value: Any, path: str, kind: type) -> Any:
+    if kind is int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # ML-Agents files write max_steps as 1.0e7
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    return float(value)
+
+
+def from_mlagents_yaml(
+    path: str, behavior: str | None = None, semantics: str = "mlagents", **overrides: Any
+) -> PPOConfig:
+    """Read an ML-Agents trainer config (``behaviors.<name>...``) into a PPOConfig.
+
+    Values in the file override the ``semantics`` preset; keys the file omits
+    take ML-Agents' defaults (so ``normalize`` missing means no obs
+    normalization, as in mlagents-learn). ``network_settings.normalize: true``
+    selects the preset's normalizer ('mlagents' or, for sb3 semantics,
+    'vecnormalize'). ``overrides`` win over everything.
+
+    Raises ConfigError naming the key path for unknown or malformed keys;
+    ML-Agents keys this trainer does not use are accepted with a warning.
+    """
+    try:
+        with open(path) as fh:
+            doc = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: trainer config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    doc = _mapping(doc, "<top level>")
+    for key in doc:
+        if key == "behaviors":
+            continue
+        if key in _TOP_IGNORED:
+            _ignored(key)
+        else:
+            raise ConfigError(f"{key}: unknown key")
+    behaviors = _mapping(doc.get("behaviors"), "behaviors")
+    if not behaviors:
+        raise ConfigError("behaviors: missing or empty; expected behaviors.<BehaviorName>.trainer_type etc.")
+    if behavior is None:
+        if len(behaviors) != 1:
+            raise ConfigError(f"behaviors: {len(behaviors)} behaviors ({', '.join(behaviors)}); pass behavior=<name>")
+        behavior = next(iter(behaviors))
+    if behavior not in behaviors:
+        raise ConfigError(f"behaviors.{behavior}: not in the file (has: {', '.join(behaviors)})")
+    root = f"behaviors.{behavior}"
+    b = _mapping(behaviors[behavior], root)
+
+    for key in b:
+        if key in _BEHAVIOR_IGNORED:
+            _ignored(f"{root}.{key}")
+        elif key not in _BEHAVIOR_KEYS:
+            raise ConfigError(f"{root}.{key}: unknown key")
+    trainer_type = b.get("trainer_type", "ppo")
+    if trainer_type != "ppo":
+        raise ConfigError(f"{root}.trainer_type: must be 'ppo', got {trainer_type!r}")
+
+    vals: dict[str, Any] = {}
+    hp = _mapping(b.get("hyperparameters"), f"{root}.hyperparameters")
+    for key, value in hp.items():
+        p = f"{root}.hyperparameters.{key}"
+        if key in _HYPER_IGNORED:
+            if key == "shared_critic" and value:
+                raise ConfigError(f"{p}: true is not supported (this trainer keeps separate actor and critic)")
+            _ignored(p)
+        elif key not in _HYPER_KEYS:
+            raise ConfigError(f"{p}: unknown key")
+        elif key.endswith("_schedule"):
+            if value not in ("linear", "constant"):
+                raise ConfigError(f"{p}: must be 'linear' or 'constant', got {value!r}")
+            vals[key] = value
+        else:
+            vals[key] = _number(value, p, int if key in ("batch_size", "buffer_size", "num_epoch") else float)
+
+    net = _mapping(b.get("network_settings"), f"{root}.network_settings")
+    for key, value in net.items():
+        p = f"{root}.network_settings.{key}"
+        if key in _NETWORK_IGNORED:
+            if key == "memory" and value is not None:
+                raise ConfigError(f"{p}: recurrent policies are not supported; remove the memory section")
+            _ignored(p)
+        elif key not in _NETWORK_KEYS:
+            raise ConfigError(f"{p}: unknown key")
+        elif key == "normalize":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{p}: expected true or false, got {value!r}")
+            vals[key] = value
+        else:
+            vals[key] = _number(value, p, int)
+
+    rs = _mapping(b.get("reward_signals"), f"{root}.reward_signals")
+    for key in rs:
+        if key != "extrinsic":
+            raise ConfigError(f"{root}.reward_signals.{key}: unsupported reward signal; only 'extrinsic' is")
+    ext = _mapping(rs.get("extrinsic"), f"{root}.reward_signals.extrinsic")
+    for key, value in ext.items():
+        p = f"{root}.reward_signals.extrinsic.{key}"
+        if key == "gamma":
+            vals["gamma"] = _number(value, p, float)
+        elif key in _EXTRINSIC_IGNORED:
+            _ignored(p)
+        else:
+            raise ConfigError(f"{p}: unknown key")
+    for key in ("max_steps", "time_horizon"):
+        if key in b:
+            vals[key] = _number(b[key], f"{root}.{key}", int)
+
+    full = {**_MLAGENTS_DEFAULTS, **vals}
+    lr_sched = full["learning_rate_schedule"]
+    preset = dict(_PRESETS[semantics]) if semantics in SEMANTICS else None
+    if preset is None:
+        raise ConfigError(f"semantics: must be one of {SEMANTICS}, got {semantics!r}")
+    mapped: dict[str, Any] = {
+        "batch_size": full["batch_size"],
+        "buffer_size": full["buffer_size"],
+        "learning_rate": full["learning_rate"],
+        "beta": full["beta"],
+        "epsilon": full["epsilon"],
+        "lambd": full["lambd"],
+        "num_epoch": full["num_epoch"],
+        "lr_schedule": lr_sched,
+        # ML-Agents: beta/epsilon schedules follow learning_rate_schedule unless set (#6).
+        "epsilon_schedule": full.get("epsilon_schedule", lr_sched),
+        "beta_schedule": full.get("beta_schedule", lr_sched),
+        "hidden_units": full["hidden_units"],
+        "num_layers": full["num_layers"],
+        "gamma": full["gamma"],
+        "max_steps": full["max_steps"],
+        "time_horizon": full["time_horizon"],
+        "obs_norm": (preset["obs_norm"] if full["normalize"] else "none"),
+    }
+    mapped.update(overrides)
+    try:
+        return PPOConfig.preset(semantics, **mapped)
+    except ConfigError as e:
+        # Name the YAML key the bad value came from (unless it came from an override).
+        msg = str(e)
+        name = msg.split(":", 1)[0]
+        if name in _YAML_PATHS and name not in overrides:
+            raise ConfigError(f"{root}.{_YAML_PATHS[name]}:{msg.split(':', 1)[1]}") from None
+        raise ConfigError(f"{root}: {msg}") from None
+
+
+_YAML_PATHS = {
+    **{field: f"hyperparameters.{key}" for key, field in _HYPER_KEYS.items()},
+    "hidden_units": "network_settings.hidden_units",
+    "num_layers": "network_settings.num_layers",
+    "gamma": "reward_signals.extrinsic.gamma",
+    "max_steps": "max_steps",
+    "time_horizon": "time_horizon",
+}
+
+
+# ------------------------------------------------------------------ argparse
+
+_DEST = "ppo__"
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _optional(kind: type):
+    def parse(text: str):
+        if text.strip().lower() in ("none", "null", ""):
+            return None
+        return kind(text)
+
+    parse.__name__ = f"optional_{kind.__name__}"
+    return parse
+
+
+def config_to_argparse(parser: argparse.ArgumentParser, prefix: str = "") -> argparse.ArgumentParser:
+    """Add ``--{prefix}semantics``, ``--{prefix}trainer-config``, ``--{prefix}behavior`` and one flag per option.
+
+    Flags are ``--{prefix}<field-with-dashes>`` (e.g. ``--advantage-norm``);
+    pass ``prefix="ppo-"`` if the launcher has flags of its own with the same
+    names (``--seed``). Flags not given keep the preset/file value; ``none`` sets an optional option to None.
+    """
+    g = parser.add_argument_group("PPO options (docs/PPO_SEMANTICS.md)")
+    g.add_argument(f"--{prefix}semantics", dest=f"{_DEST}semantics", choices=SEMANTICS, default="mlagents",
+                   help="Preset every option to ML-Agents (left column) or SB3 (right column) semantics.")
+    g.add_argument(f"--{prefix}trainer-config", dest=f"{_DEST}trainer_config", default=None,
+                   help="ML-Agents trainer YAML (e.g. configs/Crawler.yaml); its values override the preset.")
+    g.add_argument(f"--{prefix}behavior", dest=f"{_DEST}behavior", default=None,
+                   help="Behavior name inside --trainer-config (needed if the file has several).")
+    for f in dataclasses.fields(PPOConfig):
+        choices, base, optional = _describe(f.name)
+        flag = f"--{prefix}{f.name.replace('_', '-')}"
+        kw: dict[str, Any] = {"dest": f"{_DEST}{f.name}", "default": argparse.SUPPRESS, "help": f.metadata["doc"]}
+        if choices is not None:
+            kw["choices"] = list(choices)
+        elif base is bool:
+            kw["type"], kw["metavar"] = _parse_bool, "{true,false}"
+        else:
+            kw["type"] = _optional(base) if optional else base
+        g.add_argument(flag, **kw)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> PPOConfig:
+    """Build the PPOConfig from parsed args: preset (or trainer YAML), then the flags that were given."""
+    ns = vars(args)
+    # Field flags default to SUPPRESS, so only flags actually given are present (an explicit "none" included).
+    given = {f.name: ns[f"{_DEST}{f.name}"] for f in dataclasses.fields(PPOConfig) if f"{_DEST}{f.name}" in ns}
+    semantics = ns.get(f"{_DEST}semantics") or "mlagents"
+    path = ns.get(f"{_DEST}trainer_config")
+    if path:
+        return from_mlagents_yaml(path, ns.get(f"{_DEST}behavior"), semantics, **given)
+    return PPOConfig.preset(semantics, **given)

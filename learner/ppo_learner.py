@@ -1,0 +1,399 @@
+"""The PPO learner's compute: ingest trajectory pieces, update, checkpoint. No I/O.
+
+Data flow (serial or distributed, the same calls)::
+
+    actor:   policy = make_policy(cfg, obs_dim, action_dim); policy.load_state_dict(broadcast)
+             out = policy.act(obs)                                   # raw action, per-dim log-prob, value
+             env.step(env_action(out.action, mode=cfg.action_clip, low=..., high=...))
+             ... every cfg.time_horizon steps (or at an episode end) send a TrajectoryPiece
+    learner: learner.ingest(piece)                                   # GAE/returns now, per cfg
+             if learner.ready(): metrics = learner.update(); broadcast(learner.policy.state_dict())
+
+Which semantics each step follows is read from :class:`impala.ppo_config.PPOConfig`
+(rows #n of docs/PPO_SEMANTICS.md); the math lives in :mod:`impala.ppo`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Hashable, NamedTuple
+
+import numpy as np
+import torch
+
+from impala import ppo
+from impala.normalizers import RewardNormalizer, RunningMeanStd
+from impala.ppo_config import PPOConfig
+from impala.ppo_policy import ActorCritic, env_action
+
+
+class TrajectoryPiece(NamedTuple):
+    """One env stream's consecutive steps, as an actor sends them. T >= 1.
+
+    obs:        [T, obs_dim] float32 raw observation each action was taken on.
+    actions:    [T, A] float32 raw (unclipped) sampled actions.
+    log_probs:  [T, A] float32 per-dimension log-probs at action time.
+    rewards:    [T] float32 raw env rewards.
+    terminated: [T] bool, episode ended for real (no bootstrap).
+    truncated:  [T] bool, time limit / Unity ``interrupted`` (bootstrap from next_obs).
+    next_obs:   [T, obs_dim] float32 observation after each step *within the
+                same episode*, i.e. ``StepResult.final_obs``. Only rows that end
+                an episode and the last row are read.
+    values:     optional [T] float32 values at action time (used by gae_form='sb3').
+    source:     hashable id of the env stream (e.g. (actor_id, env_index)); keys
+                the per-stream discounted return of reward normalization.
+    """
+
+    obs: np.ndarray
+    actions: np.ndarray
+    log_probs: np.ndarray
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    next_obs: np.ndarray
+    values: np.ndarray | None = None
+    source: Hashable = 0
+
+
+def make_policy(config: PPOConfig, obs_dim: int, action_dim: int) -> ActorCritic:
+    """The actor-critic a learner and its actors share (same layout, same state_dict keys)."""
+    return ActorCritic(
+        obs_dim,
+        action_dim,
+        hidden_units=config.hidden_units,
+        num_layers=config.num_layers,
+        activation=config.activation,
+        init=config.init,
+        obs_norm=config.obs_norm,
+        log_prob_form=config.log_prob_form,
+        seed=config.seed,
+    )
+
+
+class TrajectoryBuffer:
+    """Processed steps waiting for an update: flat [N, ...] tensors after :meth:`stacked`."""
+
+    KEYS = ("obs", "actions", "log_probs", "advantages", "returns", "values")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self._parts: dict[str, list[torch.Tensor]] = {k: [] for k in self.KEYS}
+        self.num_steps = 0
+
+    def add(self, **arrays: torch.Tensor) -> None:
+        n = arrays["obs"].shape[0]
+        for k in self.KEYS:
+            if arrays[k].shape[0] != n:
+                raise ValueError(f"TrajectoryBuffer.add: {k} has {arrays[k].shape[0]} rows, obs has {n}")
+            self._parts[k].append(arrays[k])
+        self.num_steps += n
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        return {k: torch.cat(v) for k, v in self._parts.items()}
+
+
+class PPOLearner:
+    """PPO with option-by-option ML-Agents / SB3 semantics.
+
+    Args:
+      config: the PPOConfig.
+      obs_dim, action_dim: flat observation and action sizes.
+      action_low, action_high: the env's action bounds (used by action_clip='bounds').
+      device: torch device for the networks and the update.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        obs_dim: int,
+        action_dim: int,
+        action_low: np.ndarray | float = -1.0,
+        action_high: np.ndarray | float = 1.0,
+        device: str | torch.device = "cpu",
+    ):
+        self.config = config
+        self.obs_dim, self.action_dim = obs_dim, action_dim
+        self.action_low = np.broadcast_to(np.asarray(action_low, np.float32), (action_dim,)).copy()
+        self.action_high = np.broadcast_to(np.asarray(action_high, np.float32), (action_dim,)).copy()
+        self.device = torch.device(device)
+        self.policy = make_policy(config, obs_dim, action_dim).to(self.device)
+        # One Adam over actor + critic + log-sigma (#7); normalizer stats are buffers, not parameters.
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        self.obs_rms = RunningMeanStd(shape=(obs_dim,)) if config.obs_norm == "vecnormalize" else None
+        self.reward_normalizer = RewardNormalizer(config.gamma) if config.reward_norm else None
+        self.buffer = TrajectoryBuffer()
+        self.rng = np.random.default_rng(config.seed)
+        self.total_steps = 0  # agent steps ingested (the schedules' step, #6)
+        self.update_count = 0
+        self.rejected_batches = 0
+        self._sync_obs_snapshot()
+
+    # ------------------------------------------------------------- actors
+
+    def env_action(self, raw_action: np.ndarray | torch.Tensor):
+        """The action the env receives for a raw policy sample (#10, ``config.action_clip``)."""
+        return env_action(raw_action, mode=self.config.action_clip, low=self.action_low, high=self.action_high)
+
+    # ------------------------------------------------------------- ingest
+
+    def _check(self, p: TrajectoryPiece) -> int:
+        T = len(p.rewards)
+        if T == 0:
+            raise ValueError("TrajectoryPiece: empty (T == 0)")
+        want = {
+            "obs": (T, self.obs_dim),
+            "actions": (T, self.action_dim),
+            "log_probs": (T, self.action_dim),
+            "rewards": (T,),
+            "terminated": (T,),
+            "truncated": (T,),
+            "next_obs": (T, self.obs_dim),
+        }
+        if p.values is not None:
+            want["values"] = (T,)
+        for name, shape in want.items():
+            got = tuple(np.shape(getattr(p, name)))
+            if got != shape:
+                raise ValueError(f"TrajectoryPiece.{name}: expected shape {shape}, got {got}")
+        return T
+
+    @staticmethod
+    def _finite(p: TrajectoryPiece) -> bool:
+        arrays = [p.obs, p.actions, p.log_probs, p.rewards, p.next_obs] + ([p.values] if p.values is not None else [])
+        return all(np.isfinite(np.asarray(a, dtype=np.float64)).all() for a in arrays)
+
+    def ingest(self, piece: TrajectoryPiece) -> bool:
+        """Process one piece into advantages/returns and add it to the buffer.
+
+        Returns False (and counts ``rejected_batches``) for a piece with NaN/inf:
+        it touches neither the normalizers nor the buffer.
+        """
+        T = self._check(piece)
+        if not self._finite(piece):
+            self.rejected_batches += 1
+            return False
+        cfg = self.config
+        dev = self.device
+        obs = torch.as_tensor(np.asarray(piece.obs, np.float32), device=dev)
+        terminated = np.asarray(piece.terminated, bool)
+        truncated = np.asarray(piece.truncated, bool) & ~terminated  # terminal wins when both are set
+        ended = terminated | truncated
+        self.total_steps += T
+
+        # #12: ML-Agents folds the trajectory into both normalizers *before* its value estimates.
+        if cfg.obs_norm == "mlagents":
+            self.policy.update_normalizer(obs)
+        elif cfg.obs_norm == "vecnormalize":
+            self.obs_rms.update(np.asarray(piece.obs, np.float64))
+
+        rewards = np.asarray(piece.rewards, np.float64)
+        if self.reward_normalizer is not None:
+            rewards = self.reward_normalizer.normalize_piece(rewards, ended, piece.source).astype(np.float64)
+
+        bootstrap = truncated if cfg.bootstrap_truncated else np.zeros_like(truncated)
+        need_next = bootstrap.copy()
+        need_next[-1] |= not ended[-1]  # the piece was cut mid-episode (time_horizon): bootstrap at the cut
+        with torch.no_grad():
+            if cfg.gae_form == "mlagents" or piece.values is None:
+                values = self.policy.value(obs).double()
+            else:
+                values = torch.as_tensor(np.asarray(piece.values, np.float64), device=dev)
+            v_next = torch.zeros(T, dtype=torch.float64, device=dev)
+            idx = np.flatnonzero(need_next)
+            if idx.size:
+                nxt = torch.as_tensor(np.asarray(piece.next_obs, np.float32)[idx], device=dev)
+                v_next[torch.as_tensor(idx, device=dev)] = self.policy.value(nxt).double()
+        r = torch.as_tensor(rewards, device=dev)
+
+        if cfg.gae_form == "mlagents":
+            adv, ret = self._gae_mlagents(r, values, v_next, ended)
+        else:
+            adv, ret = self._gae_sb3(r, values, v_next, ended, bootstrap)
+
+        stored_obs = self.policy.normalize_obs(obs) if cfg.obs_norm == "vecnormalize" else obs
+        self.buffer.add(
+            obs=stored_obs,
+            actions=torch.as_tensor(np.asarray(piece.actions, np.float32), device=dev),
+            log_probs=torch.as_tensor(np.asarray(piece.log_probs, np.float32), device=dev),
+            advantages=adv.float(),
+            returns=ret.float(),
+            values=values.float(),
+        )
+        return True
+
+    def _gae_mlagents(self, r, values, v_next, ended) -> tuple[torch.Tensor, torch.Tensor]:
+        """#13/#14: one ML-Agents trajectory per episode segment, value_next = 0 only on real termination."""
+        cfg = self.config
+        adv = torch.empty_like(values)
+        ret = torch.empty_like(values)
+        ends = list(np.flatnonzero(ended))
+        if not ends or ends[-1] != len(ended) - 1:
+            ends.append(len(ended) - 1)
+        start = 0
+        for e in ends:
+            # v_next is zero at real terminations (and at truncations when bootstrap_truncated is off).
+            out = ppo.mlagents_gae(r[start : e + 1], values[start : e + 1], v_next[e], gamma=cfg.gamma, lambd=cfg.lambd)
+            adv[start : e + 1], ret[start : e + 1] = out.advantages, out.returns
+            start = e + 1
+        return adv, ret
+
+    def _gae_sb3(self, r, values, v_next, ended, bootstrap) -> tuple[torch.Tensor, torch.Tensor]:
+        """#13/#14: SB3's reward bootstrap on truncation, then masked reverse GAE (B = 1)."""
+        cfg = self.config
+        dev = values.device
+        r = ppo.sb3_bootstrap_truncated(r, torch.as_tensor(bootstrap, device=dev), v_next, gamma=cfg.gamma)
+        starts = torch.zeros(len(ended), dtype=torch.bool, device=dev)
+        starts[1:] = torch.as_tensor(ended[:-1], device=dev)
+        last_done = torch.as_tensor(ended[-1:], device=dev)
+        out = ppo.sb3_gae(
+            r[:, None], values[:, None], starts[:, None], v_next[-1:], last_done, gamma=cfg.gamma, gae_lambda=cfg.lambd
+        )
+        return out.advantages[:, 0], out.returns[:, 0]
+
+    def ready(self) -> bool:
+        """#8: ML-Agents updates once the buffer holds MORE than buffer_size steps; SB3 at buffer_size."""
+        if self.config.update_trigger == "over_buffer_size":
+            return self.buffer.num_steps > self.config.buffer_size
+        return self.buffer.num_steps >= self.config.buffer_size
+
+    # ------------------------------------------------------------- update
+
+    def schedules(self, step: int | None = None) -> dict[str, float]:
+        """learning_rate, epsilon, beta at ``step`` total agent steps (default: now)."""
+        cfg = self.config
+        s = self.total_steps if step is None else step
+        return {
+            "learning_rate": ppo.scheduled_value(cfg.lr_schedule, cfg.learning_rate, cfg.lr_floor, s, cfg.max_steps),
+            "epsilon": ppo.scheduled_value(cfg.epsilon_schedule, cfg.epsilon, cfg.epsilon_floor, s, cfg.max_steps),
+            "beta": ppo.scheduled_value(cfg.beta_schedule, cfg.beta, cfg.beta_floor, s, cfg.max_steps),
+        }
+
+    def minibatch_slices(self, n: int) -> list[slice]:
+        """#8: 'drop' -> n // batch_size full minibatches; 'keep' -> also the last partial one."""
+        bs = self.config.batch_size
+        if self.config.minibatch_remainder == "drop":
+            return [slice(i, i + bs) for i in range(0, (n // bs) * bs, bs)]
+        return [slice(i, min(i + bs, n)) for i in range(0, n, bs)]
+
+    def update(self) -> dict[str, float]:
+        """Epochs of minibatch PPO updates on the whole buffer, then clear it. Returns metrics."""
+        cfg = self.config
+        data = self.buffer.stacked()
+        n = data["obs"].shape[0]
+        sched = self.schedules()
+        lr, eps, beta = sched["learning_rate"], sched["epsilon"], sched["beta"]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        adv_all = data["advantages"]
+        if cfg.advantage_norm == "buffer":
+            adv_all = ppo.normalize_advantages_mlagents(adv_all)
+        normalized_obs = cfg.obs_norm == "vecnormalize"
+        params = list(self.policy.parameters())
+
+        stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "loss")}
+        grad_norms: list[float] = []
+        early_stop = False
+        n_minibatches = 0
+        self.policy.train()
+        for _ in range(cfg.num_epoch):
+            perm = torch.as_tensor(self.rng.permutation(n), device=self.device)
+            for sl in self.minibatch_slices(n):
+                idx = perm[sl]
+                ev = self.policy.evaluate(data["obs"][idx], data["actions"][idx], normalized=normalized_obs)
+                adv = adv_all[idx]
+                if cfg.advantage_norm == "minibatch":
+                    adv = ppo.normalize_advantages_sb3(adv)
+                pl = ppo.clipped_policy_loss(
+                    ev.log_prob, data["log_probs"][idx], adv, epsilon=eps, per_dim=cfg.ratio == "per_dim"
+                )
+                v_old, ret = data["values"][idx], data["returns"][idx]
+                if cfg.value_loss == "mlagents_clipped":
+                    vl = ppo.value_loss_mlagents(ev.value, v_old, ret, epsilon=eps)
+                elif cfg.value_loss == "mse":
+                    vl = ppo.value_loss_mse(ev.value, ret)
+                else:
+                    vl = ppo.value_loss_sb3_clipped(ev.value, v_old, ret, clip_range_vf=cfg.clip_range_vf)
+                ent = ppo.reduce_entropy(ev.entropy, over_dims=cfg.entropy_reduce)
+                # Both libraries' totals are the same sum (#5); ppo.total_loss_sb3 is its SB3 spelling.
+                total = ppo.total_loss_mlagents(pl.loss, vl, ent, beta=beta, vf_coef=cfg.vf_coef)
+                for k, v in (("policy_loss", pl.loss), ("value_loss", vl), ("entropy", ent), ("approx_kl", pl.approx_kl),
+                             ("clip_fraction", pl.clip_fraction), ("loss", total.loss)):
+                    stats[k].append(float(v.detach()))
+                n_minibatches += 1
+                # SB3 checks before the optimizer step of this minibatch (#7).
+                if cfg.target_kl is not None and float(pl.approx_kl) > 1.5 * cfg.target_kl:
+                    early_stop = True
+                    break
+                self.optimizer.zero_grad(set_to_none=True)
+                total.loss.backward()
+                if cfg.max_grad_norm is not None:
+                    grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
+                self.optimizer.step()
+            if early_stop:
+                break
+
+        metrics = {k: (float(np.mean(v)) if v else float("nan")) for k, v in stats.items()}
+        metrics.update(
+            explained_variance=ppo.explained_variance(data["values"].double(), data["returns"].double()),
+            learning_rate=lr,
+            epsilon=eps,
+            beta=beta,
+            buffer_steps=float(n),
+            n_minibatches=float(n_minibatches),
+            early_stop=float(early_stop),
+            total_steps=float(self.total_steps),
+            rejected_batches=float(self.rejected_batches),
+            log_sigma_mean=float(self.policy.log_sigma.detach().mean()),
+        )
+        if grad_norms:
+            metrics["grad_norm"] = float(np.mean(grad_norms))
+        self.buffer.clear()
+        self.update_count += 1
+        metrics["update_count"] = float(self.update_count)
+        self._sync_obs_snapshot()
+        return metrics
+
+    def _sync_obs_snapshot(self) -> None:
+        """vecnormalize: actors act with the stats of the last update, and the learner stores obs
+        normalized with those same stats (SB3 refreshes them every env step; an actor-learner split
+        can only refresh them with the weights)."""
+        if self.obs_rms is not None:
+            self.policy.obs_norm.set_stats(self.obs_rms.mean, self.obs_rms.var)
+
+    # --------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model (with normalizer buffers), optimizer, host-side normalizers, counters, shuffle RNG.
+
+        The pending (not yet updated) buffer is not saved. Returned as a deep copy: torch's
+        ``Optimizer.load_state_dict`` would otherwise share moment tensors with this learner.
+        """
+        return copy.deepcopy({
+            "config": dataclasses.asdict(self.config),
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "obs_rms": self.obs_rms.state_dict() if self.obs_rms is not None else None,
+            "reward_normalizer": self.reward_normalizer.state_dict() if self.reward_normalizer is not None else None,
+            "total_steps": self.total_steps,
+            "update_count": self.update_count,
+            "rejected_batches": self.rejected_batches,
+            "rng": self.rng.bit_generator.state,
+        })
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.obs_rms is not None:
+            self.obs_rms.load_state_dict(state["obs_rms"])
+        if self.reward_normalizer is not None:
+            self.reward_normalizer.load_state_dict(state["reward_normalizer"])
+        self.total_steps = int(state["total_steps"])
+        self.update_count = int(state["update_count"])
+        self.rejected_batches = int(state["rejected_batches"])
+        self.rng.bit_generator.state = state["rng"]
+        # The policy's obs snapshot came back with its state_dict; the live obs_rms may be ahead of it.
+        self.buffer.clear()
