@@ -36,8 +36,11 @@ def load_state_arrays(module: torch.nn.Module, arrays: Mapping[str, np.ndarray])
 class ImpalaAgent:
     """Discrete actions sampled from the policy logits of an IMPALA network."""
 
-    def __init__(self, settings: Mapping[str, Any], *, obs_shape: tuple[int, ...], obs_dtype: str, num_actions: int, num_envs: int, unroll_length: int, seed: int) -> None:
+    def __init__(self, settings: Mapping[str, Any], *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int) -> None:
         from impala.models import build_model
+
+        obs_shape, obs_dtype = tuple(first_obs.shape[1:]), str(first_obs.dtype)
+        num_actions, num_envs = int(envs.action_space.n), envs.num_envs
 
         self.model = build_model(settings["model"], obs_shape, num_actions, use_lstm=settings.get("use_lstm", False))
         self.model.eval()
@@ -79,6 +82,11 @@ class ImpalaAgent:
 
 
 def make_agent(settings: Mapping[str, Any], **kw: Any):
+    """The adapter named by ``settings["kind"]``, built in the actor's process.
+
+    Keyword args: ``envs`` (the vector env), ``first_obs`` ([K, ...] from reset),
+    ``unroll_length`` and ``seed``.
+    """
     kind = settings.get("kind", "impala")
     if kind == "impala":
         return ImpalaAgent(settings, **kw)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def build_vec_env(config: ActorConfig):
-    if config.env.id.startswith("unity:"):
+    if config.env.is_unity:
         from impala.envs.unity import UnityVecEnv
 
         kw = dict(config.env.kwargs)
@@ -37,7 +37,7 @@ def build_vec_env(config: ActorConfig):
 
 def env_fingerprint(config: ActorConfig) -> dict[str, Any] | None:
     """Measured in this process on a probe env built from the same spec."""
-    if config.env.id.startswith("unity:"):
+    if config.env.is_unity:
         return None
     probe = make_env(config.env, seed=config.seed)
     try:
@@ -56,10 +56,11 @@ class ActorLink:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, config.send_hwm)
         self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.setsockopt(zmq.SNDBUF, 64 * 1024)  # bound what the OS queues (policy lag)
         self.push.connect(config.trajectory_endpoint)
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.setsockopt(zmq.RCVHWM, 4)
+        self.sub.setsockopt(zmq.CONFLATE, 1)  # keep only the newest weights
         self.sub.connect(config.params_endpoint)
 
     def _alive(self) -> None:
@@ -77,9 +78,9 @@ class ActorLink:
         newest = None
         while self.sub.poll(timeout_ms, zmq.POLLIN):
             timeout_ms = 0
-            frames = self.sub.recv_multipart(copy=False)
+            frame = self.sub.recv(copy=False)
             try:
-                msg = wire.decode(frames, schema=schema, expect_kind="params")
+                msg = wire.decode_packed(frame, schema=schema, expect_kind="params")
             except wire.WireError as e:
                 log.error("actor %d: dropping bad params message: %s", self.config.actor_id, e)
                 continue
@@ -99,15 +100,7 @@ def run_actor(config: ActorConfig, parent_pid: int | None = None, max_unrolls: i
     envs = build_vec_env(config)
     K, T = envs.num_envs, config.unroll_length
     obs = envs.reset()
-    agent = make_agent(
-        config.agent,
-        obs_shape=tuple(obs.shape[1:]),
-        obs_dtype=str(obs.dtype),
-        num_actions=getattr(envs.action_space, "n", 0),
-        num_envs=K,
-        unroll_length=T,
-        seed=config.seed,
-    )
+    agent = make_agent(config.agent, envs=envs, first_obs=obs, unroll_length=T, seed=config.seed)
     link.send(wire.encode("hello", actor=config.actor_id, version=-1, info={"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K}))
 
     params = None

@@ -11,6 +11,13 @@ array list (names, dtypes, shapes must equal the expected schema exactly), each
 frame's byte length and the total size are all checked *before* any array is
 built, and arrays are then views over the received frames (no copy). A pickle
 from the network would execute code, so none is ever loaded.
+
+Parameters travel *packed* in one frame (``encode_packed``): a 4-byte
+little-endian header length, the same JSON header, then the arrays' bytes, each
+starting at a multiple of 8. One frame lets the actors' SUB sockets use
+``ZMQ_CONFLATE`` (keep only the newest message), which works only for
+single-part messages; without it, weights queued in socket buffers would be
+hundreds of versions stale by the time an actor reads them.
 """
 
 from __future__ import annotations
@@ -158,6 +165,65 @@ def decode(
             raise WireError(f"array {name!r}: frame has {len(buf)} bytes, {dtype}{shape} needs {nbytes}")
         arrays[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
     return Message(kind, header["actor"], header["version"], arrays, header["info"])
+
+
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def encode_packed(
+    kind: str,
+    *,
+    actor: int,
+    version: int,
+    arrays: Mapping[str, np.ndarray],
+    info: Mapping[str, Any] | None = None,
+) -> bytes:
+    """One frame: length-prefixed header, then 8-byte-aligned array bytes."""
+    frames = encode(kind, actor=actor, version=version, arrays=arrays, info=info)
+    header = frames[0]
+    parts = [len(header).to_bytes(4, "little"), header]
+    offset = _align8(4 + len(header))
+    parts.append(b"\0" * (offset - 4 - len(header)))
+    for frame in frames[1:]:
+        parts.append(frame)
+        pad = _align8(len(frame)) - len(frame)
+        if pad:
+            parts.append(b"\0" * pad)
+    return b"".join(parts)
+
+
+def decode_packed(
+    frame: Any,
+    *,
+    schema: TrajectorySchema | None = None,
+    max_bytes: int = 256 * 1024 * 1024,
+    expect_kind: str | None = None,
+) -> Message:
+    """Split a packed frame into header and array views, then ``decode`` them."""
+    buf = _frame_bytes(frame)
+    if len(buf) < 4:
+        raise WireError("packed message shorter than its length prefix")
+    hlen = int.from_bytes(buf[:4], "little")
+    if hlen > MAX_HEADER_BYTES or 4 + hlen > len(buf):
+        raise WireError(f"packed header length {hlen} is out of range")
+    header_bytes = buf[4 : 4 + hlen]
+    header = decode_header(header_bytes)
+    offset = _align8(4 + hlen)
+    frames: list[Any] = [header_bytes]
+    for spec in header["arrays"]:
+        try:
+            name, dtype, shape = spec
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        except (TypeError, ValueError) as e:
+            raise WireError(f"bad array spec {spec!r}: {e}") from None
+        if nbytes < 0 or offset + nbytes > len(buf) or nbytes > max_bytes:
+            raise WireError(f"array {name!r} runs past the end of the packed message")
+        frames.append(buf[offset : offset + nbytes])
+        offset += _align8(nbytes)
+    if offset != _align8(len(buf)):
+        raise WireError(f"packed message has {len(buf) - offset} trailing bytes")
+    return decode(frames, schema=schema, max_bytes=max_bytes, expect_kind=expect_kind)
 
 
 def specs_summary(specs: list) -> str:

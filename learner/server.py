@@ -63,6 +63,9 @@ class TrajectoryServer:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, rcv_hwm)
         self.pull.setsockopt(zmq.LINGER, 0)
+        # Small kernel buffers: with tiny unrolls (CartPole) the OS would otherwise queue
+        # thousands of them, and every one would be many policy versions old when read.
+        self.pull.setsockopt(zmq.RCVBUF, max(64 * 1024, 2 * schema.nbytes))
         # Refuse oversized messages inside ZeroMQ itself, before they are buffered.
         self.pull.setsockopt(zmq.MAXMSGSIZE, self.max_bytes + wire.MAX_HEADER_BYTES)
         self.pub = self.ctx.socket(zmq.PUB)
@@ -177,7 +180,7 @@ class TrajectoryServer:
             return None
 
     def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
-        self.pub.send_multipart(wire.encode("params", actor=0, version=version, arrays=arrays), copy=False)
+        self.pub.send(wire.encode_packed("params", actor=0, version=version, arrays=arrays), copy=False)
 
     def stats(self) -> dict[str, float]:
         with self._stats_lock:

@@ -17,6 +17,9 @@ import gymnasium as gym
 from impala.envs.atari import is_atari, make_atari, register_classic_ids
 
 
+UNITY_PREFIX = "unity:"
+
+
 class UnknownEnvError(ValueError):
     """An env id that no registry knows."""
 
@@ -37,11 +40,17 @@ class EnvSpec:
     preprocess: bool = True
 
     def __post_init__(self) -> None:
-        check_env_id(self.id)
+        if not self.is_unity:
+            check_env_id(self.id)
+
+    @property
+    def is_unity(self) -> bool:
+        """``unity:<name>`` specs describe a Unity build (kwargs hold ``file_name`` etc.)."""
+        return self.id.startswith(UNITY_PREFIX)
 
     @property
     def atari(self) -> bool:
-        return is_atari(self.id)
+        return not self.is_unity and is_atari(self.id)
 
 
 def _ensure_registries() -> None:

@@ -1,0 +1,150 @@
+"""``launch_impala``: IMPALA (V-trace + PopArt) with N actor processes on this machine.
+
+Example::
+
+    launch_impala --workers 16 --env PongDeterministic-v4
+    launch_impala --workers 2 --env CartPole-v1 --total-frames 300000
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any, Mapping
+
+import numpy as np
+
+from actors.agents import state_dict_arrays
+from impala import wire
+from impala.config import ConfigError, ImpalaConfig, add_arguments, from_arguments
+from impala.envs import EnvSpec, UnknownEnvError, make_env
+from impala.envs.fingerprint import EnvFingerprint, check_against_config, configured_settings, measure_fingerprint
+from impala.models import build_model
+from impala.trajectory import impala_unroll_schema, stack_time_major
+from learner.runtime import FingerprintMismatchError, RunResult, RunSettings, run
+from learner.server import PortInUseError
+from learner.vtrace_learner import VTraceLearner, resolve_device
+
+log = logging.getLogger("launch_impala")
+
+
+class ImpalaTrainer:
+    """Collects B unrolls, stacks them time-major and runs one V-trace update."""
+
+    def __init__(self, config: ImpalaConfig, obs_shape: tuple[int, ...], obs_dtype: str, num_actions: int, frames_per_step: float) -> None:
+        self.config = config
+        model = build_model(config.model, obs_shape, num_actions, use_lstm=config.use_lstm, beta=config.popart_beta)
+        self.learner = VTraceLearner(model, config, resolve_device(config.device))
+        core = model.core.hidden_size if config.use_lstm else 0
+        self.schema = impala_unroll_schema(config.unroll_length, obs_shape, obs_dtype, num_actions, core)
+        self.agent_settings = {"kind": "impala", "model": config.model, "use_lstm": config.use_lstm, "popart_beta": config.popart_beta}
+        self.frames_per_step = frames_per_step
+        self._pending: list[Mapping[str, np.ndarray]] = []
+
+    def ingest(self, msg: wire.Message, version: int) -> None:
+        self._pending.append(msg.arrays)
+
+    def ready(self) -> bool:
+        return len(self._pending) >= self.config.batch_size
+
+    def update(self, frames_done: int) -> dict[str, float]:
+        batch_np = stack_time_major(self._pending[: self.config.batch_size], self.schema)
+        del self._pending[: self.config.batch_size]
+        return self.learner.step(self.learner.to_device(batch_np), frames_done=frames_done)
+
+    def params(self) -> dict[str, np.ndarray]:
+        return state_dict_arrays(self.learner.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.learner.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.learner.load_state_dict(state)
+
+
+def probe_env(spec: EnvSpec, seed: int) -> tuple[EnvFingerprint, tuple[int, ...], str, int]:
+    """Build one env here, in the learner, and measure what it does."""
+    env = make_env(spec, seed=seed)
+    try:
+        fp = measure_fingerprint(env, seed=seed)
+        num_actions = int(getattr(env.action_space, "n", 0))
+        if num_actions < 1:
+            raise ConfigError(f"{spec.id} has a {type(env.action_space).__name__} action space; IMPALA here needs discrete actions (try launch_ppo)")
+    finally:
+        env.close()
+    problems = check_against_config(fp, configured_settings(spec.id, spec.kwargs))
+    if problems:
+        raise FingerprintMismatchError("the learner's own env differs from its configuration: " + "; ".join(map(str, problems)))
+    return fp, fp.obs_shape, fp.obs_dtype, num_actions
+
+
+def frames_per_agent_step(fp: EnvFingerprint) -> float:
+    if fp.frameskip_min is None:
+        return 1.0
+    return (fp.frameskip_min + fp.frameskip_max) / 2.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch_impala",
+        description=(
+            "Train IMPALA (V-trace, optional PopArt) with N actor processes streaming over ZeroMQ to one learner "
+            "(GPU when available). Metrics go to the console, LOGDIR/metrics.csv and TensorBoard; checkpoints to "
+            "LOGDIR/checkpoint.pt (atomic). Ctrl-C stops cleanly with a final checkpoint."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_arguments(parser, ImpalaConfig)
+    parser.add_argument("--log-level", default="INFO", help="Python logging level.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = from_arguments(ImpalaConfig, args)
+        spec = EnvSpec(config.env)
+        fp, obs_shape, obs_dtype, num_actions = probe_env(spec, config.seed)
+        trainer = ImpalaTrainer(config, obs_shape, obs_dtype, num_actions, frames_per_agent_step(fp))
+        settings = RunSettings(
+            env=spec,
+            workers=config.workers,
+            envs_per_worker=config.envs_per_worker,
+            unroll_length=config.unroll_length,
+            total_frames=config.total_frames,
+            logdir=config.logdir,
+            seed=config.seed,
+            bind=config.bind,
+            port=config.port,
+            start_method=config.start_method,
+            queue_size=config.effective_queue_size,
+            checkpoint_minutes=config.checkpoint_minutes,
+            resume=config.resume,
+            progress=config.progress,
+            log_interval=config.log_interval,
+            max_seconds=config.max_seconds,
+            max_policy_lag=config.max_policy_lag,
+            title=f"impala {config.env}",
+            config_record={k: v for k, v in dataclasses.asdict(config).items()},
+            reference_fingerprint=fp,
+        )
+        log.info("env %s: obs %s %s, %d actions, frameskip %s, sticky %s; learner on %s", spec.id, obs_shape, obs_dtype, num_actions, fp.frameskip_text(), fp.sticky, trainer.learner.device)
+        result: RunResult = run(trainer, settings)
+    except (ConfigError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError) as e:
+        print(f"launch_impala: error: {e}", file=sys.stderr)
+        return 2
+    mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
+    print(
+        f"launch_impala: done: {result.env_frames} env frames, {result.updates} updates, mean return (last 100) {mean}, "
+        f"dropped {result.dropped or 0}, actor restarts {result.restarts}, checkpoint {result.checkpoint}"
+        + (" (interrupted)" if result.interrupted else ""),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""The one place that wires the topology: actors -> transport -> batcher -> learner -> params.
+
+``run(trainer, ...)`` is shared by both learners. A *trainer* is the
+learner-specific part: its trajectory schema, the agent settings actors need,
+how it ingests a validated unroll, when it is ready to update, and the update
+itself. Everything else (sockets, actor supervision, the fingerprint guard,
+metrics, checkpoints, shutdown) lives here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+from actors.actor import Actor, ActorConfig
+from actors.pool import ActorPool
+from impala import wire
+from impala.checkpoint import load_checkpoint, save_checkpoint
+from impala.envs import EnvSpec
+from impala.envs.fingerprint import EnvFingerprint, compare_fingerprints
+from impala.metrics import MetricsLogger
+from impala.trajectory import TrajectorySchema
+from learner.server import TrajectoryServer
+
+log = logging.getLogger(__name__)
+
+
+class FingerprintMismatchError(RuntimeError):
+    """An actor's environment differs from the learner's: training would be silently wrong."""
+
+
+class Trainer(Protocol):
+    schema: TrajectorySchema
+    agent_settings: dict[str, Any]
+    frames_per_step: float
+
+    def ingest(self, msg: wire.Message, version: int) -> None: ...
+    def ready(self) -> bool: ...
+    def update(self, frames_done: int) -> dict[str, float]: ...
+    def params(self) -> dict[str, np.ndarray]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@dataclass
+class RunSettings:
+    """The process-level settings shared by both launchers."""
+
+    env: EnvSpec
+    workers: int
+    envs_per_worker: int
+    unroll_length: int
+    total_frames: int
+    logdir: str
+    seed: int = 0
+    bind: str = "127.0.0.1"
+    port: int = 0
+    start_method: str = "spawn"
+    queue_size: int = 64
+    checkpoint_minutes: float = 10.0
+    resume: bool = False
+    progress: bool = True
+    log_interval: float = 5.0
+    max_seconds: float = 0.0
+    max_policy_lag: int = 0
+    title: str = "impala"
+    config_record: dict[str, Any] = field(default_factory=dict)
+    reference_fingerprint: EnvFingerprint | None = None
+    hello_timeout: float = 180.0
+    spawn_actors: bool = True
+    actor_class: type = Actor  # an Actor subclass to start instead (custom envs or instrumentation)
+
+    @property
+    def checkpoint_path(self) -> str:
+        return os.path.join(self.logdir, "checkpoint.pt")
+
+
+@dataclass
+class RunResult:
+    env_frames: int
+    updates: int
+    mean_return: float | None
+    dropped: dict[str, int]
+    restarts: int
+    interrupted: bool
+    checkpoint: str
+
+
+class _Stop:
+    """Ctrl-C / SIGTERM flag: the main loop finishes its update, checkpoints and exits."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Stop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set():  # a second Ctrl-C: stop waiting
+            raise KeyboardInterrupt
+        log.warning("signal %d: stopping after the current update (press again to force)", signum)
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def run(trainer: Trainer, settings: RunSettings) -> RunResult:
+    """Train until ``total_frames``, ``max_seconds`` or a signal. Returns a summary."""
+    env_frames = 0
+    version = 0
+    if settings.resume:
+        state = load_checkpoint(settings.checkpoint_path)
+        trainer.load_state_dict(state["trainer"])
+        env_frames = int(state["env_frames"])
+        version = int(state["version"])
+        log.info("resumed from %s at %d env frames, policy version %d", settings.checkpoint_path, env_frames, version)
+    start_version = version
+
+    reference = settings.reference_fingerprint
+
+    def on_hello(actor: int, info: Mapping[str, Any]) -> str | None:
+        # The runtime guard of SEEDS.md part 1: a worker must never train on other dynamics.
+        if reference is None:
+            return None
+        raw = info.get("fingerprint")
+        if not isinstance(raw, dict):
+            return "hello carries no env fingerprint"
+        try:
+            theirs = EnvFingerprint.from_dict(raw)
+        except (TypeError, ValueError) as e:
+            return f"malformed fingerprint: {e}"
+        problems = compare_fingerprints(reference, theirs)
+        return "; ".join(str(p) for p in problems) or None
+
+    server = TrajectoryServer(trainer.schema, bind=settings.bind, port=settings.port, queue_size=settings.queue_size, on_hello=on_hello)
+    configs = [
+        ActorConfig(
+            actor_id=i,
+            env=settings.env,
+            num_envs=settings.envs_per_worker,
+            unroll_length=settings.unroll_length,
+            trajectory_endpoint=server.trajectory_endpoint,
+            params_endpoint=server.params_endpoint,
+            agent=trainer.agent_settings,
+            seed=settings.seed + 1000 * i,
+        )
+        for i in range(settings.workers)
+    ]
+    pool = ActorPool(configs, start_method=settings.start_method, actor_class=settings.actor_class)
+    logger = MetricsLogger(settings.logdir, progress=settings.progress, title=settings.title)
+    interrupted = False
+    start = time.monotonic()
+    last_ckpt = time.monotonic()
+    last_log = time.monotonic()
+    last_publish = 0.0
+    frames_at_last_log = env_frames
+    lags: list[float] = []
+    metrics: dict[str, float] = {}
+
+    def checkpoint() -> None:
+        save_checkpoint(
+            settings.checkpoint_path,
+            {"trainer": trainer.state_dict(), "env_frames": env_frames, "version": version, "config": settings.config_record},
+        )
+
+    def check_refusals() -> None:
+        if server.refused:
+            actor, reason = next(iter(server.refused.items()))
+            raise FingerprintMismatchError(
+                f"actor {actor}'s environment differs from the learner's: {reason}. Refusing to train on different dynamics."
+            )
+
+    try:
+        server.start()
+        if settings.spawn_actors:
+            pool.start()
+            log.info("started %d actors (%s) -> %s", settings.workers, settings.start_method, server.trajectory_endpoint)
+
+            # Every local actor must pass the fingerprint guard before any weights go out. Actors
+            # send no unroll before they have weights, so no hello can queue behind unrolls here.
+            def during_wait() -> None:
+                check_refusals()
+                pool.supervise()
+
+            server.wait_for_hellos(settings.workers, settings.hello_timeout, check=during_wait)
+            check_refusals()
+        server.publish(version, trainer.params())
+        with _Stop() as stop:
+            while env_frames < settings.total_frames and not stop.event.is_set():
+                if settings.max_seconds and time.monotonic() - start > settings.max_seconds:
+                    break
+                check_refusals()
+                if settings.spawn_actors:
+                    pool.supervise()
+                now = time.monotonic()
+                if now - last_publish > 1.0:
+                    # Re-publish for late joiners (restarted or remote actors): PUB drops for absent subscribers.
+                    server.publish(version, trainer.params())
+                    last_publish = now
+                msg = server.get(timeout=0.1)
+                if msg is None:
+                    continue
+                lag = version - msg.version
+                if settings.max_policy_lag and lag > settings.max_policy_lag:
+                    server.dropped["stale"] += 1
+                    continue
+                lags.append(lag)
+                trainer.ingest(msg, version)
+                env_frames += int(round(settings.unroll_length * trainer.frames_per_step))
+                if not trainer.ready():
+                    continue
+                metrics = trainer.update(env_frames)
+                version += 1
+                server.publish(version, trainer.params())
+                last_publish = time.monotonic()
+                now = time.monotonic()
+                if now - last_log >= settings.log_interval:
+                    row = dict(metrics)
+                    row.update(server.stats())
+                    row["charts/env_frames"] = env_frames
+                    row["charts/fps"] = (env_frames - frames_at_last_log) / (now - last_log)
+                    row["charts/policy_lag"] = float(np.mean(lags)) if lags else 0.0
+                    row["charts/policy_version"] = version
+                    row["charts/actor_restarts"] = pool.restarts
+                    logger.log(env_frames, row)
+                    frames_at_last_log, last_log, lags = env_frames, now, []
+                if now - last_ckpt >= settings.checkpoint_minutes * 60:
+                    checkpoint()
+                    last_ckpt = now
+            interrupted = stop.event.is_set()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        pool.stop()
+        server.close()
+        try:
+            if version > start_version:  # never overwrite a good checkpoint with an untrained model
+                checkpoint()
+        finally:
+            logger.close()
+    stats = server.stats()
+    return RunResult(
+        env_frames=env_frames,
+        updates=version,
+        mean_return=stats.get("charts/mean_return_100"),
+        dropped={k: int(v) for k, v in server.dropped.items()},
+        restarts=pool.restarts,
+        interrupted=interrupted,
+        checkpoint=settings.checkpoint_path,
+    )
