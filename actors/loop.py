@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -49,9 +50,10 @@ def env_fingerprint(config: ActorConfig) -> dict[str, Any] | None:
 class ActorLink:
     """The actor's two sockets: PUSH trajectories, SUB parameters."""
 
-    def __init__(self, config: ActorConfig, parent_pid: int | None) -> None:
+    def __init__(self, config: ActorConfig, parent_pid: int | None, stop_event: threading.Event | None = None) -> None:
         self.config = config
         self.parent_pid = parent_pid
+        self.stop_event = stop_event or threading.Event()
         self.ctx = zmq.Context.instance()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, config.send_hwm)
@@ -67,11 +69,15 @@ class ActorLink:
         if self.parent_pid is not None:
             exit_if_orphaned(self.parent_pid)
 
-    def send(self, frames: list) -> None:
+    def send(self, frames: list) -> bool:
+        """Send one message; False when stopped while blocked by backpressure."""
         # Block under backpressure (the learner's high-water mark), but keep checking the learner lives.
-        while not self.push.poll(1000, zmq.POLLOUT):
+        while not self.push.poll(200, zmq.POLLOUT):
             self._alive()
+            if self.stop_event.is_set():
+                return False
         self.push.send_multipart(frames, copy=False)
+        return True
 
     def latest_params(self, schema, timeout_ms: int = 0) -> wire.Message | None:
         """Drain the SUB socket and return the newest valid params message (or None)."""
@@ -93,9 +99,19 @@ class ActorLink:
         self.sub.close()
 
 
-def run_actor(config: ActorConfig, parent_pid: int | None = None, max_unrolls: int | None = None) -> None:
-    """Build envs, say hello, wait for weights, then stream unrolls forever (or ``max_unrolls``)."""
-    link = ActorLink(config, parent_pid)
+def run_actor(
+    config: ActorConfig,
+    parent_pid: int | None = None,
+    max_unrolls: int | None = None,
+    stop_event: threading.Event | None = None,
+) -> None:
+    """Build envs, say hello, wait for weights, then stream unrolls.
+
+    Runs until ``max_unrolls`` unrolls were sent, ``stop_event`` is set (thread
+    mode), or the process is terminated (process mode).
+    """
+    stop_event = stop_event or threading.Event()
+    link = ActorLink(config, parent_pid, stop_event)
     fingerprint = env_fingerprint(config)
     envs = build_vec_env(config)
     K, T = envs.num_envs, config.unroll_length
@@ -107,6 +123,8 @@ def run_actor(config: ActorConfig, parent_pid: int | None = None, max_unrolls: i
     deadline = time.monotonic() + config.params_timeout_s
     while params is None:
         link._alive()
+        if stop_event.is_set():
+            return
         if time.monotonic() > deadline:
             log.error("actor %d: no parameters from %s after %.0fs; exiting", config.actor_id, config.params_endpoint, config.params_timeout_s)
             return
@@ -118,7 +136,7 @@ def run_actor(config: ActorConfig, parent_pid: int | None = None, max_unrolls: i
     episodes = EpisodeTracker(K)
     unrolls = 0
     try:
-        while max_unrolls is None or unrolls < max_unrolls:
+        while (max_unrolls is None or unrolls < max_unrolls) and not stop_event.is_set():
             # Fresh buffers each unroll: ZeroMQ sends them zero-copy and may still hold the last ones.
             buf = {a.name: np.empty((K, *a.shape), dtype=a.dtype) for a in agent.schema.arrays}
             for name, value in agent.unroll_start().items():
@@ -139,7 +157,8 @@ def run_actor(config: ActorConfig, parent_pid: int | None = None, max_unrolls: i
             for k in range(K):
                 # Episode stats ride on the first env's message only, so none is counted twice.
                 info = wire.episode_info(returns, lengths) if k == 0 else {}
-                link.send(wire.encode("unroll", actor=config.actor_id, version=version, arrays={n: buf[n][k] for n in buf}, info=info))
+                if not link.send(wire.encode("unroll", actor=config.actor_id, version=version, arrays={n: buf[n][k] for n in buf}, info=info)):
+                    return
             unrolls += 1
             newest = link.latest_params(agent.params_schema)
             if newest is not None and newest.version > version:

@@ -69,13 +69,14 @@ class RunSettings:
     progress: bool = True
     log_interval: float = 5.0
     max_seconds: float = 0.0
-    max_policy_lag: int = 0
+    max_policy_lag: int | None = None  # None keeps all (V-trace corrects); 0 = on-policy only (PPO)
     title: str = "impala"
     config_record: dict[str, Any] = field(default_factory=dict)
     reference_fingerprint: EnvFingerprint | None = None
     hello_timeout: float = 180.0
     spawn_actors: bool = True
     actor_class: type = Actor  # an Actor subclass to start instead (custom envs or instrumentation)
+    in_process: bool = False  # serial mode: actors run as threads of this process (same code, same sockets)
 
     @property
     def checkpoint_path(self) -> str:
@@ -115,6 +116,40 @@ class _Stop:
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+class ThreadActors:
+    """Serial/debug mode: the same actor loop in threads of the learner process."""
+
+    def __init__(self, configs: list[ActorConfig]) -> None:
+        self.configs = configs
+        self.stop_event = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.restarts = 0
+        self.errors: list[BaseException] = []
+
+    def _target(self, config: ActorConfig) -> None:
+        from actors.loop import run_actor
+
+        try:
+            run_actor(config, stop_event=self.stop_event)
+        except BaseException as e:  # surfaced by supervise(): a thread cannot be restarted like a process
+            self.errors.append(e)
+
+    def start(self) -> None:
+        self.threads = [threading.Thread(target=self._target, args=(c,), name=f"actor-{c.actor_id}", daemon=True) for c in self.configs]
+        for t in self.threads:
+            t.start()
+
+    def supervise(self) -> list[int]:
+        if self.errors:
+            raise RuntimeError(f"in-process actor failed: {self.errors[0]!r}") from self.errors[0]
+        return []
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(timeout=timeout)
 
 
 def run(trainer: Trainer, settings: RunSettings) -> RunResult:
@@ -159,7 +194,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         )
         for i in range(settings.workers)
     ]
-    pool = ActorPool(configs, start_method=settings.start_method, actor_class=settings.actor_class)
+    pool = ThreadActors(configs) if settings.in_process else ActorPool(configs, start_method=settings.start_method, actor_class=settings.actor_class)
     logger = MetricsLogger(settings.logdir, progress=settings.progress, title=settings.title)
     interrupted = False
     start = time.monotonic()
@@ -187,7 +222,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         server.start()
         if settings.spawn_actors:
             pool.start()
-            log.info("started %d actors (%s) -> %s", settings.workers, settings.start_method, server.trajectory_endpoint)
+            log.info("started %d actors (%s) -> %s", settings.workers, "threads" if settings.in_process else settings.start_method, server.trajectory_endpoint)
 
             # Every local actor must pass the fingerprint guard before any weights go out. Actors
             # send no unroll before they have weights, so no hello can queue behind unrolls here.
@@ -214,7 +249,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
                 if msg is None:
                     continue
                 lag = version - msg.version
-                if settings.max_policy_lag and lag > settings.max_policy_lag:
+                if settings.max_policy_lag is not None and lag > settings.max_policy_lag:
                     server.dropped["stale"] += 1
                     continue
                 lags.append(lag)

@@ -104,10 +104,10 @@ class VTraceLearner:
         self.updates += 1
         state = self.model.baseline.state
         return {
-            "losses/total": float(loss.total),
-            "losses/policy": float(loss.pg_loss),
-            "losses/value": float(loss.baseline_loss),
-            "losses/entropy": float(loss.entropy),
+            "losses/total": float(loss.total.detach()),
+            "losses/policy": float(loss.pg_loss.detach()),
+            "losses/value": float(loss.baseline_loss.detach()),
+            "losses/entropy": float(loss.entropy.detach()),
             "losses/grad_norm": float(grad_norm),
             "charts/learning_rate": lr,
             "popart/mu": float(state.mu[0]),
