@@ -157,6 +157,7 @@ def run_actor(
             for k in range(K):
                 # Episode stats ride on the first env's message only, so none is counted twice.
                 info = wire.episode_info(returns, lengths) if k == 0 else {}
+                info["env"] = k  # which env stream this unroll continues (PPO's per-env reward normalization)
                 if not link.send(wire.encode("unroll", actor=config.actor_id, version=version, arrays={n: buf[n][k] for n in buf}, info=info)):
                     return
             unrolls += 1

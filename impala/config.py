@@ -24,7 +24,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 @dataclass(frozen=True)
 class ImpalaConfig:
     env: str = _f("PongDeterministic-v4", "Environment id (classic Atari ids such as PongDeterministic-v4, ale-py ids, or gymnasium ids such as CartPole-v1).")
-    workers: int = _f(2, "Number of actor processes.")
+    workers: int = _f(2, "Number of local actor processes; 0 runs no local actors and waits for remote ones (impala-actors).")
     envs_per_worker: int = _f(4, "Environments stepped by each actor with one batched forward pass per step.")
     unroll_length: int = _f(80, "Steps per unroll (T).")
     batch_size: int = _f(32, "Unrolls per learner update (B).")
@@ -63,7 +63,7 @@ class ImpalaConfig:
             if not cond:
                 raise ConfigError(msg)
 
-        need(self.workers >= 1, f"--workers must be >= 1, got {self.workers}")
+        need(self.workers >= 0, f"--workers must be >= 0, got {self.workers}")
         need(self.envs_per_worker >= 1, f"--envs-per-worker must be >= 1, got {self.envs_per_worker}")
         need(self.unroll_length >= 1, f"--unroll-length must be >= 1, got {self.unroll_length}")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")

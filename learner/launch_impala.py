@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             title=f"impala {config.env}",
             config_record={k: v for k, v in dataclasses.asdict(config).items()},
             reference_fingerprint=fp,
+            spawn_actors=config.workers > 0,
         )
         log.info("env %s: obs %s %s, %d actions, frameskip %s, sticky %s; learner on %s", spec.id, obs_shape, obs_dtype, num_actions, fp.frameskip_text(), fp.sticky, trainer.learner.device)
         result: RunResult = run(trainer, settings)

@@ -181,6 +181,13 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         return "; ".join(str(p) for p in problems) or None
 
     server = TrajectoryServer(trainer.schema, bind=settings.bind, port=settings.port, queue_size=settings.queue_size, on_hello=on_hello)
+    # Remote actors (impala-actors) learn what to run from this, sent with every weights message.
+    server.run_info = {
+        "env": {"id": settings.env.id, "kwargs": settings.env.kwargs, "preprocess": settings.env.preprocess},
+        "agent": trainer.agent_settings,
+        "unroll_length": settings.unroll_length,
+        "envs_per_worker": settings.envs_per_worker,
+    }
     configs = [
         ActorConfig(
             actor_id=i,

@@ -32,6 +32,10 @@ class PortInUseError(RuntimeError):
     pass
 
 
+# Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
+DROP_REASONS = ("malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale")
+
+
 class TrajectoryServer:
     """Owns the learner's sockets and receive thread.
 
@@ -59,6 +63,9 @@ class TrajectoryServer:
         self.schema = schema
         self.max_bytes = schema.nbytes + 1024
         self.on_hello = on_hello or (lambda actor, info: None)
+        self._stats_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive_loop, name="trajectory-receiver", daemon=True)
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, rcv_hwm)
@@ -66,8 +73,9 @@ class TrajectoryServer:
         # Small kernel buffers: with tiny unrolls (CartPole) the OS would otherwise queue
         # thousands of them, and every one would be many policy versions old when read.
         self.pull.setsockopt(zmq.RCVBUF, max(64 * 1024, 2 * schema.nbytes))
-        # Refuse oversized messages inside ZeroMQ itself, before they are buffered.
-        self.pull.setsockopt(zmq.MAXMSGSIZE, self.max_bytes + wire.MAX_HEADER_BYTES)
+        # A hard cap inside ZeroMQ itself, so a huge message is never buffered: the sender is
+        # disconnected. Between the schema's size and this cap, messages arrive and are counted.
+        self.pull.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_bytes + wire.MAX_HEADER_BYTES)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 2)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -83,9 +91,7 @@ class TrajectoryServer:
         self.episode_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.episode_lengths: collections.deque[int] = collections.deque(maxlen=100)
         self.episodes_total = 0
-        self._stats_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._receive_loop, name="trajectory-receiver", daemon=True)
+        self.run_info: dict[str, Any] = {}
 
     def _bind(self, bind: str, port: int) -> tuple[int, int]:
         addr = f"tcp://{bind}"
@@ -134,6 +140,10 @@ class TrajectoryServer:
             self._drop("malformed", "?", str(e))
             return
         actor = header["actor"]
+        size = sum(len(f.buffer) if hasattr(f, "buffer") else len(f) for f in frames[1:])
+        if size > self.max_bytes:
+            self._drop("oversized", actor, f"{size} payload bytes > {self.max_bytes}")
+            return
         kind = header["kind"]
         if kind == "hello":
             reason = self.on_hello(actor, header["info"])
@@ -180,7 +190,7 @@ class TrajectoryServer:
             return None
 
     def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
-        self.pub.send(wire.encode_packed("params", actor=0, version=version, arrays=arrays), copy=False)
+        self.pub.send(wire.encode_packed("params", actor=0, version=version, arrays=arrays, info={"run": self.run_info}), copy=False)
 
     def stats(self) -> dict[str, float]:
         with self._stats_lock:
@@ -191,8 +201,8 @@ class TrajectoryServer:
                 "transport/queue_depth": float(self.queue.qsize()),
                 "charts/episodes": float(self.episodes_total),
             }
-            for reason, n in self.dropped.items():
-                out[f"transport/dropped_{reason}"] = float(n)
+            for reason in DROP_REASONS:
+                out[f"transport/dropped_{reason}"] = float(self.dropped.get(reason, 0))
         if returns:
             out["charts/mean_return_100"] = float(np.mean(returns))
             out["charts/mean_length_100"] = float(np.mean(self.episode_lengths))

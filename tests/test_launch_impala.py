@@ -1,0 +1,143 @@
+"""launch_impala end to end: real actor processes, real ZeroMQ, real signals."""
+
+import csv
+import math
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from procs import actor_pids, alive, cmdline, descendants, free_port_pair, kill_group, run, start, wait_for
+
+CARTPOLE = ["--env", "CartPole-v1", "--unroll-length", "20", "--batch-size", "8", "--no-progress", "--log-interval", "2"]
+
+
+def _done_line(out: str) -> str:
+    lines = [l for l in out.splitlines() if l.startswith("launch_impala: done")]
+    assert lines, out[-3000:]
+    return lines[-1]
+
+
+def _frames(line: str) -> int:
+    return int(re.search(r"done: (\d+) env frames", line).group(1))
+
+
+def _csv_rows(logdir) -> list[dict]:
+    with open(os.path.join(logdir, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def test_cartpole_learns_to_195_within_3_minutes(tmp_path):
+    t0 = time.monotonic()
+    out = run(["launch_impala", "--workers", "2", *CARTPOLE, "--total-frames", "800000", "--max-seconds", "170", "--logdir", str(tmp_path), "--log-interval", "5"], timeout=240)
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = _done_line(out.stdout)
+    mean = float(re.search(r"mean return \(last 100\) ([\d.]+)", line).group(1))
+    print(line, f"elapsed {elapsed:.0f}s")
+    assert mean >= 195, line
+    assert elapsed < 180 + 30  # 3 minutes of training plus process start-up
+
+
+def test_pong_smoke_actor_kill_checkpoint_and_resume(tmp_path):
+    port = free_port_pair()
+    args = ["--env", "PongDeterministic-v4", "--workers", "2", "--envs-per-worker", "2", "--unroll-length", "20", "--batch-size", "4",
+            "--no-progress", "--log-interval", "1", "--logdir", str(tmp_path), "--port", str(port)]
+    proc = start(["launch_impala", *args, "--total-frames", "12000", "--max-seconds", "150"])
+    try:
+        # Once frames move, SIGKILL one actor mid-unroll: it must be restarted and no partial unroll may arrive.
+        assert wait_for(lambda: os.path.exists(tmp_path / "metrics.csv"), 120), "no metrics written"
+        victims = actor_pids(proc.pid)
+        assert len(victims) == 2
+        os.kill(victims[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    line = _done_line(out)
+    assert "actor restarts 1" in line or "actor restarts 2" in line, line
+    assert "exited with code -9; restarting" in out
+    assert "dropped {}" in line or "dropped 0" in line, line  # nothing partial or malformed arrived
+    frames = _frames(line)
+    assert frames >= 12000
+    rows = _csv_rows(tmp_path)
+    assert rows and all(math.isfinite(float(r["losses/total"])) for r in rows)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert ckpt["env_frames"] == frames and ckpt["version"] > 0
+
+    out2 = run(["launch_impala", *args, "--total-frames", str(frames + 4000), "--resume", "--max-seconds", "120"], timeout=200)
+    assert out2.returncode == 0, out2.stdout[-3000:] + out2.stderr[-3000:]
+    assert f"at {frames} env frames" in out2.stdout + out2.stderr
+    line2 = _done_line(out2.stdout)
+    assert _frames(line2) >= frames + 4000
+    ckpt2 = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert ckpt2["version"] > ckpt["version"]
+
+
+def test_learner_sigkill_then_resume_continues_from_checkpoint(tmp_path):
+    proc = start(["launch_impala", "--workers", "2", *CARTPOLE, "--total-frames", "10000000", "--checkpoint-minutes", "0.02", "--logdir", str(tmp_path)])
+    try:
+        ckpt_path = tmp_path / "checkpoint.pt"
+        assert wait_for(lambda: ckpt_path.exists() and torch.load(ckpt_path, weights_only=True)["env_frames"] > 20000, 150)
+        actors = actor_pids(proc.pid)
+        assert actors
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        # Orphaned actors notice their learner is gone and exit by themselves.
+        assert wait_for(lambda: not any(alive(p) for p in actors), 15), [p for p in actors if alive(p)]
+    finally:
+        kill_group(proc)
+    saved = torch.load(ckpt_path, weights_only=True)
+    frames = saved["env_frames"]
+    out = run(["launch_impala", "--workers", "1", *CARTPOLE, "--total-frames", str(frames + 5000), "--resume", "--logdir", str(tmp_path)], timeout=150)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"at {frames} env frames, policy version {saved['version']}" in out.stderr + out.stdout
+    assert _frames(_done_line(out.stdout)) >= frames + 5000
+
+
+def test_ctrl_c_leaves_no_child_processes(tmp_path):
+    proc = start(["launch_impala", "--workers", "2", *CARTPOLE, "--total-frames", "10000000", "--logdir", str(tmp_path)])
+    try:
+        assert wait_for(lambda: os.path.exists(tmp_path / "metrics.csv"), 150)
+        children = descendants(proc.pid)
+        assert len(actor_pids(proc.pid)) == 2
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "(interrupted)" in _done_line(out)
+    assert (tmp_path / "checkpoint.pt").exists()
+    # Actors are joined before exit; multiprocessing's resource tracker exits once its pipe closes.
+    assert wait_for(lambda: not any(alive(p) for p in children), 10), [cmdline(p) for p in children if alive(p)]
+
+
+def test_unknown_env_id_lists_close_matches():
+    out = run(["launch_impala", "--env", "PongDeterministc-v4", "--workers", "1"], timeout=60)
+    assert out.returncode == 2
+    assert "unknown env id 'PongDeterministc-v4'" in out.stderr and "PongDeterministic-v4" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_port_in_use_names_port_and_flag(tmp_path):
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        out = run(["launch_impala", *CARTPOLE, "--workers", "1", "--port", str(port), "--logdir", str(tmp_path)], timeout=60)
+    finally:
+        sock.close()
+    assert out.returncode == 2
+    assert f"port {port}" in out.stderr and "--port" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_help_documents_every_option():
+    out = run(["launch_impala", "--help"], timeout=60)
+    assert out.returncode == 0
+    for flag in ("--workers", "--env", "--total-frames", "--device", "--logdir", "--resume", "--bind", "--start-method", "--popart", "--batch-size"):
+        assert flag in out.stdout

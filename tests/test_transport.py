@@ -1,0 +1,146 @@
+"""The learner's receive path over real ZeroMQ sockets: bad messages are dropped and counted, never fatal."""
+
+import json
+import logging
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from impala import wire
+from impala.trajectory import impala_unroll_schema
+from learner.server import PortInUseError, TrajectoryServer
+
+SCHEMA = impala_unroll_schema(4, (3,), "float32", 2)
+
+
+def _unroll():
+    u = SCHEMA.allocate()
+    u["obs"][:] = 1.0
+    u["behaviour_logits"][:] = 0.5
+    return u
+
+
+@pytest.fixture
+def server():
+    srv = TrajectoryServer(SCHEMA, queue_size=8, on_hello=lambda actor, info: None if info.get("ok", True) else "bad fingerprint")
+    srv.start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def push(server):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.trajectory_endpoint)
+    yield s
+    s.close()
+
+
+def _send(sock, frames):
+    sock.send_multipart([bytes(f) for f in frames])
+
+
+def _wait(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not pred():
+        time.sleep(0.02)
+    return pred()
+
+
+def test_every_bad_message_is_dropped_and_counted(server, push, caplog):
+    caplog.set_level(logging.WARNING, logger="learner.server")
+    good = wire.encode("unroll", actor=7, version=0, arrays=_unroll(), info=wire.episode_info([3.0], [4]))
+
+    # An unroll before any hello: the actor is unknown.
+    _send(push, good)
+    assert _wait(lambda: server.dropped["unknown_actor"] == 1)
+
+    _send(push, wire.encode("hello", actor=7, version=-1, info={"fingerprint": {}}))
+    assert _wait(lambda: 7 in server.accepted)
+
+    _send(push, [b"\x80garbage"] + [bytes(f) for f in good[1:]])  # malformed header
+    frames = [bytes(f) for f in good]
+    _send(push, frames[:1] + [frames[1][:-3]] + frames[2:])  # truncated frame
+    header = json.loads(frames[0])
+    header["arrays"][3][1] = "float64"  # rewards declared with the wrong dtype
+    _send(push, [json.dumps(header).encode()] + frames[1:-3] + [frames[-3] * 2] + frames[-2:])
+    _send(push, frames + [b"\0" * (SCHEMA.nbytes + 4096)])  # oversized
+    nan = _unroll()
+    nan["rewards"][2] = np.nan
+    _send(push, wire.encode("unroll", actor=7, version=0, arrays=nan))  # NaN rewards
+    _send(push, wire.encode("params", actor=7, version=0))  # a kind actors must not send
+
+    assert _wait(lambda: sum(server.dropped.values()) == 7), dict(server.dropped)
+    assert server.dropped["malformed"] == 1
+    assert server.dropped["schema"] == 2  # truncated + wrong dtype
+    assert server.dropped["oversized"] == 1
+    assert server.dropped["non_finite"] == 1
+    assert server.dropped["unexpected_kind"] == 1
+    assert server.queue.qsize() == 0
+
+    # The learner keeps running: a valid unroll still gets through, with its episode stats.
+    _send(push, good)
+    msg = server.get(timeout=5)
+    assert msg is not None and msg.actor == 7
+    np.testing.assert_array_equal(msg.arrays["obs"], _unroll()["obs"])
+    assert server.stats()["charts/mean_return_100"] == 3.0
+    assert server.stats()["transport/dropped_non_finite"] == 1.0
+    # Each drop is logged with the actor id.
+    assert any("actor 7 (non_finite)" in r.getMessage() for r in caplog.records)
+
+
+def test_refused_actor_data_is_dropped(server, push):
+    _send(push, wire.encode("hello", actor=2, version=-1, info={"ok": False}))
+    assert _wait(lambda: 2 in server.refused)
+    _send(push, wire.encode("unroll", actor=2, version=0, arrays=_unroll()))
+    assert _wait(lambda: server.dropped["unknown_actor"] == 1)
+    assert "bad fingerprint" in server.refused[2]
+
+
+def test_full_queue_pushes_back_without_losing_hellos(server):
+    """Backpressure: a full queue stops the reader, ZeroMQ's HWM then blocks the sender."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 2)
+    s.setsockopt(zmq.SNDBUF, 4096)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.trajectory_endpoint)
+    _send(s, wire.encode("hello", actor=1, version=-1, info={}))
+    assert _wait(lambda: 1 in server.accepted)
+    sent = 0
+    frames = [bytes(f) for f in wire.encode("unroll", actor=1, version=0, arrays=_unroll())]
+    deadline = time.monotonic() + 20
+    blocked_since = None
+    while time.monotonic() < deadline:
+        try:
+            s.send_multipart(frames, flags=zmq.NOBLOCK)
+            sent += 1
+            blocked_since = None
+        except zmq.Again:
+            blocked_since = blocked_since or time.monotonic()
+            if time.monotonic() - blocked_since > 1.0:
+                break  # blocked for a whole second: pushed back
+            time.sleep(0.01)
+    s.close()
+    assert time.monotonic() < deadline, "the sender was never pushed back"
+    assert server.queue.qsize() == 8  # the bounded queue is full, nothing was dropped
+    assert sum(server.dropped.values()) == 0
+    assert sent > 8
+
+
+def test_port_in_use_names_port_and_flag():
+    first = TrajectoryServer(SCHEMA, port=0)
+    try:
+        with pytest.raises(PortInUseError, match=rf"port {first.trajectory_port}.*--port"):
+            TrajectoryServer(SCHEMA, port=first.trajectory_port)
+    finally:
+        first.close()
+
+
+def test_binds_loopback_by_default(server):
+    assert server.trajectory_endpoint.startswith("tcp://127.0.0.1:")
+    assert server.pull.getsockopt(zmq.LAST_ENDPOINT).decode().startswith("tcp://127.0.0.1:")
