@@ -50,7 +50,7 @@ def env_fingerprint(config: ActorConfig) -> dict[str, Any] | None:
 class ActorLink:
     """The actor's two sockets: PUSH trajectories, SUB parameters."""
 
-    def __init__(self, config: ActorConfig, parent_pid: int | None, stop_event: threading.Event | None = None) -> None:
+    def __init__(self, config: ActorConfig, parent_pid: int | None, stop_event: threading.Event | None = None, message_bytes: int = 0) -> None:
         self.config = config
         self.parent_pid = parent_pid
         self.stop_event = stop_event or threading.Event()
@@ -58,7 +58,9 @@ class ActorLink:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, config.send_hwm)
         self.push.setsockopt(zmq.LINGER, 2000)
-        self.push.setsockopt(zmq.SNDBUF, 64 * 1024)  # bound what the OS queues (policy lag)
+        # Bound what the OS queues to about two unrolls: tiny unrolls (CartPole) would otherwise
+        # pile up by the hundred in kernel buffers, each many policy versions old when read.
+        self.push.setsockopt(zmq.SNDBUF, max(8192, 2 * message_bytes))
         self.push.connect(config.trajectory_endpoint)
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -111,31 +113,33 @@ def run_actor(
     mode), or the process is terminated (process mode).
     """
     stop_event = stop_event or threading.Event()
-    link = ActorLink(config, parent_pid, stop_event)
     fingerprint = env_fingerprint(config)
     envs = build_vec_env(config)
-    K, T = envs.num_envs, config.unroll_length
-    obs = envs.reset()
-    agent = make_agent(config.agent, envs=envs, first_obs=obs, unroll_length=T, seed=config.seed)
-    link.send(wire.encode("hello", actor=config.actor_id, version=-1, info={"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K}))
-
-    params = None
-    deadline = time.monotonic() + config.params_timeout_s
-    while params is None:
-        link._alive()
-        if stop_event.is_set():
-            return
-        if time.monotonic() > deadline:
-            log.error("actor %d: no parameters from %s after %.0fs; exiting", config.actor_id, config.params_endpoint, config.params_timeout_s)
-            return
-        params = link.latest_params(agent.params_schema, timeout_ms=200)
-    agent.load_params(params.arrays)
-    version = params.version
-
-    first = np.ones(K, dtype=bool)
-    episodes = EpisodeTracker(K)
-    unrolls = 0
+    link: ActorLink | None = None
     try:
+        K, T = envs.num_envs, config.unroll_length
+        obs = envs.reset()
+        agent = make_agent(config.agent, envs=envs, first_obs=obs, unroll_length=T, seed=config.seed)
+        link = ActorLink(config, parent_pid, stop_event, message_bytes=agent.schema.nbytes)
+        link.send(wire.encode("hello", actor=config.actor_id, version=-1, info={"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K}))
+
+        params = None
+        deadline = time.monotonic() + config.params_timeout_s
+        while params is None:
+            link._alive()
+            if stop_event.is_set():
+                return
+            if time.monotonic() > deadline:
+                log.error("actor %d: no parameters from %s after %.0fs; exiting", config.actor_id, config.params_endpoint, config.params_timeout_s)
+                return
+            params = link.latest_params(agent.params_schema, timeout_ms=200)
+        agent.load_params(params.arrays)
+        version = params.version
+
+        first = np.ones(K, dtype=bool)
+        episodes = EpisodeTracker(K)
+        unrolls = 0
+        sent_with_version = 0  # unrolls sent with the current weights
         while (max_unrolls is None or unrolls < max_unrolls) and not stop_event.is_set():
             # Fresh buffers each unroll: ZeroMQ sends them zero-copy and may still hold the last ones.
             buf = {a.name: np.empty((K, *a.shape), dtype=a.dtype) for a in agent.schema.arrays}
@@ -161,10 +165,20 @@ def run_actor(
                 if not link.send(wire.encode("unroll", actor=config.actor_id, version=version, arrays={n: buf[n][k] for n in buf}, info=info)):
                     return
             unrolls += 1
+            sent_with_version += 1
             newest = link.latest_params(agent.params_schema)
+            # On-policy adapters (PPO) may ask to wait for newer weights once they sent their share
+            # of an update: an unroll collected meanwhile with the old weights would be dropped as stale.
+            wait_s = agent.params_wait_s(sent_with_version) if hasattr(agent, "params_wait_s") else 0.0
+            wait_until = time.monotonic() + wait_s
+            while (newest is None or newest.version <= version) and time.monotonic() < wait_until and not stop_event.is_set():
+                link._alive()
+                newest = link.latest_params(agent.params_schema, timeout_ms=100)
             if newest is not None and newest.version > version:
                 agent.load_params(newest.arrays)
                 version = newest.version
+                sent_with_version = 0
     finally:
         envs.close()
-        link.close()
+        if link is not None:
+            link.close()

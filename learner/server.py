@@ -72,7 +72,7 @@ class TrajectoryServer:
         self.pull.setsockopt(zmq.LINGER, 0)
         # Small kernel buffers: with tiny unrolls (CartPole) the OS would otherwise queue
         # thousands of them, and every one would be many policy versions old when read.
-        self.pull.setsockopt(zmq.RCVBUF, max(64 * 1024, 2 * schema.nbytes))
+        self.pull.setsockopt(zmq.RCVBUF, max(8192, 2 * schema.nbytes))
         # A hard cap inside ZeroMQ itself, so a huge message is never buffered: the sender is
         # disconnected. Between the schema's size and this cap, messages arrive and are counted.
         self.pull.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_bytes + wire.MAX_HEADER_BYTES)
