@@ -1,0 +1,774 @@
+"""``frameskip_check``: prove, inside real actor processes, that each env runs with its configured settings.
+
+SEEDS.md part 1: a worker whose env was built in the parent (in ``__init__``)
+and pickled into the child trained on *different dynamics* (frameskip (2, 5)
+instead of 4, sticky actions lost) and nothing crashed. This command is the
+regression check for that bug. For every env id and every multiprocessing start
+method it:
+
+1. starts a real ``TrajectoryServer`` and an ``ActorPool`` of real ``Actor``
+   processes, exactly as ``launch_impala`` does; each child builds its env in
+   ``run()`` and sends the fingerprint it *measured* (the ALE frame counter's
+   advance per agent step, sticky-action probability, action set, episode step
+   limit, observation shape and dtype) in its hello message;
+2. compares every child's fingerprint with what the parent configured
+   (``configured_settings`` + ``check_against_config``, plus the observation
+   the parent expects), then stops the pool and checks that no child lingers;
+3. pickles the raw ALE env in the parent, unpickles it, measures it and
+   compares (the historical failure mode itself);
+4. constructs the actor class in the parent and walks its attributes for any
+   environment object (envs must be built in ``run()``, never in ``__init__``).
+
+One table row per (env id x start method); exit status 1 on any mismatch, 2 on
+bad input. ``--plot`` additionally runs episodes under the configured settings
+and under a deliberately mis-specified twin (frameskip 2-4, sticky 0.25) and
+plots steps per episode and episode return side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import gymnasium as gym
+import numpy as np
+
+from actors.actor import Actor, ActorConfig
+from actors.pool import ActorPool
+from impala.envs import EnvSpec, UnknownEnvError, check_env_id, make_env
+from impala.envs.fingerprint import (
+    ConfiguredSettings,
+    EnvFingerprint,
+    Mismatch,
+    check_against_config,
+    compare_fingerprints,
+    configured_settings,
+    measure_fingerprint,
+)
+from impala.trajectory import impala_unroll_schema
+from learner.server import TrajectoryServer
+
+DEFAULT_ENV_IDS = ("PongDeterministic-v4", "PongNoFrameskip-v4", "Pong-v4", "ALE/Pong-v5")
+START_METHODS = ("fork", "spawn", "forkserver")
+ENV_IN_INIT = "actor holds an environment object built in the parent (in __init__); build envs inside run() from an EnvSpec"
+TWIN_OVERRIDES: dict[str, Any] = {"frameskip": (2, 5), "repeat_action_probability": 0.25}
+
+
+class UsageError(ValueError):
+    """Bad command-line input: reported as one line on stderr, exit status 2."""
+
+
+# ---------------------------------------------------------------------------
+# Check 1: what the workers measure
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """The result for one (env id x start method).
+
+    measured / pids: per actor id, the fingerprint from its hello and the pid
+    that measured it. mismatches: (actor id, Mismatch) for every field that
+    differs from the configuration. errors: anything else that went wrong
+    (missing hello, a process left running). pickle / actor_flags: the results
+    of ``check_pickle_roundtrip`` and ``check_actor_builds_no_env`` when the
+    caller attached them (None: not run).
+    """
+
+    env_id: str
+    start_method: str
+    workers: int
+    configured: ConfiguredSettings | None
+    expected_obs: tuple[tuple[int, ...], str]
+    measured: dict[int, EnvFingerprint] = field(default_factory=dict)
+    pids: dict[int, int] = field(default_factory=dict)
+    mismatches: list[tuple[int, Mismatch]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    pickle: list[Mismatch] | None = None
+    actor_flags: list[str] | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatches or self.errors or self.pickle or self.actor_flags)
+
+    def problems(self) -> list[str]:
+        """One human-readable line per problem, naming field, both values and likely cause."""
+        where = f"{self.env_id} [{self.start_method}]"
+        out = [f"{where} worker {a}: {m}" for a, m in self.mismatches]
+        out += [f"{where}: {e}" for e in self.errors]
+        out += [f"{self.env_id} pickle round trip: {m}" for m in self.pickle or []]
+        out += [f"{self.env_id} actor: {f}" for f in self.actor_flags or []]
+        return out
+
+
+def _obs_mismatches(expected: tuple[tuple[int, ...], str], fp: EnvFingerprint) -> list[Mismatch]:
+    shape, dtype = expected
+    cause = "the worker's env was not built from the same EnvSpec as the parent's (different wrappers/preprocessing)"
+    out = []
+    if tuple(fp.obs_shape) != tuple(shape):
+        out.append(Mismatch("obs_shape", str(tuple(shape)), str(tuple(fp.obs_shape)), cause))
+    if fp.obs_dtype != dtype:
+        out.append(Mismatch("obs_dtype", dtype, fp.obs_dtype, cause))
+    return out
+
+
+def expected_observation(spec: EnvSpec) -> tuple[tuple[int, ...], str]:
+    """The observation shape and dtype the parent expects from ``spec``'s observation space."""
+    env = make_env(spec)
+    try:
+        space = env.observation_space
+        return tuple(int(d) for d in space.shape), str(np.dtype(space.dtype))
+    finally:
+        env.close()
+
+
+def _lingering(pids: Iterable[int], wait: float = 5.0) -> list[int]:
+    """Pids (of ours) still running after ``wait`` seconds; zombies count as gone."""
+
+    have_proc = os.path.isdir("/proc/self")
+
+    def running(pid: int) -> bool:
+        if have_proc:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            except OSError:
+                return False
+        try:  # no /proc (macOS): a zombie counts as running here, so the wait is conservative
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    pids = list(pids)
+    deadline = time.monotonic() + wait
+    while True:
+        left = [p for p in pids if running(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _actor_config(actor_id: int, spec: EnvSpec, *, trajectory_endpoint: str, params_endpoint: str, seed: int, fingerprint_steps: int) -> ActorConfig:
+    return ActorConfig(
+        actor_id=actor_id,
+        env=spec,
+        num_envs=1,
+        unroll_length=20,
+        trajectory_endpoint=trajectory_endpoint,
+        params_endpoint=params_endpoint,
+        # What launch_impala's ImpalaTrainer sends: the child builds the same agent.
+        agent={"kind": "impala", "model": "auto", "use_lstm": False},
+        seed=seed,
+        fingerprint_steps=fingerprint_steps,
+        # The actors wait for parameters that never come; we stop them, this is the safety net.
+        params_timeout_s=60.0,
+    )
+
+
+def check_workers(
+    env_id: str,
+    start_method: str,
+    *,
+    workers: int = 2,
+    actor_class: type = Actor,
+    env_kwargs: dict[str, Any] | None = None,
+    timeout: float = 120.0,
+    fingerprint_steps: int = 300,
+    seed: int = 0,
+) -> Row:
+    """Start ``workers`` real actor processes with ``start_method`` and check the fingerprints they report.
+
+    The path is launch_impala's: a ``TrajectoryServer`` receives the hellos, an
+    ``ActorPool`` starts ``actor_class`` processes, each of which measures its
+    env in the child and says hello. The pool is stopped once every hello is in
+    (or a worker died, or ``timeout`` passed); any worker process still running
+    afterwards is reported.
+    """
+    started = time.monotonic()
+    if start_method not in multiprocessing.get_all_start_methods():
+        raise UsageError(f"start method {start_method!r} is not available on this platform (available: {', '.join(multiprocessing.get_all_start_methods())})")
+    spec = EnvSpec(env_id, kwargs=dict(env_kwargs or {}))
+    cfg = configured_settings(env_id, spec.kwargs)
+    expected = expected_observation(spec)
+    row = Row(env_id, start_method, workers, cfg, expected)
+    # The server needs some schema; only hellos are exchanged here, so its layout does not matter.
+    schema = impala_unroll_schema(20, expected[0], expected[1], 1)
+    server = TrajectoryServer(schema, on_hello=lambda actor, info: None)
+    configs = [
+        _actor_config(
+            i,
+            spec,
+            trajectory_endpoint=server.trajectory_endpoint,
+            params_endpoint=server.params_endpoint,
+            seed=seed + 1000 * i,
+            fingerprint_steps=fingerprint_steps,
+        )
+        for i in range(workers)
+    ]
+    pool = ActorPool(configs, start_method=start_method, actor_class=actor_class)
+    spawned: list[int] = []
+    try:
+        server.start()
+        pool.start()
+        spawned = pool.pids()
+        deadline = time.monotonic() + timeout
+        while len(server.accepted) < workers:
+            dead = [a for a in pool.actors if not a.is_alive() and a.config.actor_id not in server.accepted]
+            if dead:
+                time.sleep(0.5)  # a hello sent just before exiting may still be in flight
+                dead = [a for a in dead if a.config.actor_id not in server.accepted]
+                for a in dead:
+                    row.errors.append(f"worker {a.config.actor_id} exited with code {a.exitcode} before saying hello")
+                if dead:
+                    break
+            if time.monotonic() > deadline:
+                row.errors.append(f"only {len(server.accepted)} of {workers} workers said hello within {timeout:.0f}s")
+                break
+            time.sleep(0.05)
+    finally:
+        pool.stop()
+        server.close()
+    left = _lingering(spawned)
+    if left:
+        row.errors.append(f"worker processes still running after stop: pids {left}")
+    ours = {a.pid for a in pool.actors}
+    still_children = [p.pid for p in multiprocessing.active_children() if p.pid in ours]
+    if still_children:
+        row.errors.append(f"worker processes not joined after stop: pids {still_children}")
+
+    for actor_id, info in sorted(server.accepted.items()):
+        pid = info.get("pid")
+        raw = info.get("fingerprint")
+        if pid == os.getpid():
+            row.errors.append(f"worker {actor_id}: fingerprint was measured in the parent, not in the child")
+        if not isinstance(raw, dict):
+            row.errors.append(f"worker {actor_id}: hello carries no env fingerprint")
+            continue
+        try:
+            fp = EnvFingerprint.from_dict(raw)
+        except (TypeError, ValueError) as e:
+            row.errors.append(f"worker {actor_id}: malformed fingerprint: {e}")
+            continue
+        row.measured[actor_id] = fp
+        row.pids[actor_id] = int(pid) if isinstance(pid, int) else -1
+        row.mismatches += [(actor_id, m) for m in check_against_config(fp, cfg)]
+        row.mismatches += [(actor_id, m) for m in _obs_mismatches(expected, fp)]
+    row.seconds = time.monotonic() - started
+    return row
+
+
+# ---------------------------------------------------------------------------
+# Check 2: the pickle round trip
+# ---------------------------------------------------------------------------
+
+
+def _resolve(entry_point: Any) -> type:
+    if not isinstance(entry_point, str):
+        return entry_point
+    module, _, name = entry_point.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def check_pickle_roundtrip(
+    env_id: str,
+    *,
+    env_class: type | None = None,
+    overrides: dict[str, Any] | None = None,
+    steps: int = 300,
+    seed: int = 0,
+) -> list[Mismatch]:
+    """Pickle the raw env (the registry's class and kwargs, or ``env_class``) in this process,
+    unpickle it, measure the copy and compare it with the configured settings and with the original.
+
+    The raw env has no TimeLimit (that wrapper is gymnasium.make's), so the
+    episode step limit is not compared here; the worker check covers it.
+    """
+    check_env_id(env_id)
+    spec = gym.registry[env_id]
+    kwargs = {**spec.kwargs, **(overrides or {})}
+    kwargs.pop("max_episode_steps", None)
+    if isinstance(kwargs.get("frameskip"), list):
+        kwargs["frameskip"] = tuple(kwargs["frameskip"])
+    cls = env_class or _resolve(spec.entry_point)
+    original = cls(**kwargs)
+    try:
+        try:
+            clone = pickle.loads(pickle.dumps(original))
+        except Exception as e:  # noqa: BLE001 - any failure to pickle is the finding
+            return [Mismatch("pickle", "picklable", f"{type(e).__name__}: {e}", "the env cannot cross a process boundary by pickling; build it in the child from an EnvSpec")]
+        try:
+            fp_clone = measure_fingerprint(clone, steps=steps, seed=seed)
+            fp_orig = measure_fingerprint(original, steps=steps, seed=seed)
+        finally:
+            clone.close()
+    finally:
+        original.close()
+    cfg = configured_settings(env_id, overrides)
+    out = check_against_config(fp_clone, dataclasses.replace(cfg, max_episode_steps=None)) if cfg is not None else []
+    # Then anything else the copy does differently from the original (obs, action count, ...).
+    seen = {"num_actions" if m.field == "action_set" else m.field for m in out}
+    cause = "unpickling rebuilt the env with different settings than the original (its pickling drops constructor arguments)"
+    out += [Mismatch(m.field, m.configured, m.measured, cause) for m in compare_fingerprints(fp_orig, fp_clone) if m.field not in seen]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Check 3: no env object in the actor built in the parent
+# ---------------------------------------------------------------------------
+
+
+def _is_env(obj: Any) -> bool:
+    if isinstance(obj, (gym.Env, gym.vector.VectorEnv)):
+        return True
+    try:
+        import ale_py
+
+        return isinstance(obj, ale_py.ALEInterface)
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def _walk(obj: Any, path: str, seen: set[int], depth: int) -> Iterable[tuple[str, Any]]:
+    if id(obj) in seen or depth > 8:
+        return
+    seen.add(id(obj))
+    if _is_env(obj):
+        yield path, obj
+        return
+    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _walk(getattr(obj, f.name, None), f"{path}.{f.name}", seen, depth + 1)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{path}[{k!r}]", seen, depth + 1)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}[{i}]", seen, depth + 1)
+
+
+def check_actor_builds_no_env(actor: Any) -> list[str]:
+    """Flag every environment object held by a (not yet started) actor.
+
+    Walks the actor's ``__dict__`` and, recursively, its config through
+    dataclasses, dicts, lists, tuples and sets, looking for a ``gymnasium.Env``,
+    a vector env or an ALE interface: anything found was built in the parent
+    (in ``__init__``) and would be pickled into the child, which is how Pong
+    lost its frame skip.
+    """
+    seen: set[int] = set()
+    flags = []
+    for name, value in vars(actor).items():
+        for path, obj in _walk(value, f"{type(actor).__name__}.{name}", seen, 0):
+            flags.append(f"{path} is a {type(obj).__name__}: {ENV_IN_INIT}")
+    return flags
+
+
+def probe_actor_class(actor_class: type, spec: EnvSpec, *, start_method: str = "spawn") -> list[str]:
+    """Construct ``actor_class`` in this process (never started) and run ``check_actor_builds_no_env``."""
+    config = _actor_config(0, spec, trajectory_endpoint="tcp://127.0.0.1:1", params_endpoint="tcp://127.0.0.1:2", seed=0, fingerprint_steps=300)
+    actor = actor_class(config, start_method=start_method)
+    try:
+        return check_actor_builds_no_env(actor)
+    finally:
+        for _, obj in _walk(vars(actor), "", set(), 0):
+            close = getattr(obj, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - best effort cleanup of what the actor built
+                    pass
+
+
+# ---------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------
+
+
+def _cfg_frameskip(cfg: ConfiguredSettings) -> str:
+    fs = cfg.frameskip
+    return str(fs) if isinstance(fs, int) else f"{fs[0]}..{fs[1] - 1}"
+
+
+def _distinct(values: Iterable[str]) -> str:
+    out: list[str] = []
+    for v in values:
+        if v not in out:
+            out.append(v)
+    return ", ".join(out) if out else "-"
+
+
+def _obs_text(shape: Sequence[int], dtype: str) -> str:
+    return "x".join(str(d) for d in shape) + f" {dtype}"
+
+
+HEADERS = ("env id", "start", "workers", "frameskip", "sticky", "action set", "max steps", "obs", "pickle", "__init__", "result")
+
+
+def row_cells(row: Row, sep: str = " / ") -> list[str]:
+    """Table cells: each compared field as ``configured<sep>measured``."""
+    fps = [row.measured[k] for k in sorted(row.measured)]
+    cfg = row.configured
+    if cfg is not None:
+        frameskip = f"{_cfg_frameskip(cfg)}{sep}{_distinct(f.frameskip_text() for f in fps)}"
+        sticky = f"{cfg.sticky:g}{sep}{_distinct('n/a' if f.sticky is None else f'{f.sticky:g}' for f in fps)}"
+        actions = f"{'full' if cfg.full_action_space else 'minimal'}{sep}{_distinct(f'{f.action_set()} ({f.num_actions})' for f in fps)}"
+        max_steps = f"{cfg.max_episode_steps or 'none'}{sep}{_distinct(str(f.max_episode_steps or 'none') for f in fps)}"
+    else:
+        frameskip = sticky = actions = "n/a"
+        max_steps = f"-{sep}{_distinct(str(f.max_episode_steps or 'none') for f in fps)}"
+    obs = f"{_obs_text(*row.expected_obs)}{sep}{_distinct(_obs_text(f.obs_shape, f.obs_dtype) for f in fps)}"
+    pickle_cell = "-" if row.pickle is None else ("OK" if not row.pickle else "MISMATCH: " + ", ".join(m.field for m in row.pickle))
+    init_cell = "-" if row.actor_flags is None else ("OK" if not row.actor_flags else "ENV IN __init__")
+    result = "OK" if row.ok else "MISMATCH"
+    return [row.env_id, row.start_method, f"{len(row.measured)}/{row.workers}", frameskip, sticky, actions, max_steps, obs, pickle_cell, init_cell, result]
+
+
+def print_table(rows: list[Row], *, file=None, rich: bool | None = None) -> None:
+    """A rich table on a terminal, plain aligned text otherwise."""
+    file = file or sys.stdout
+    if rich is None:
+        rich = file.isatty()
+    cells = [row_cells(r, sep="\n" if rich else " / ") for r in rows]
+    if rich:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="frameskip check", caption="each cell: configured (top) / measured in the workers (bottom)", show_lines=True)
+        for h in HEADERS:
+            table.add_column(h, no_wrap=True)
+        for r, c in zip(rows, cells):
+            style = "green" if r.ok else "bold red"
+            table.add_row(*c[:-1], f"[{style}]{c[-1]}[/{style}]")
+        Console(file=file).print(table)
+        return
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(HEADERS)]
+    print("frameskip check (configured / measured in each worker)", file=file)
+    print("  ".join(h.ljust(w) for h, w in zip(HEADERS, widths)).rstrip(), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for c in cells:
+        print("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip(), file=file)
+    file.flush()
+
+
+# ---------------------------------------------------------------------------
+# The plot: configured settings vs a mis-specified twin
+# ---------------------------------------------------------------------------
+
+_POLICY: Any = None
+
+
+def _load_policy(checkpoint: str, obs_shape: tuple[int, ...], num_actions: int):
+    """The IMPALA network from a launch_impala checkpoint (CPU, eval mode)."""
+    import torch
+
+    from impala.checkpoint import load_checkpoint
+    from impala.models import build_model
+
+    path = os.path.join(checkpoint, "checkpoint.pt") if os.path.isdir(checkpoint) else checkpoint
+    state = load_checkpoint(path)
+    config = state["config"]
+    model = build_model(config["model"], obs_shape, num_actions, use_lstm=config["use_lstm"])
+    model.load_state_dict(state["trainer"]["model"])
+    model.eval()
+    torch.set_num_threads(1)
+    return model, config
+
+
+def _episode(task: tuple[str, dict[str, Any], int, int, str | None]) -> tuple[int, float, int]:
+    """Run one episode; returns (agent steps, return, emulator frames). Runs in a worker process."""
+    global _POLICY
+    env_id, kwargs, seed, max_steps, checkpoint = task
+    env = make_env(EnvSpec(env_id, kwargs=kwargs))
+    obs, _ = env.reset(seed=seed)
+    n = int(env.action_space.n)
+    ale = getattr(env.unwrapped, "ale", None)
+    rng = np.random.default_rng(seed)
+    model = core = generator = None
+    if checkpoint:
+        import torch
+
+        if _POLICY is None:
+            _POLICY = _load_policy(checkpoint, tuple(np.asarray(obs).shape), n)[0]
+        model = _POLICY
+        core = model.initial_state(1)
+        generator = torch.Generator().manual_seed(seed)
+    steps, total, first = 0, 0.0, True
+    try:
+        while True:
+            if model is None:
+                action = int(rng.integers(n))
+            else:
+                import torch
+
+                with torch.inference_mode():
+                    o = torch.from_numpy(np.asarray(obs)).unsqueeze(0).unsqueeze(0)
+                    f = torch.tensor([[first]])
+                    out, core = model(o, f, core or None)
+                    probs = torch.softmax(out.policy_logits[0, 0], dim=-1)
+                    action = int(torch.multinomial(probs, 1, generator=generator).item())
+            obs, reward, terminated, truncated, _ = env.step(action)
+            steps += 1
+            total += float(reward)
+            first = False
+            if terminated or truncated or (max_steps and steps >= max_steps):
+                break
+        frames = int(ale.getEpisodeFrameNumber()) if ale is not None else steps
+    finally:
+        env.close()
+    return steps, total, frames
+
+
+def _setting_label(prefix: str, cfg: ConfiguredSettings | None) -> str:
+    if cfg is None:
+        return prefix
+    fs = cfg.frameskip if isinstance(cfg.frameskip, int) else f"{cfg.frameskip[0]}-{cfg.frameskip[1] - 1}"
+    return f"{prefix} (frameskip {fs}, sticky {cfg.sticky:g})"
+
+
+def run_episodes(
+    env_id: str,
+    episodes: int,
+    *,
+    overrides: dict[str, Any] | None = None,
+    seed: int = 0,
+    max_steps: int = 0,
+    checkpoint: str | None = None,
+    jobs: int = 0,
+) -> dict[str, list[tuple[int, float, int]]]:
+    """Episodes under the configured settings and under the mis-specified twin, in parallel worker processes.
+
+    Episode i uses seed ``seed + i`` under both settings. Returns
+    ``{"configured": [...], "twin": [...]}`` of (steps, return, emulator frames).
+    """
+    import concurrent.futures
+
+    twin = {**(overrides or {}), **TWIN_OVERRIDES}
+    tasks = [(env_id, dict(overrides or {}), seed + i, max_steps, checkpoint) for i in range(episodes)]
+    tasks += [(env_id, twin, seed + i, max_steps, checkpoint) for i in range(episodes)]
+    jobs = jobs or min(len(tasks), os.cpu_count() or 1)
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        results = list(ex.map(_episode, tasks))
+    return {"configured": results[:episodes], "twin": results[episodes:]}
+
+
+def plot_episodes(results: dict[str, list[tuple[int, float, int]]], out: str, *, env_id: str, overrides: dict[str, Any] | None = None, policy: str = "random policy", max_steps: int = 0) -> None:
+    """Steps per episode and episode return, configured vs twin, side by side (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    cfg = configured_settings(env_id, overrides)
+    twin_cfg = configured_settings(env_id, {**(overrides or {}), **TWIN_OVERRIDES})
+    labels = [_setting_label("configured", cfg), _setting_label("mis-specified twin", twin_cfg)]
+    colors = ["tab:blue", "tab:orange"]
+    keys = ["configured", "twin"]
+    n = len(results["configured"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2))
+    panels = [
+        (0, "Episode length", "agent steps per episode (actions chosen)", "{:.0f}"),
+        (1, "Episode return", "episode return (points scored − conceded)", "{:.1f}"),
+    ]
+    rng = np.random.default_rng(0)
+    for idx, title, ylabel, fmt in panels:
+        ax = axes[idx]
+        data = [np.array([r[idx] for r in results[k]], dtype=float) for k in keys]
+        # Every episode is drawn as a point, so the box plot shows no separate outliers.
+        box = ax.boxplot(data, positions=[1, 2], widths=0.5, patch_artist=True, showmeans=True, showfliers=False,
+                         medianprops={"color": "black"},
+                         meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black"})
+        for patch, color in zip(box["boxes"], colors):
+            patch.set_facecolor(color)
+            patch.set_alpha(0.35)
+        for pos, (d, color) in enumerate(zip(data, colors), start=1):
+            ax.scatter(pos + rng.uniform(-0.12, 0.12, size=len(d)), d, color=color, s=22, zorder=3, edgecolor="black", linewidth=0.4)
+            ax.annotate(f"mean {fmt.format(d.mean())}", (pos, d.max()), xytext=(0, 8), textcoords="offset points", ha="center", fontsize=9)
+        ax.set_xticks([1, 2], ["configured", "mis-specified twin"])
+        if idx == 0:
+            # The game lasts about as long in emulator frames; the agent just makes more decisions in it.
+            frames = [np.mean([r[2] for r in results[k]]) for k in keys]
+            title += f"\n(mean emulator frames per episode: {frames[0]:.0f} vs {frames[1]:.0f})"
+        else:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(lo, hi + 0.08 * (hi - lo))
+    cap = f", capped at {max_steps} steps" if max_steps else ""
+    fig.suptitle(f"{env_id}: configured settings vs a mis-specified twin ({policy}, {n} episodes each{cap})")
+    handles = [Patch(facecolor=c, alpha=0.5, edgecolor="black", label=l) for c, l in zip(colors, labels)]
+    handles += [
+        Line2D([], [], marker="o", color="gray", markeredgecolor="black", linestyle="", label="one episode"),
+        Line2D([], [], marker="D", color="white", markeredgecolor="black", linestyle="", label="mean (box: quartiles, line: median)"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="frameskip_check",
+        description=(
+            "Regression check for SEEDS.md part 1: start real actor processes (TrajectoryServer + ActorPool, as launch_impala "
+            "does) for each env id and start method, and compare the env fingerprint each child measures (frameskip from the "
+            "ALE frame counter, sticky actions, action set, episode step limit, obs shape/dtype) with the configured settings. "
+            "Also checks a pickle round trip of each raw env and that the actor class builds no env in __init__. "
+            "Exit 0: all OK; 1: a mismatch; 2: bad input."
+        ),
+    )
+    parser.add_argument("env_ids", nargs="*", metavar="ENV_ID", help=f"env ids to check (default: {' '.join(DEFAULT_ENV_IDS)})")
+    parser.add_argument("--env", action="append", default=[], metavar="ENV_ID", help="an env id to check (repeatable; adds to the positional ids)")
+    parser.add_argument("--start-method", action="append", default=[], metavar="METHOD",
+                        help="multiprocessing start method (repeatable); default: every one available here")
+    parser.add_argument("--workers", type=int, default=2, help="actor processes per (env id x start method) (default: 2)")
+    parser.add_argument("--fingerprint-steps", type=int, default=300, help="random agent steps each worker measures (default: 300)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the workers' hellos (default: 120)")
+    parser.add_argument("--actor-class", default=None, metavar="MODULE:CLASS",
+                        help="an Actor subclass to check instead of actors.actor:Actor (must be importable in the children)")
+    parser.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
+    parser.add_argument("--plot", default=None, metavar="OUT.png",
+                        help="also run episodes under the configured settings of the first env id and under a mis-specified "
+                             "twin (frameskip (2,5), sticky 0.25) and plot steps per episode and return")
+    parser.add_argument("--plot-only", action="store_true", help="with --plot: skip the worker checks")
+    parser.add_argument("--episodes", type=int, default=10, help="episodes per setting for --plot (default: 10)")
+    parser.add_argument("--max-steps-per-episode", type=int, default=0, help="cap each --plot episode at this many agent steps (0: no cap)")
+    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+                        help="with --plot: sample actions from a launch_impala checkpoint.pt (or its logdir) instead of a random policy")
+    parser.add_argument("--jobs", type=int, default=0, help="worker processes for --plot episodes (0: one per CPU)")
+    return parser
+
+
+def _load_actor_class(text: str) -> type:
+    module, sep, name = text.partition(":")
+    if not sep or not module or not name:
+        raise UsageError(f"--actor-class must be MODULE:CLASS, got {text!r}")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"cannot load --actor-class {text!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise UsageError(f"--actor-class {text!r} is not an Actor subclass")
+    return cls
+
+
+def _validate(args: argparse.Namespace) -> tuple[list[str], list[str], type]:
+    env_ids = list(dict.fromkeys([*args.env_ids, *args.env])) or list(DEFAULT_ENV_IDS)
+    for env_id in env_ids:
+        check_env_id(env_id)  # UnknownEnvError lists close matches
+    available = multiprocessing.get_all_start_methods()
+    methods = list(dict.fromkeys(args.start_method)) or [m for m in START_METHODS if m in available]
+    for m in methods:
+        if m not in available:
+            raise UsageError(f"start method {m!r} is not available on this platform (available: {', '.join(available)})")
+    if args.episodes < 1:
+        raise UsageError(f"--episodes must be >= 1, got {args.episodes}")
+    if args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.fingerprint_steps < 10:
+        raise UsageError(f"--fingerprint-steps must be >= 10, got {args.fingerprint_steps}")
+    if args.max_steps_per_episode < 0:
+        raise UsageError(f"--max-steps-per-episode must be >= 0, got {args.max_steps_per_episode}")
+    if args.jobs < 0:
+        raise UsageError(f"--jobs must be >= 0, got {args.jobs}")
+    if args.plot_only and not args.plot:
+        raise UsageError("--plot-only needs --plot OUT.png")
+    if args.checkpoint and not args.plot:
+        raise UsageError("--checkpoint is only used with --plot OUT.png")
+    if args.checkpoint:
+        path = os.path.join(args.checkpoint, "checkpoint.pt") if os.path.isdir(args.checkpoint) else args.checkpoint
+        if not os.path.exists(path):
+            raise UsageError(f"no checkpoint at {path}")
+    actor_class = _load_actor_class(args.actor_class) if args.actor_class else Actor
+    return env_ids, methods, actor_class
+
+
+def _check_checkpoint(checkpoint: str, env_id: str) -> str:
+    """Load the checkpoint here once so that a bad one is a clean error; returns a policy description."""
+    env = make_env(EnvSpec(env_id))
+    try:
+        obs, _ = env.reset(seed=0)
+        n = int(env.action_space.n)
+    finally:
+        env.close()
+    try:
+        _, config = _load_policy(checkpoint, tuple(np.asarray(obs).shape), n)
+    except Exception as e:  # noqa: BLE001 - any unusable checkpoint file is bad input, reported in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"cannot use checkpoint {checkpoint!r} for {env_id}: {first}") from None
+    if config.get("env") not in (None, env_id):
+        print(f"frameskip_check: warning: the checkpoint was trained on {config.get('env')}, playing {env_id}", file=sys.stderr)
+    return f"policy from {os.path.basename(os.path.abspath(checkpoint))}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        env_ids, methods, actor_class = _validate(args)
+        policy = _check_checkpoint(args.checkpoint, env_ids[0]) if args.checkpoint else "random policy"
+    except (UsageError, UnknownEnvError) as e:
+        print(f"frameskip_check: error: {e}", file=sys.stderr)
+        return 2
+
+    rows: list[Row] = []
+    if not args.plot_only:
+        for env_id in env_ids:
+            pickle_result = check_pickle_roundtrip(env_id, seed=args.seed) if gym.registry[env_id].entry_point == "ale_py.env:AtariEnv" else []
+            flags = probe_actor_class(actor_class, EnvSpec(env_id), start_method=methods[0])
+            for method in methods:
+                row = check_workers(env_id, method, workers=args.workers, actor_class=actor_class, timeout=args.timeout,
+                                    fingerprint_steps=args.fingerprint_steps, seed=args.seed)
+                row.pickle, row.actor_flags = pickle_result, flags
+                rows.append(row)
+        print_table(rows)
+
+    if args.plot:
+        results = run_episodes(env_ids[0], args.episodes, seed=args.seed, max_steps=args.max_steps_per_episode, checkpoint=args.checkpoint, jobs=args.jobs)
+        plot_episodes(results, args.plot, env_id=env_ids[0], policy=policy, max_steps=args.max_steps_per_episode)
+        cfg = configured_settings(env_ids[0])
+        twin = configured_settings(env_ids[0], TWIN_OVERRIDES)
+        for key, label in (("configured", _setting_label("configured", cfg)), ("twin", _setting_label("mis-specified twin", twin))):
+            steps = np.array([r[0] for r in results[key]], dtype=float)
+            rets = np.array([r[1] for r in results[key]], dtype=float)
+            frames = np.array([r[2] for r in results[key]], dtype=float)
+            print(f"{label}: {len(steps)} episodes, steps/episode mean {steps.mean():.1f} (sd {steps.std():.1f}), "
+                  f"return mean {rets.mean():.2f} (sd {rets.std():.2f}), emulator frames/episode mean {frames.mean():.0f}")
+        print(f"wrote {args.plot}")
+
+    problems = list(dict.fromkeys(p for r in rows for p in r.problems()))  # pickle/actor findings are per env id
+    for p in problems:
+        print(f"frameskip_check: MISMATCH {p}", file=sys.stderr)
+    if problems:
+        failed = sum(not r.ok for r in rows)
+        print(f"frameskip_check: {failed} of {len(rows)} (env id x start method) checks failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
