@@ -74,38 +74,7 @@ from typing import Any
 
 import numpy as np
 
-try:  # one StepResult type for the whole project
-    from impala.envs.vector import EpisodeTracker, StepResult
-except ImportError:  # pragma: no cover - impala.envs.vector not importable in this checkout
-    from typing import NamedTuple
-
-    class StepResult(NamedTuple):  # type: ignore[no-redef]
-        obs: np.ndarray
-        reward: np.ndarray
-        terminated: np.ndarray
-        truncated: np.ndarray
-        final_obs: np.ndarray
-
-    class EpisodeTracker:  # type: ignore[no-redef]
-        def __init__(self, num_envs: int) -> None:
-            self.returns = np.zeros(num_envs)
-            self.lengths = np.zeros(num_envs, dtype=np.int64)
-            self.finished_returns: list[float] = []
-            self.finished_lengths: list[int] = []
-
-        def record(self, reward: np.ndarray, done: np.ndarray) -> None:
-            self.returns += reward
-            self.lengths += 1
-            for i in np.flatnonzero(done):
-                self.finished_returns.append(float(self.returns[i]))
-                self.finished_lengths.append(int(self.lengths[i]))
-                self.returns[i], self.lengths[i] = 0.0, 0
-
-        def pop(self) -> tuple[list[float], list[int]]:
-            out = (self.finished_returns, self.finished_lengths)
-            self.finished_returns, self.finished_lengths = [], []
-            return out
-
+from impala.envs.vector import EpisodeTracker, StepResult  # one StepResult type for the whole project
 
 __all__ = ["UnityEnvError", "UnityVecEnv", "StepResult"]
 
