@@ -45,7 +45,7 @@ class ImpalaAgent:
         self.model = build_model(settings["model"], obs_shape, num_actions, use_lstm=settings.get("use_lstm", False))
         self.model.eval()
         self.use_lstm = bool(settings.get("use_lstm", False))
-        self.core_size = self.model.core_state_size if self.use_lstm else 0
+        self.core_size = self.model.core.hidden_size if self.use_lstm else 0
         self.schema = impala_unroll_schema(unroll_length, obs_shape, obs_dtype, num_actions, self.core_size)
         self.params_schema = state_dict_schema(self.model)
         self.generator = torch.Generator().manual_seed(seed)
