@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,8 @@ class ActorConfig:
     fingerprint_steps: int = 300
     send_hwm: int = 4
     params_timeout_s: float = 120.0
+    curve: Any = None  # impala.curve.ClientKeys when the learner requires CURVE
+    learner_timeout_s: float = 60.0  # no weights heartbeat for this long: the learner is gone, exit
 
 
 class Actor(multiprocessing.Process):
@@ -64,9 +67,10 @@ class Actor(multiprocessing.Process):
 
         torch.set_num_threads(1)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s actor-%(process)d %(message)s")
-        from actors.loop import run_actor
+        from actors.loop import LEARNER_GONE_EXIT, run_actor
 
-        run_actor(self.config, parent_pid=os.getppid())
+        if run_actor(self.config, parent_pid=os.getppid()) == "learner_gone":
+            sys.exit(LEARNER_GONE_EXIT)  # the pool does not restart an actor whose learner is gone
 
 
 def exit_if_orphaned(parent_pid: int) -> None:

@@ -26,6 +26,12 @@ from impala.envs.vector import EpisodeTracker, GymVecEnv
 
 log = logging.getLogger(__name__)
 
+LEARNER_GONE_EXIT = 3
+
+
+class LearnerGone(Exception):
+    """No weights heartbeat from the learner for ``learner_timeout_s``."""
+
 
 def build_vec_env(config: ActorConfig):
     if config.env.is_unity:
@@ -54,15 +60,21 @@ class ActorLink:
         self.config = config
         self.parent_pid = parent_pid
         self.stop_event = stop_event or threading.Event()
+        self.last_weights: float | None = None  # None until the first weights arrive
         self.ctx = zmq.Context.instance()
         self.push = self.ctx.socket(zmq.PUSH)
+        self.sub = self.ctx.socket(zmq.SUB)
+        if config.curve is not None:
+            from impala.curve import make_client_socket
+
+            make_client_socket(self.push, config.curve)
+            make_client_socket(self.sub, config.curve)
         self.push.setsockopt(zmq.SNDHWM, config.send_hwm)
         self.push.setsockopt(zmq.LINGER, 2000)
         # Bound what the OS queues to about two unrolls: tiny unrolls (CartPole) would otherwise
         # pile up by the hundred in kernel buffers, each many policy versions old when read.
         self.push.setsockopt(zmq.SNDBUF, max(8192, 2 * message_bytes))
         self.push.connect(config.trajectory_endpoint)
-        self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.CONFLATE, 1)  # keep only the newest weights
         self.sub.connect(config.params_endpoint)
@@ -70,6 +82,8 @@ class ActorLink:
     def _alive(self) -> None:
         if self.parent_pid is not None:
             exit_if_orphaned(self.parent_pid)
+        if self.last_weights is not None and time.monotonic() - self.last_weights > self.config.learner_timeout_s:
+            raise LearnerGone(f"no weights from {self.config.params_endpoint} for {self.config.learner_timeout_s:.0f}s")
 
     def send(self, frames: list) -> bool:
         """Send one message; False when stopped while blocked by backpressure."""
@@ -87,6 +101,7 @@ class ActorLink:
         while self.sub.poll(timeout_ms, zmq.POLLIN):
             timeout_ms = 0
             frame = self.sub.recv(copy=False)
+            self.last_weights = time.monotonic()
             try:
                 msg = wire.decode_packed(frame, schema=schema, expect_kind="params")
             except wire.WireError as e:
@@ -106,11 +121,13 @@ def run_actor(
     parent_pid: int | None = None,
     max_unrolls: int | None = None,
     stop_event: threading.Event | None = None,
-) -> None:
+) -> str:
     """Build envs, say hello, wait for weights, then stream unrolls.
 
     Runs until ``max_unrolls`` unrolls were sent, ``stop_event`` is set (thread
-    mode), or the process is terminated (process mode).
+    mode), the learner stops sending weights (``learner_timeout_s``), or the
+    process is terminated. Returns why it stopped: "max_unrolls", "stopped",
+    "no_weights" or "learner_gone".
     """
     stop_event = stop_event or threading.Event()
     fingerprint = env_fingerprint(config)
@@ -128,10 +145,10 @@ def run_actor(
         while params is None:
             link._alive()
             if stop_event.is_set():
-                return
+                return "stopped"
             if time.monotonic() > deadline:
                 log.error("actor %d: no parameters from %s after %.0fs; exiting", config.actor_id, config.params_endpoint, config.params_timeout_s)
-                return
+                return "no_weights"
             params = link.latest_params(agent.params_schema, timeout_ms=200)
         agent.load_params(params.arrays)
         version = params.version
@@ -163,10 +180,11 @@ def run_actor(
                 info = wire.episode_info(returns, lengths) if k == 0 else {}
                 info["env"] = k  # which env stream this unroll continues (PPO's per-env reward normalization)
                 if not link.send(wire.encode("unroll", actor=config.actor_id, version=version, arrays={n: buf[n][k] for n in buf}, info=info)):
-                    return
+                    return "stopped"
             unrolls += 1
             sent_with_version += 1
             newest = link.latest_params(agent.params_schema)
+            link._alive()
             # On-policy adapters (PPO) may ask to wait for newer weights once they sent their share
             # of an update: an unroll collected meanwhile with the old weights would be dropped as stale.
             wait_s = agent.params_wait_s(sent_with_version) if hasattr(agent, "params_wait_s") else 0.0
@@ -178,6 +196,10 @@ def run_actor(
                 agent.load_params(newest.arrays)
                 version = newest.version
                 sent_with_version = 0
+        return "stopped" if stop_event.is_set() else "max_unrolls"
+    except LearnerGone as e:
+        log.warning("actor %d: %s; exiting", config.actor_id, e)
+        return "learner_gone"
     finally:
         envs.close()
         if link is not None:

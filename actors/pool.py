@@ -30,6 +30,7 @@ class ActorPool:
         self.actors: list[Actor] = []
         self.restarts = 0
         self._incarnation = [0] * len(configs)
+        self.finished: set[int] = set()  # actors that exited because their learner is gone
 
     def _spawn(self, config: ActorConfig) -> Actor:
         actor = self.actor_class(config, start_method=self.start_method)
@@ -41,11 +42,17 @@ class ActorPool:
 
     def supervise(self) -> list[int]:
         """Restart dead actors; returns the ids restarted."""
+        from actors.loop import LEARNER_GONE_EXIT
+
         restarted = []
         for i, actor in enumerate(self.actors):
-            if actor.is_alive():
+            if actor.is_alive() or i in self.finished:
                 continue
             code = actor.exitcode
+            if code == LEARNER_GONE_EXIT:
+                log.warning("actor %d: its learner stopped sending weights; not restarting it", self.configs[i].actor_id)
+                self.finished.add(i)
+                continue
             self._incarnation[i] += 1
             config = dataclasses.replace(self.configs[i], seed=self.configs[i].seed + 7919 * self._incarnation[i])
             log.warning("actor %d exited with code %s; restarting with seed %d", config.actor_id, code, config.seed)
@@ -54,6 +61,9 @@ class ActorPool:
             self.restarts += 1
             restarted.append(config.actor_id)
         return restarted
+
+    def all_finished(self) -> bool:
+        return len(self.finished) == len(self.actors)
 
     def pids(self) -> list[int]:
         return [a.pid for a in self.actors if a.pid is not None]

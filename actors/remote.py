@@ -28,10 +28,14 @@ from impala.envs import EnvSpec
 log = logging.getLogger("impala-actors")
 
 
-def fetch_run_info(params_endpoint: str, timeout_s: float) -> dict:
+def fetch_run_info(params_endpoint: str, timeout_s: float, keys=None) -> dict:
     """Wait for one weights message and return the run description it carries."""
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
+    if keys is not None:
+        from impala.curve import make_client_socket
+
+        make_client_socket(sub, keys)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.CONFLATE, 1)
     sub.setsockopt(zmq.LINGER, 0)
@@ -70,24 +74,43 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run N actor processes on this machine, streaming to a learner elsewhere (trajectories to PORT, weights from PORT+1).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--learner", required=True, help="The learner's trajectory endpoint, tcp://HOST:PORT (its --port).")
+    p.add_argument("--learner", help="The learner's trajectory endpoint, tcp://HOST:PORT (its --port). Required unless --make-keys.")
     p.add_argument("--workers", type=int, default=multiprocessing.cpu_count(), help="Actor processes to run here.")
     p.add_argument("--first-id", type=int, default=1000, help="Actor id of the first actor here; give each machine its own range.")
     p.add_argument("--seed", type=int, default=12345, help="Base seed for this machine's actors.")
     p.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"], help="Multiprocessing start method.")
     p.add_argument("--timeout", type=float, default=60.0, help="Seconds to wait for the learner's first weights.")
+    p.add_argument("--learner-timeout", type=float, default=60.0, help="An actor exits when no weights (sent every second) arrive for this long.")
     p.add_argument("--max-seconds", type=float, default=0.0, help="Stop after this many seconds (0: run until Ctrl-C).")
+    p.add_argument("--curve", default="", help="CURVE keys directory holding the learner's server.key and this machine's client keypair.")
+    p.add_argument("--make-keys", action="store_true", help="With --curve: create this machine's client keypair and exit.")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.make_keys:
+        if not args.curve:
+            print("impala-actors: error: --make-keys needs --curve DIR", file=sys.stderr)
+            return 2
+        from impala.curve import make_client_keys
+
+        public = make_client_keys(args.curve)
+        print(f"created {public}: copy it into the learner's CURVE directory under authorized/, and copy the learner's server.key to {args.curve}/")
+        return 0
     try:
+        keys = None
+        if args.curve:
+            from impala.curve import client_keys
+
+            keys = client_keys(args.curve)
+        if not args.learner:
+            raise ValueError("--learner tcp://HOST:PORT is required")
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         trajectory_endpoint, params_endpoint = parse_endpoint(args.learner)
-        run = fetch_run_info(params_endpoint, args.timeout)
+        run = fetch_run_info(params_endpoint, args.timeout, keys)
         env = EnvSpec(run["env"]["id"], dict(run["env"]["kwargs"]), bool(run["env"]["preprocess"]))
         configs = [
             ActorConfig(
@@ -99,11 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                 params_endpoint=params_endpoint,
                 agent=dict(run["agent"]),
                 seed=args.seed + 1000 * i,
+                curve=keys,
+                learner_timeout_s=args.learner_timeout,
             )
             for i in range(args.workers)
         ]
         pool = ActorPool(configs, start_method=args.start_method)
-    except (ValueError, TimeoutError) as e:
+    except (ValueError, TimeoutError, FileNotFoundError) as e:
         print(f"impala-actors: error: {e}", file=sys.stderr)
         return 2
     log.info("running %d actors for %s on %s", args.workers, env.id, trajectory_endpoint)
@@ -112,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while not args.max_seconds or time.monotonic() - start < args.max_seconds:
             pool.supervise()
+            if pool.all_finished():
+                log.info("the learner is gone; stopping")
+                break
             time.sleep(1.0)
     except KeyboardInterrupt:
         pass

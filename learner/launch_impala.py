@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             config_record={k: v for k, v in dataclasses.asdict(config).items()},
             reference_fingerprint=fp,
             spawn_actors=config.workers > 0,
+            curve_dir=config.curve or None,
         )
         log.info("env %s: obs %s %s, %d actions, frameskip %s, sticky %s; learner on %s", spec.id, obs_shape, obs_dtype, num_actions, fp.frameskip_text(), fp.sticky, trainer.learner.device)
         result: RunResult = run(trainer, settings)

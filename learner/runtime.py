@@ -76,6 +76,7 @@ class RunSettings:
     hello_timeout: float = 180.0
     spawn_actors: bool = True
     actor_class: type = Actor  # an Actor subclass to start instead (custom envs or instrumentation)
+    curve_dir: str | None = None  # CURVE keys directory: authenticate and encrypt actor traffic
     in_process: bool = False  # serial mode: actors run as threads of this process (same code, same sockets)
 
     @property
@@ -180,7 +181,16 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         problems = compare_fingerprints(reference, theirs)
         return "; ".join(str(p) for p in problems) or None
 
-    server = TrajectoryServer(trainer.schema, bind=settings.bind, port=settings.port, queue_size=settings.queue_size, on_hello=on_hello)
+    client_keys = None
+    if settings.curve_dir:
+        from impala.curve import prepare_server
+
+        client_keys = prepare_server(settings.curve_dir)
+    elif settings.bind not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s without --curve: anyone who can reach the port can send trajectories and read weights", settings.bind)
+    server = TrajectoryServer(
+        trainer.schema, bind=settings.bind, port=settings.port, queue_size=settings.queue_size, on_hello=on_hello, curve_dir=settings.curve_dir
+    )
     # Remote actors (impala-actors) learn what to run from this, sent with every weights message.
     server.run_info = {
         "env": {"id": settings.env.id, "kwargs": settings.env.kwargs, "preprocess": settings.env.preprocess},
@@ -198,6 +208,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
             params_endpoint=server.params_endpoint,
             agent=trainer.agent_settings,
             seed=settings.seed + 1000 * i,
+            curve=client_keys,
         )
         for i in range(settings.workers)
     ]
@@ -207,7 +218,6 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
     start = time.monotonic()
     last_ckpt = time.monotonic()
     last_log = time.monotonic()
-    last_publish = 0.0
     frames_at_last_log = env_frames
     lags: list[float] = []
     metrics: dict[str, float] = {}
@@ -247,11 +257,6 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
                 check_refusals()
                 if settings.spawn_actors:
                     pool.supervise()
-                now = time.monotonic()
-                if now - last_publish > 1.0:
-                    # Re-publish for late joiners (restarted or remote actors): PUB drops for absent subscribers.
-                    server.publish(version, trainer.params())
-                    last_publish = now
                 msg = server.get(timeout=0.1)
                 if msg is None:
                     continue
@@ -267,7 +272,6 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
                 metrics = trainer.update(env_frames)
                 version += 1
                 server.publish(version, trainer.params())
-                last_publish = time.monotonic()
                 now = time.monotonic()
                 if now - last_log >= settings.log_interval:
                     row = dict(metrics)

@@ -47,7 +47,8 @@ class TrajectoryServer:
         on_hello: called with (actor_id, info) for each hello; returns None to
             accept the actor or an error string to refuse it (its unrolls are
             then dropped and ``refused`` records why).
-        max_bytes: size bound on one message's payload (the schema's size plus slack).
+        curve_dir: a CURVE keys directory (impala.curve); when given, only actors
+            holding an authorized key can connect, and traffic is encrypted.
     """
 
     def __init__(
@@ -59,13 +60,21 @@ class TrajectoryServer:
         queue_size: int = 64,
         on_hello: Callable[[int, Mapping[str, Any]], str | None] | None = None,
         rcv_hwm: int = 8,
+        curve_dir: str | None = None,
     ) -> None:
+        self.auth = None
         self.schema = schema
         self.max_bytes = schema.nbytes + 1024
         self.on_hello = on_hello or (lambda actor, info: None)
         self._stats_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._receive_loop, name="trajectory-receiver", daemon=True)
+        # The newest weights message, re-sent every second for late joiners (restarted or remote
+        # actors: PUB drops messages for absent subscribers) and as the learner's heartbeat, even
+        # while the main thread is busy in a long update. The lock gives the PUB socket one user at a time.
+        self._pub_lock = threading.Lock()
+        self._last_params: bytes | None = None
+        self._heartbeat = threading.Thread(target=self._republish_loop, name="weights-heartbeat", daemon=True)
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, rcv_hwm)
@@ -79,6 +88,12 @@ class TrajectoryServer:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 2)
         self.pub.setsockopt(zmq.LINGER, 0)
+        if curve_dir:
+            from impala.curve import make_server_socket, start_authenticator
+
+            self.auth = start_authenticator(self.ctx, curve_dir)
+            make_server_socket(self.pull, curve_dir)
+            make_server_socket(self.pub, curve_dir)
         self.trajectory_port, self.params_port = self._bind(bind, port)
         host = "127.0.0.1" if bind in ("0.0.0.0", "*") else bind
         self.trajectory_endpoint = f"tcp://{host}:{self.trajectory_port}"
@@ -114,6 +129,13 @@ class TrajectoryServer:
     # ---- receive thread -------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._heartbeat.start()
+
+    def _republish_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            with self._pub_lock:
+                if self._last_params is not None and not self.pub.closed:
+                    self.pub.send(self._last_params, copy=False)
 
     def _drop(self, reason: str, actor: Any, detail: str) -> None:
         with self._stats_lock:
@@ -190,7 +212,10 @@ class TrajectoryServer:
             return None
 
     def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
-        self.pub.send(wire.encode_packed("params", actor=0, version=version, arrays=arrays, info={"run": self.run_info}), copy=False)
+        packed = wire.encode_packed("params", actor=0, version=version, arrays=arrays, info={"run": self.run_info})
+        with self._pub_lock:
+            self._last_params = packed
+            self.pub.send(packed, copy=False)
 
     def stats(self) -> dict[str, float]:
         with self._stats_lock:
@@ -210,11 +235,16 @@ class TrajectoryServer:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        for s in (self.pull, self.pub):
-            if not s.closed:
-                s.close(linger=0)
+        for t in (self._thread, self._heartbeat):
+            if t.is_alive():
+                t.join(timeout=5)
+        with self._pub_lock:
+            for s in (self.pull, self.pub):
+                if not s.closed:
+                    s.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
     def wait_for_hellos(self, n: int, timeout: float, check: Callable[[], None] = lambda: None) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,97 @@
+"""ZeroMQ CURVE authentication and encryption for learners that bind a public address.
+
+Layout of a keys directory (``--curve DIR``)::
+
+    DIR/server.key, DIR/server.key_secret     the learner's keypair (made on first use)
+    DIR/authorized/*.key                      public keys of actors allowed to connect
+    DIR/local.key, DIR/local.key_secret       the keypair of the learner's own local actors
+
+For a remote machine, copy ``DIR/server.key`` there and make it a client
+keypair with ``impala-actors --curve DIR2 --make-keys``; then copy that
+machine's ``DIR2/client.key`` into the learner's ``DIR/authorized/``. Only
+holders of an authorized secret key can send trajectories or read weights.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """Picklable paths an actor needs to connect as a CURVE client."""
+
+    server_public: str
+    client_secret: str
+
+
+def _ensure_pair(directory: str, name: str) -> tuple[str, str]:
+    public, secret = os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret")
+    if not (os.path.exists(public) and os.path.exists(secret)):
+        os.makedirs(directory, exist_ok=True)
+        public, secret = zmq.auth.create_certificates(directory, name)
+    return public, secret
+
+
+def prepare_server(directory: str) -> ClientKeys:
+    """Create missing keys; authorize the learner's own local actors. Returns their client keys."""
+    server_public, _ = _ensure_pair(directory, "server")
+    local_public, local_secret = _ensure_pair(directory, "local")
+    authorized = os.path.join(directory, "authorized")
+    os.makedirs(authorized, exist_ok=True)
+    shutil.copy(local_public, os.path.join(authorized, "local.key"))
+    return ClientKeys(server_public, local_secret)
+
+
+def make_client_keys(directory: str) -> str:
+    """Create ``DIR/client.key(_secret)``; returns the public key file to authorize on the learner."""
+    public, _ = _ensure_pair(directory, "client")
+    return public
+
+
+def client_keys(directory: str) -> ClientKeys:
+    server_public = os.path.join(directory, "server.key")
+    client_secret = os.path.join(directory, "client.key_secret")
+    for path, hint in ((server_public, "copy the learner's server.key here"), (client_secret, "run impala-actors --curve DIR --make-keys")):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is missing: {hint}")
+    return ClientKeys(server_public, client_secret)
+
+
+class _AuthorizedKeys:
+    """Reads ``DIR/authorized`` at each connection, so keys added while the learner runs take effect."""
+
+    def __init__(self, directory: str) -> None:
+        self.location = os.path.join(directory, "authorized")
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in zmq.auth.load_certificates(self.location)
+
+
+def start_authenticator(ctx: zmq.Context, directory: str) -> ThreadAuthenticator:
+    """Accept CURVE clients whose public key is in ``DIR/authorized``."""
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_AuthorizedKeys(directory))
+    return auth
+
+
+def make_server_socket(sock: zmq.Socket, directory: str) -> None:
+    public, secret = zmq.auth.load_certificate(os.path.join(directory, "server.key_secret"))
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+
+
+def make_client_socket(sock: zmq.Socket, keys: ClientKeys) -> None:
+    public, secret = zmq.auth.load_certificate(keys.client_secret)
+    server_public, _ = zmq.auth.load_certificate(keys.server_public)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public

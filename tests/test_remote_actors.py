@@ -1,0 +1,88 @@
+"""Actors on "another machine": impala-actors against a learner, plain and with CURVE keys."""
+
+import os
+import re
+import shutil
+import time
+
+import numpy as np
+import zmq
+
+from impala import wire
+from impala.curve import ClientKeys, make_client_keys, make_client_socket, prepare_server
+from impala.trajectory import impala_unroll_schema
+from learner.server import TrajectoryServer
+from procs import free_port_pair, kill_group, run, start, wait_for
+
+CARTPOLE = ["--env", "CartPole-v1", "--unroll-length", "20", "--batch-size", "8", "--no-progress"]
+
+
+def _learner_then_actors(tmp_path, learner_extra, actor_extra):
+    port = free_port_pair()
+    learner = start(["launch_impala", "--workers", "0", *CARTPOLE, "--total-frames", "20000", "--port", str(port),
+                     "--logdir", str(tmp_path / "run"), "--max-seconds", "120", *learner_extra])
+    try:
+        if "--curve" in learner_extra:
+            keys = learner_extra[learner_extra.index("--curve") + 1]
+            assert wait_for(lambda: os.path.exists(os.path.join(keys, "server.key")), 60)
+            client_dir = actor_extra[actor_extra.index("--curve") + 1]
+            public = make_client_keys(client_dir)
+            shutil.copy(os.path.join(keys, "server.key"), client_dir)
+            shutil.copy(public, os.path.join(keys, "authorized", "remote.key"))
+        # No --max-seconds: the actors must notice by themselves when the learner is done.
+        actors = run(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "2", "--learner-timeout", "8", *actor_extra], timeout=180)
+        assert "the learner is gone" in actors.stderr
+        out, _ = learner.communicate(timeout=60)
+    finally:
+        kill_group(learner)
+    return learner.returncode, out, actors
+
+
+def test_remote_actors_learn_the_run_from_the_learner(tmp_path):
+    rc, out, actors = _learner_then_actors(tmp_path, [], [])
+    assert rc == 0, out[-3000:]
+    assert "running 2 actors for CartPole-v1" in actors.stderr
+    frames = int(re.search(r"done: (\d+) env frames", out).group(1))
+    assert frames >= 20000
+
+
+def test_remote_actors_with_curve_keys(tmp_path):
+    rc, out, actors = _learner_then_actors(tmp_path, ["--curve", str(tmp_path / "learner-keys")], ["--curve", str(tmp_path / "actor-keys")])
+    assert rc == 0, out[-3000:] + actors.stderr[-2000:]
+    assert int(re.search(r"done: (\d+) env frames", out).group(1)) >= 20000
+
+
+def test_curve_server_refuses_clients_without_an_authorized_key(tmp_path):
+    schema = impala_unroll_schema(2, (1,), "float32", 2)
+    keys_dir = str(tmp_path / "keys")
+    local = prepare_server(keys_dir)
+    server = TrajectoryServer(schema, curve_dir=keys_dir)
+    server.start()
+    ctx = zmq.Context.instance()
+    socks = []
+    try:
+        def hello_from(actor, keys):
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                make_client_socket(s, keys)
+            s.connect(server.trajectory_endpoint)
+            socks.append(s)
+            try:
+                s.send_multipart([bytes(f) for f in wire.encode("hello", actor=actor, version=-1)], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # never connected: the handshake was refused
+
+        stranger_dir = str(tmp_path / "stranger")
+        make_client_keys(stranger_dir)
+        shutil.copy(os.path.join(keys_dir, "server.key"), stranger_dir)
+        hello_from(1, None)  # no CURVE at all
+        hello_from(2, ClientKeys(os.path.join(stranger_dir, "server.key"), os.path.join(stranger_dir, "client.key_secret")))  # not authorized
+        hello_from(3, local)  # the learner's own local-actor key
+        assert wait_for(lambda: 3 in server.accepted, 10)
+        time.sleep(1.0)
+        assert set(server.accepted) == {3}
+    finally:
+        for s in socks:
+            s.close()
+        server.close()
