@@ -63,6 +63,9 @@ class Actor(multiprocessing.Process):
     def run(self) -> None:  # runs in the child
         # Ctrl-C goes to the whole process group; the learner owns shutdown and terminates us.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # The pool stops actors with SIGTERM: unwind (not die) so run_actor's finally closes the
+        # envs; a Unity player would otherwise outlive its actor.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         import torch
 
         torch.set_num_threads(1)
@@ -77,4 +80,4 @@ def exit_if_orphaned(parent_pid: int) -> None:
     """Actors must not outlive their learner (it may have been SIGKILLed)."""
     if os.getppid() != parent_pid:
         log.warning("learner process %d is gone; actor exiting", parent_pid)
-        os._exit(0)
+        raise SystemExit(0)  # unwinds through run_actor's finally, which closes the envs

@@ -20,7 +20,7 @@ from impala.envs.vector import StepResult
 def state_dict_schema(module: torch.nn.Module) -> TrajectorySchema:
     """The exact layout a params message for ``module`` must have."""
     return TrajectorySchema(
-        tuple(ArraySpec(k, str(v.numpy().dtype) if v.dtype != torch.bfloat16 else "bfloat16", tuple(v.shape)) for k, v in module.state_dict().items())
+        tuple(ArraySpec(k, str(v.numpy().dtype), tuple(v.shape)) for k, v in module.state_dict().items())
     )
 
 

@@ -116,6 +116,11 @@ class ActorLink:
         self.sub.close()
 
 
+def _run_id(msg: wire.Message) -> Any:
+    run = msg.info.get("run")
+    return run.get("run_id") if isinstance(run, dict) else None
+
+
 def run_actor(
     config: ActorConfig,
     parent_pid: int | None = None,
@@ -138,7 +143,8 @@ def run_actor(
         obs = envs.reset()
         agent = make_agent(config.agent, envs=envs, first_obs=obs, unroll_length=T, seed=config.seed)
         link = ActorLink(config, parent_pid, stop_event, message_bytes=agent.schema.nbytes)
-        link.send(wire.encode("hello", actor=config.actor_id, version=-1, info={"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K}))
+        hello = wire.encode("hello", actor=config.actor_id, version=-1, info={"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K})
+        link.send(hello)
 
         params = None
         deadline = time.monotonic() + config.params_timeout_s
@@ -152,6 +158,7 @@ def run_actor(
             params = link.latest_params(agent.params_schema, timeout_ms=200)
         agent.load_params(params.arrays)
         version = params.version
+        run_id = _run_id(params)
 
         first = np.ones(K, dtype=bool)
         episodes = EpisodeTracker(K)
@@ -192,6 +199,12 @@ def run_actor(
             while (newest is None or newest.version <= version) and time.monotonic() < wait_until and not stop_event.is_set():
                 link._alive()
                 newest = link.latest_params(agent.params_schema, timeout_ms=100)
+            if newest is not None and _run_id(newest) != run_id:
+                # A new learner process (say, resumed after a crash) knows nothing of us: say hello
+                # again and take its weights, whatever their version number.
+                log.warning("actor %d: the learner restarted; saying hello again", config.actor_id)
+                link.send(hello)
+                run_id, version = _run_id(newest), -1
             if newest is not None and newest.version > version:
                 agent.load_params(newest.arrays)
                 version = newest.version

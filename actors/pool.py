@@ -31,6 +31,11 @@ class ActorPool:
         self.restarts = 0
         self._incarnation = [0] * len(configs)
         self.finished: set[int] = set()  # actors that exited because their learner is gone
+        # Restart backoff per slot: an actor that dies at start-up (say, a Unity port in use) must
+        # not be re-spawned ten times a second, each spawn importing torch on the learner's cores.
+        self._next_start: list[float | None] = [None] * len(configs)
+        self._backoff = [0.0] * len(configs)
+        self._started_at = [0.0] * len(configs)
 
     def _spawn(self, config: ActorConfig) -> Actor:
         actor = self.actor_class(config, start_method=self.start_method)
@@ -39,27 +44,38 @@ class ActorPool:
 
     def start(self) -> None:
         self.actors = [self._spawn(c) for c in self.configs]
+        self._started_at = [time.monotonic()] * len(self.configs)
 
     def supervise(self) -> list[int]:
-        """Restart dead actors; returns the ids restarted."""
+        """Restart dead actors (after a backoff when they keep dying fast); returns the ids restarted."""
         from actors.loop import LEARNER_GONE_EXIT
 
         restarted = []
+        now = time.monotonic()
         for i, actor in enumerate(self.actors):
             if actor.is_alive() or i in self.finished:
                 continue
-            code = actor.exitcode
-            if code == LEARNER_GONE_EXIT:
-                log.warning("actor %d: its learner stopped sending weights; not restarting it", self.configs[i].actor_id)
-                self.finished.add(i)
+            if self._next_start[i] is None:  # a death not seen before
+                actor.join(timeout=0)
+                if actor.exitcode == LEARNER_GONE_EXIT:
+                    log.warning("actor %d: its learner stopped sending weights; not restarting it", self.configs[i].actor_id)
+                    self.finished.add(i)
+                    continue
+                # Back off only when an actor keeps dying quickly; one that ran a while restarts at once.
+                quick = now - self._started_at[i] < 30.0
+                self._backoff[i] = min(30.0, max(1.0, 2 * self._backoff[i])) if quick else 0.0
+                self._next_start[i] = now + self._backoff[i]
+                log.warning("actor %d exited with code %s; restarting in %.0fs", self.configs[i].actor_id, actor.exitcode, self._backoff[i])
+            if now < self._next_start[i]:
                 continue
             self._incarnation[i] += 1
             config = dataclasses.replace(self.configs[i], seed=self.configs[i].seed + 7919 * self._incarnation[i])
-            log.warning("actor %d exited with code %s; restarting with seed %d", config.actor_id, code, config.seed)
-            actor.join(timeout=0)
             self.actors[i] = self._spawn(config)
+            self._next_start[i] = None
+            self._started_at[i] = now
             self.restarts += 1
             restarted.append(config.actor_id)
+            log.info("actor %d restarted with seed %d", config.actor_id, config.seed)
         return restarted
 
     def all_finished(self) -> bool:

@@ -50,6 +50,7 @@ class ImpalaConfig:
     resume: bool = _f(False, "Continue from logdir/checkpoint.pt (weights, optimizer, PopArt, counters).")
     bind: str = _f("127.0.0.1", "Address the learner binds. Binding anything else exposes the learner; use with a firewall or CURVE keys.")
     curve: str = _f("", "Directory of ZeroMQ CURVE keys (created if missing): only actors with an authorized key may connect; traffic is encrypted. Use with a public --bind.")
+    insecure_bind: bool = _f(False, "Allow a non-loopback --bind without --curve (only on a network you trust).")
     port: int = _f(0, "Trajectory port (params use port+1); 0 picks free ports.")
     start_method: str = _f("spawn", "Multiprocessing start method for actors: spawn, fork or forkserver.")
     max_policy_lag: int = _f(0, "Drop unrolls older than this many policy versions; 0 keeps all (V-trace corrects off-policy data).")

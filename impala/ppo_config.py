@@ -30,8 +30,7 @@ from impala import ppo
 SEMANTICS = ("mlagents", "sb3")
 
 
-class ConfigError(ValueError):
-    """A config value or key is wrong; the message names it and says what is allowed."""
+from impala.config import ConfigError  # noqa: E402 - one error type for every config problem
 
 
 def _f(default: Any, doc: str) -> Any:

@@ -35,7 +35,8 @@ WIRE_SCHEMA_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
 MAX_EPISODES_PER_MESSAGE = 4096
 KINDS = ("hello", "unroll", "params", "bye")
-_ALLOWED_DTYPES = {"uint8", "int8", "int32", "int64", "float16", "float32", "float64", "bool", "bfloat16"}
+# No bfloat16: numpy has no such dtype without ml_dtypes; weights travel as float32.
+_ALLOWED_DTYPES = {"uint8", "int8", "int32", "int64", "float16", "float32", "float64", "bool"}
 
 
 class WireError(ValueError):
@@ -96,8 +97,8 @@ def decode_header(frame: Any) -> dict[str, Any]:
         raise WireError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = json.loads(bytes(raw).decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"header is not valid JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise WireError(f"header is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise WireError("header is not a JSON object")
     if header.get("schema") != WIRE_SCHEMA_VERSION:
@@ -152,7 +153,8 @@ def decode(
         name, dtype, shape = spec
         if dtype not in _ALLOWED_DTYPES:
             raise WireError(f"array {name!r}: dtype {dtype!r} not allowed")
-        if not isinstance(shape, list) or len(shape) > 8 or not all(isinstance(d, int) and 0 <= d < (1 << 31) for d in shape):
+        # type() is int, not isinstance: JSON true would pass as 1 (and equal the schema's 1).
+        if not isinstance(shape, list) or len(shape) > 8 or not all(type(d) is int and 0 <= d < (1 << 31) for d in shape):
             raise WireError(f"array {name!r}: bad shape {shape!r}")
         if name in arrays:
             raise WireError(f"array {name!r} appears twice")
@@ -213,7 +215,11 @@ def decode_packed(
     frames: list[Any] = [header_bytes]
     for spec in header["arrays"]:
         try:
+            if not (isinstance(spec, list) and len(spec) == 3 and spec[1] in _ALLOWED_DTYPES and isinstance(spec[2], list)):
+                raise TypeError("not [name, dtype, shape]")
             name, dtype, shape = spec
+            if not all(type(d) is int and 0 <= d < (1 << 31) for d in shape):
+                raise TypeError("bad shape")
             nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         except (TypeError, ValueError) as e:
             raise WireError(f"bad array spec {spec!r}: {e}") from None
@@ -242,9 +248,10 @@ def parse_episode_info(info: Mapping[str, Any]) -> tuple[list[float], list[int]]
         raise WireError("episode_returns and episode_lengths must be lists of equal length")
     if len(returns) > MAX_EPISODES_PER_MESSAGE:
         raise WireError(f"more than {MAX_EPISODES_PER_MESSAGE} episodes in one message")
-    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in returns):
+    # type() checks: bools are ints in Python, and a 400-digit JSON int would overflow isfinite.
+    if not all((type(r) is float and math.isfinite(r)) or (type(r) is int and abs(r) < 2**53) for r in returns):
         raise WireError("episode_returns must be finite numbers")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
+    if not all(type(n) is int and 0 <= n < 2**53 for n in lengths):
         raise WireError("episode_lengths must be non-negative ints")
     return [float(r) for r in returns], [int(n) for n in lengths]
 

@@ -57,6 +57,14 @@ class ImpalaTrainer:
     def params(self) -> dict[str, np.ndarray]:
         return state_dict_arrays(self.learner.model)
 
+    def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        """Values the schema cannot express: actions must index the policy's logits."""
+        actions = arrays["actions"]
+        n = arrays["behaviour_logits"].shape[-1]
+        if actions.size and (actions.min() < 0 or actions.max() >= n):
+            return f"actions outside [0, {n})"
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return self.learner.state_dict()
 
@@ -132,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             reference_fingerprint=fp,
             spawn_actors=config.workers > 0,
             curve_dir=config.curve or None,
+            insecure_bind=config.insecure_bind,
         )
         log.info("env %s: obs %s %s, %d actions, frameskip %s, sticky %s; learner on %s", spec.id, obs_shape, obs_dtype, num_actions, fp.frameskip_text(), fp.sticky, trainer.learner.device)
         result: RunResult = run(trainer, settings)
-    except (ConfigError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError) as e:
+    except (ConfigError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError, TimeoutError) as e:
         print(f"launch_impala: error: {e}", file=sys.stderr)
         return 2
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"

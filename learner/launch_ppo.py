@@ -157,11 +157,16 @@ class PPOTrainer:
         action_high: np.ndarray,
         unroll_length: int,
         device: str | torch.device = "cpu",
+        *,
+        unrolls_per_update: int = 0,
+        params_wait_s: float = 0.0,
     ) -> None:
         self.config = config
         self.learner = PPOLearner(config, obs_dim, action_dim, action_low, action_high, device)
         self.schema = ppo_unroll_schema(unroll_length, obs_dim, action_dim)
-        self.agent_settings = PPOAgent.settings(config, obs_dim, action_dim, action_low, action_high)
+        self.agent_settings = PPOAgent.settings(
+            config, obs_dim, action_dim, action_low, action_high, unrolls_per_update=unrolls_per_update, params_wait_s=params_wait_s
+        )
         self.frames_per_step = 1.0  # total_frames counts agent steps
 
     def ingest(self, msg: wire.Message, version: int) -> bool:
@@ -282,6 +287,12 @@ def choose_unroll_length(config: PPOConfig, requested: int) -> tuple[int, str | 
     return divisor, note
 
 
+def unrolls_per_update(config: PPOConfig, unroll_length: int, n_envs: int) -> int:
+    """Rounds of unrolls (one per env of every actor) that fill one update's buffer."""
+    needed = config.buffer_size + (1 if config.update_trigger == "over_buffer_size" else 0)
+    return math.ceil(needed / (unroll_length * n_envs))
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -306,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--unroll-length", type=int, default=0, help=f"Steps per env per unroll message; 0 = min(time_horizon, {MAX_UNROLL}) (a divisor of buffer_size for SB3's buffer_full).")
     r.add_argument("--total-steps", type=int, default=None, help="Agent steps to train to (absolute, also with --resume); default: the config's max_steps.")
     r.add_argument("--max-policy-lag", type=int, default=0, help="Drop unrolls collected with weights more than this many updates old; 0 = strictly on-policy.")
+    r.add_argument("--params-wait", type=float, default=60.0, help="On-policy (lag 0): seconds an actor that sent its share of an update waits for the new weights before collecting more with the old ones.")
+    r.add_argument("--torch-threads", type=int, default=0, help="Learner CPU threads; 0 = CPU count minus --workers (at least 1).")
     r.add_argument("--device", default="auto", help="Learner device: auto, cpu, cuda, cuda:N.")
     r.add_argument("--logdir", default="runs/ppo", help="Metrics and checkpoint directory.")
     r.add_argument("--resume", action="store_true", help="Continue from LOGDIR/checkpoint.pt (its step count, weights, optimizer, normalizers).")
@@ -362,9 +375,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
             info = probe_gym(args.env or STAND_IN_ENV, envs_per_worker=args.envs_per_worker, seed=config.seed)
         device = resolve_device(args.device)
-        trainer = PPOTrainer(config, info.obs_dim, info.action_dim, info.action_low, info.action_high, T, device)
-        total_steps = args.total_steps if args.total_steps is not None else config.max_steps
+        if device.type == "cpu":
+            # Leave the actors their cores: torch's default (all cores) oversubscribes a small CPU box, and on
+            # a loaded 2-core machine that made tiny-minibatch updates ~8x slower than one thread.
+            torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.workers))
         n_envs = workers * info.envs_per_worker
+        per_actor = unrolls_per_update(config, T, n_envs)
+        trainer = PPOTrainer(config, info.obs_dim, info.action_dim, info.action_low, info.action_high, T, device,
+                             unrolls_per_update=per_actor if args.max_policy_lag == 0 else 0, params_wait_s=args.params_wait)
+        total_steps = args.total_steps if args.total_steps is not None else config.max_steps
         log.info("%s", info.description)
         log.info(
             "PPO %s semantics (%s): buffer %d, batch %d, %d epochs, %dx%d %s, unroll T=%d over %d envs (%d per round of unrolls), "

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
@@ -23,6 +24,7 @@ from actors.actor import Actor, ActorConfig
 from actors.pool import ActorPool
 from impala import wire
 from impala.checkpoint import load_checkpoint, save_checkpoint
+from impala.config import ConfigError
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import EnvFingerprint, compare_fingerprints
 from impala.metrics import MetricsLogger
@@ -77,6 +79,7 @@ class RunSettings:
     spawn_actors: bool = True
     actor_class: type = Actor  # an Actor subclass to start instead (custom envs or instrumentation)
     curve_dir: str | None = None  # CURVE keys directory: authenticate and encrypt actor traffic
+    insecure_bind: bool = False  # allow a non-loopback bind without CURVE
     in_process: bool = False  # serial mode: actors run as threads of this process (same code, same sockets)
 
     @property
@@ -149,8 +152,9 @@ class ThreadActors:
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stop_event.set()
+        deadline = time.monotonic() + timeout
         for t in self.threads:
-            t.join(timeout=timeout)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def run(trainer: Trainer, settings: RunSettings) -> RunResult:
@@ -186,13 +190,18 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         from impala.curve import prepare_server
 
         client_keys = prepare_server(settings.curve_dir)
-    elif settings.bind not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s without --curve: anyone who can reach the port can send trajectories and read weights", settings.bind)
+    elif settings.bind not in ("127.0.0.1", "localhost", "::1") and not settings.insecure_bind:
+        raise ConfigError(
+            f"--bind {settings.bind} without --curve would let anyone who can reach the port send trajectories and read "
+            "weights; pass --curve DIR (see README, Security), or --insecure-bind on a network you trust"
+        )
     server = TrajectoryServer(
-        trainer.schema, bind=settings.bind, port=settings.port, queue_size=settings.queue_size, on_hello=on_hello, curve_dir=settings.curve_dir
+        trainer.schema, bind=settings.bind, port=settings.port, queue_size=settings.queue_size, on_hello=on_hello, curve_dir=settings.curve_dir,
+        validate=getattr(trainer, "validate", None)
     )
     # Remote actors (impala-actors) learn what to run from this, sent with every weights message.
     server.run_info = {
+        "run_id": uuid.uuid4().hex,  # a new learner process: remote actors say hello again
         "env": {"id": settings.env.id, "kwargs": settings.env.kwargs, "preprocess": settings.env.preprocess},
         "agent": trainer.agent_settings,
         "unroll_length": settings.unroll_length,
@@ -229,8 +238,11 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         )
 
     def check_refusals() -> None:
-        if server.refused:
-            actor, reason = next(iter(server.refused.items()))
+        # A refused *local* actor means this run is misconfigured: stop before training. A refused
+        # remote actor (other ids) is only kept out; its data is dropped and counted.
+        local = {a: r for a, r in server.refused.items() if a < settings.workers}
+        if local:
+            actor, reason = next(iter(local.items()))
             raise FingerprintMismatchError(
                 f"actor {actor}'s environment differs from the learner's: {reason}. Refusing to train on different dynamics."
             )
@@ -255,6 +267,8 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
                 if settings.max_seconds and time.monotonic() - start > settings.max_seconds:
                     break
                 check_refusals()
+                if not server.healthy():
+                    raise RuntimeError("the learner's receive thread died; see the log above")
                 if settings.spawn_actors:
                     pool.supervise()
                 msg = server.get(timeout=0.1)
@@ -262,7 +276,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
                     continue
                 lag = version - msg.version
                 if settings.max_policy_lag is not None and lag > settings.max_policy_lag:
-                    server.dropped["stale"] += 1
+                    server.count_stale()
                     continue
                 lags.append(lag)
                 trainer.ingest(msg, version)

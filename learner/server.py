@@ -32,6 +32,8 @@ class PortInUseError(RuntimeError):
     pass
 
 
+MAX_ACTORS = 4096  # distinct actor ids the learner keeps state for
+
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
 DROP_REASONS = ("malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale")
 
@@ -47,6 +49,8 @@ class TrajectoryServer:
         on_hello: called with (actor_id, info) for each hello; returns None to
             accept the actor or an error string to refuse it (its unrolls are
             then dropped and ``refused`` records why).
+        validate: the learner's own check of a decoded unroll's values (e.g. action
+            ranges); returns a reason to drop it, or None.
         curve_dir: a CURVE keys directory (impala.curve); when given, only actors
             holding an authorized key can connect, and traffic is encrypted.
     """
@@ -61,8 +65,10 @@ class TrajectoryServer:
         on_hello: Callable[[int, Mapping[str, Any]], str | None] | None = None,
         rcv_hwm: int = 8,
         curve_dir: str | None = None,
+        validate: Callable[[Mapping[str, np.ndarray]], str | None] | None = None,
     ) -> None:
         self.auth = None
+        self.validate = validate or (lambda arrays: None)
         self.schema = schema
         self.max_bytes = schema.nbytes + 1024
         self.on_hello = on_hello or (lambda actor, info: None)
@@ -82,8 +88,10 @@ class TrajectoryServer:
         # Small kernel buffers: with tiny unrolls (CartPole) the OS would otherwise queue
         # thousands of them, and every one would be many policy versions old when read.
         self.pull.setsockopt(zmq.RCVBUF, max(8192, 2 * schema.nbytes))
-        # A hard cap inside ZeroMQ itself, so a huge message is never buffered: the sender is
-        # disconnected. Between the schema's size and this cap, messages arrive and are counted.
+        # A hard cap inside ZeroMQ on each frame, so one huge frame is never buffered (the sender is
+        # disconnected). Between the schema's size and this cap, messages arrive and are counted.
+        # ZeroMQ does not bound the number of frames in a message, so an unauthenticated peer can
+        # still make it buffer a lot: a public bind needs CURVE (runtime refuses it otherwise).
         self.pull.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_bytes + wire.MAX_HEADER_BYTES)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 2)
@@ -140,7 +148,18 @@ class TrajectoryServer:
     def _drop(self, reason: str, actor: Any, detail: str) -> None:
         with self._stats_lock:
             self.dropped[reason] += 1
-        log.warning("dropped message from actor %s (%s): %s", actor, reason, detail)
+            n = self.dropped[reason]
+        # Log the first few of each reason, then every 1000th: a flood must not flood the log too.
+        if n <= 20 or n % 1000 == 0:
+            log.warning("dropped message from actor %s (%s, #%d of this kind): %s", actor, reason, n, detail)
+
+    def count_stale(self) -> None:
+        with self._stats_lock:
+            self.dropped["stale"] += 1
+
+    def healthy(self) -> bool:
+        """False once the receive thread has died (a bug: the learner must stop, not hang)."""
+        return self._thread.is_alive() or self._stop.is_set()
 
     def _receive_loop(self) -> None:
         while not self._stop.is_set():
@@ -153,7 +172,10 @@ class TrajectoryServer:
                     return
                 raise
             self.received += 1
-            self._handle(frames)
+            try:
+                self._handle(frames)
+            except Exception as e:  # noqa: BLE001 - no message may kill the receiver
+                self._drop("malformed", "?", f"{type(e).__name__}: {str(e)[:200]}")
 
     def _handle(self, frames: list) -> None:
         try:
@@ -168,12 +190,17 @@ class TrajectoryServer:
             return
         kind = header["kind"]
         if kind == "hello":
+            if actor not in self.accepted and len(self.accepted) + len(self.refused) >= MAX_ACTORS:
+                self._drop("unknown_actor", actor, f"more than {MAX_ACTORS} actor ids")
+                return
             reason = self.on_hello(actor, header["info"])
             if reason is None:
-                self.accepted[actor] = dict(header["info"])
+                info = header["info"]
+                # Keep only small, typed fields: a hello is peer-supplied data.
+                self.accepted[actor] = {k: info[k] for k in ("pid", "num_envs") if type(info.get(k)) is int}
                 self.refused.pop(actor, None)
             else:
-                self.refused[actor] = reason
+                self.refused[actor] = reason[:1000]
                 self.accepted.pop(actor, None)
                 log.error("refused actor %d: %s", actor, reason)
             return
@@ -192,6 +219,10 @@ class TrajectoryServer:
         bad = wire.check_finite(msg.arrays)
         if bad is not None:
             self._drop("non_finite", actor, f"{bad} holds NaN/inf")
+            return
+        problem = self.validate(msg.arrays)
+        if problem is not None:
+            self._drop("schema", actor, problem)
             return
         with self._stats_lock:
             self.episode_returns.extend(returns)

@@ -136,3 +136,17 @@ def test_stack_time_major():
     assert batch["obs"].shape == (6, 3, 4)
     assert batch["behaviour_logits"].shape == (5, 3, 3)
     np.testing.assert_array_equal(batch["rewards"][:, 1], us[1]["rewards"])
+
+
+def test_bool_dimensions_and_huge_ints_are_rejected():
+    frames = _bytes(wire.encode("unroll", actor=1, version=0, arrays=_unroll(np.random.default_rng(6))))
+    header = json.loads(frames[0])
+    header["arrays"][3][2] = [True]  # rewards [5] declared as [true]: JSON true must not pass as a size
+    with pytest.raises(wire.WireError, match="bad shape"):
+        wire.decode([json.dumps(header).encode()] + frames[1:])
+    with pytest.raises(wire.WireError):
+        wire.parse_episode_info({"episode_returns": [10**400], "episode_lengths": [1]})
+    with pytest.raises(wire.WireError):
+        wire.parse_episode_info({"episode_returns": [1.0], "episode_lengths": [True]})
+    with pytest.raises(wire.WireError, match="not valid JSON"):
+        wire.decode([b"[" * 20000 + b"]" * 20000])

@@ -1,0 +1,133 @@
+"""The PPO agent adapter: a Gaussian actor-critic copy in the actor, filling ``ppo_unroll_schema``.
+
+Built inside the actor's process by ``actors.agents.make_agent`` from plain
+settings (``PPOAgent.settings(...)`` makes them in the launcher)::
+
+    {"kind": "ppo", "config": dataclasses.asdict(PPOConfig), "obs_dim": D, "action_dim": A,
+     "action_low": [A floats], "action_high": [A floats], "unrolls_per_update": n, "params_wait_s": s}
+
+What it records per step (PPO_SEMANTICS.md #9, #10, #12):
+
+- ``obs``: the **raw** observation as float32 (the learner normalizes with its
+  own statistics; the network here carries the normalizer buffers it was sent).
+- ``actions``: the raw Gaussian sample; the env receives ``env_action(raw)``:
+  ``clamp(a, -3, 3) / 3`` for ``action_clip='mlagents'``, ``clip(a, low, high)``
+  for ``'bounds'`` (SB3).
+- ``log_probs``: per action dimension, in the configured form (``log_prob_form``).
+- ``rewards``, ``terminated``, ``truncated``; ``final_obs`` = the last obs of an
+  episode that ended at t (zeros where none ended), for the truncation bootstrap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from actors.agents import load_state_arrays, state_dict_schema
+from impala.envs.vector import StepResult
+from impala.ppo_config import PPOConfig
+from impala.ppo_policy import env_action
+from impala.trajectory import ppo_unroll_schema
+
+
+def flat_obs_dim(obs_shape: tuple[int, ...]) -> int:
+    return int(np.prod(obs_shape)) if obs_shape else 1
+
+
+class PPOAgent:
+    """Samples continuous actions from the broadcast policy; records what ``ppo_unroll_schema`` needs."""
+
+    @staticmethod
+    def settings(
+        config: PPOConfig, obs_dim: int, action_dim: int, action_low, action_high, *, unrolls_per_update: int = 0, params_wait_s: float = 0.0
+    ) -> dict[str, Any]:
+        """The picklable settings dict the launcher puts in ``ActorConfig.agent`` (see :meth:`params_wait_s`)."""
+        low = np.broadcast_to(np.asarray(action_low, np.float64), (action_dim,))
+        high = np.broadcast_to(np.asarray(action_high, np.float64), (action_dim,))
+        return {
+            "kind": "ppo",
+            "config": dataclasses.asdict(config),
+            "obs_dim": int(obs_dim),
+            "action_dim": int(action_dim),
+            "action_low": [float(x) for x in low],
+            "action_high": [float(x) for x in high],
+            "unrolls_per_update": int(unrolls_per_update),
+            "params_wait_s": float(params_wait_s),
+        }
+
+    def __init__(self, settings: Mapping[str, Any], *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int) -> None:
+        from learner.ppo_learner import make_policy
+
+        self.config = PPOConfig(**settings["config"])
+        self.num_envs = int(envs.num_envs)
+        self.obs_dim = int(settings["obs_dim"])
+        self.action_dim = int(settings["action_dim"])
+        got = flat_obs_dim(tuple(np.shape(first_obs)[1:]))
+        if got != self.obs_dim:
+            raise ValueError(f"PPOAgent: the env's observations have {got} values, the learner expects {self.obs_dim}")
+        got_a = int(getattr(envs, "action_dim", 0) or np.prod(getattr(getattr(envs, "action_space", None), "shape", None) or (0,)))
+        if got_a and got_a != self.action_dim:
+            raise ValueError(f"PPOAgent: the env takes {got_a} action values, the learner expects {self.action_dim}")
+        self.action_low = np.asarray(settings["action_low"], np.float32)
+        self.action_high = np.asarray(settings["action_high"], np.float32)
+        self.policy = make_policy(self.config, self.obs_dim, self.action_dim)
+        self.policy.eval()
+        self.schema = ppo_unroll_schema(unroll_length, self.obs_dim, self.action_dim)
+        self.params_schema = state_dict_schema(self.policy)
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self._zeros_obs = np.zeros((self.num_envs, self.obs_dim), np.float32)
+        self.unrolls_per_update = int(settings.get("unrolls_per_update", 0))
+        self.wait_s = float(settings.get("params_wait_s", 0.0))
+
+    def load_params(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Weights, log-sigma and the normalizer buffers (ML-Agents stats or the vecnormalize snapshot)."""
+        load_state_arrays(self.policy, arrays)
+
+    def params_wait_s(self, unrolls_sent: int) -> float:
+        """Seconds the actor loop waits for newer weights after sending ``unrolls_sent`` unrolls with the current ones.
+
+        On-policy: once this actor sent its share of one update's buffer (``unrolls_per_update``, computed by the
+        launcher), anything more it collected with these weights would arrive after the update and be dropped as
+        stale; waiting for the new weights instead saves that work. The wait is bounded, so an estimate that is off
+        (e.g. a dropped unroll) costs at most ``params_wait_s`` once, never a deadlock.
+        """
+        if self.unrolls_per_update and unrolls_sent >= self.unrolls_per_update:
+            return self.wait_s
+        return 0.0
+
+    def unroll_start(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def _flat(self, obs: np.ndarray) -> np.ndarray:
+        return np.asarray(obs, dtype=np.float32).reshape(self.num_envs, self.obs_dim)
+
+    @torch.inference_mode()
+    def act(self, obs: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        # ActorCritic.act without its value head: the learner recomputes values at ingest (#13),
+        # so the actor body alone keeps the acting forward pass half as expensive.
+        policy = self.policy
+        mu = policy.mean(torch.from_numpy(self._flat(obs)))
+        noise = torch.randn(mu.shape, dtype=mu.dtype, generator=self.generator)
+        action = mu + torch.exp(policy.log_sigma) * noise
+        raw = action.numpy()
+        to_env = env_action(raw, mode=self.config.action_clip, low=self.action_low, high=self.action_high)
+        return to_env, {"actions": raw, "log_probs": policy.log_prob_per_dim(action, mu).numpy()}
+
+    def transition(self, result: StepResult) -> dict[str, np.ndarray]:
+        ended = result.terminated | result.truncated
+        if ended.any():
+            final_obs = np.where(ended[:, None], self._flat(result.final_obs), 0.0).astype(np.float32)
+        else:
+            final_obs = self._zeros_obs
+        return {
+            "rewards": np.asarray(result.reward, np.float32),
+            "terminated": np.asarray(result.terminated, bool),
+            "truncated": np.asarray(result.truncated, bool),
+            "final_obs": final_obs,
+        }
+
+    def observation(self, obs: np.ndarray, first: np.ndarray) -> dict[str, np.ndarray]:
+        return {"obs": self._flat(obs)}
