@@ -1,0 +1,305 @@
+"""launch_ppo end to end: real processes, real gRPC (fake Unity builds), real ZeroMQ; no mocks.
+
+The fake builds are executables written by ``tests/fake_unity.py``: mlagents-envs
+starts them as subprocesses exactly as it starts a Unity player. A small wrapper
+build records each player's summary under its own port, so the test can see
+which worker_id (port = base + worker_id) and seed every instance got.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("mlagents_envs")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from fake_unity import write_fake_build  # noqa: E402
+
+from actors.ppo_agent import PPOAgent  # noqa: E402
+from impala import wire  # noqa: E402
+from impala.envs.vector import StepResult  # noqa: E402
+from impala.ppo_config import PPOConfig  # noqa: E402
+from learner.launch_ppo import PPOTrainer, choose_unroll_length, piece_from_unroll  # noqa: E402
+
+LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
+
+
+def tiny(time_horizon: int = 32) -> list[str]:
+    """Crawler.yaml shrunk to a few seconds per update on 2 loaded cores."""
+    return ["--buffer-size", "256", "--batch-size", "64", "--hidden-units", "32", "--num-layers", "1",
+            "--time-horizon", str(time_horizon), "--log-interval", "0", "--no-progress"]
+
+
+def free_base_port(n: int) -> int:
+    """A base port with n consecutive free ports above it (Unity worker i uses base + i)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("localhost", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+def recording_build(path: Path, records: Path, *extra: str) -> Path:
+    """A fake Crawler build that writes its summary to records/player-<port>.json."""
+    records.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "from fake_unity import main\n"
+        "port = sys.argv[sys.argv.index('--mlagents-port') + 1]\n"
+        f"sys.exit(main(['--preset', 'crawler', *{list(extra)!r}, '--record', {str(records)!r} + f'/player-{{port}}.json'] + sys.argv[1:]))\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([LAUNCH_PPO, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def wait_records(records: Path, ports: list[int], timeout: float = 20.0) -> dict[int, dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = {p: records / f"player-{p}.json" for p in ports}
+        if all(f.exists() for f in found.values()):
+            time.sleep(0.2)  # written in one call; give it a moment to finish
+            return {p: json.loads(f.read_text()) for p, f in found.items()}
+        time.sleep(0.2)
+    raise AssertionError(f"fake players did not all record: have {sorted(os.listdir(records))}")
+
+
+def check_metrics(rows: list[dict[str, str]]) -> None:
+    assert rows, "metrics.csv has no rows"
+    for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
+                "losses/clip_fraction", "losses/explained_variance", "charts/fps", "transport/rejected_nan"):
+        assert key in rows[0], f"{key} not in metrics.csv columns"
+    for row in rows:
+        for key in ("losses/policy_loss", "losses/value_loss", "losses/total", "losses/approx_kl", "losses/clip_fraction"):
+            assert math.isfinite(float(row[key])), (key, row[key])
+
+
+# ------------------------------------------------------------------------- end to end
+
+
+def test_unity_two_workers_train_and_resume(tmp_path):
+    base = free_base_port(3)
+    records = tmp_path / "records"
+    build = recording_build(tmp_path / "FakeCrawler.x86_64", records)
+    logdir = tmp_path / "run"
+    common = ["--unity-build", str(build), "--workers", "2", "--unity-base-port", str(base), "--logdir", str(logdir), *tiny()]
+
+    first = launch(*common, "--total-steps", "900")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "launch_ppo: done" in first.stdout
+    ckpt = torch.load(logdir / "checkpoint.pt", weights_only=True)
+    steps_1 = int(ckpt["env_frames"])
+    assert steps_1 >= 900 and ckpt["version"] >= 3
+    rows = read_csv(logdir / "metrics.csv")
+    check_metrics(rows)
+
+    # Workers 0 and 1 on base+0 / base+1 with their own seeds; the launcher's probe on base+2.
+    rec = wait_records(records, [base, base + 1, base + 2])
+    for port, r in rec.items():
+        assert r["port"] == port and r["engine_config"]["time_scale"] == 20.0, r
+        assert r["error"] is None and not r["protocol_errors"], r
+    assert rec[base]["seed"] == 0 and rec[base + 1]["seed"] == 1000  # ActorConfig.seed = seed + 1000 * worker_id
+    assert rec[base]["n_steps"] > 0 and rec[base + 1]["n_steps"] > 0
+    assert rec[base + 2]["shutdown"] == "quit"  # the probe closed its instance properly
+
+    for f in records.iterdir():
+        f.unlink()
+    second = launch(*common, "--total-steps", str(steps_1 + 600), "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"at {steps_1} env frames" in second.stderr  # the runtime's "resumed from ..." line
+    ckpt2 = torch.load(logdir / "checkpoint.pt", weights_only=True)
+    assert int(ckpt2["env_frames"]) >= steps_1 + 600
+    assert ckpt2["version"] > ckpt["version"]
+    assert ckpt2["trainer"]["total_steps"] > ckpt["trainer"]["total_steps"]
+    rows2 = read_csv(logdir / "metrics.csv")
+    assert int(rows2[-1]["step"]) > steps_1 and len(rows2) > len(rows)
+
+
+def test_single_process_mode(tmp_path):
+    base = free_base_port(2)
+    records = tmp_path / "records"
+    build = recording_build(tmp_path / "FakeCrawler.x86_64", records)
+    logdir = tmp_path / "run"
+    out = launch("--unity-build", str(build), "--workers", "0", "--unity-base-port", str(base), "--logdir", str(logdir),
+                 "--total-steps", "600", *tiny())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "started 1 actors (threads)" in out.stderr
+    assert (logdir / "checkpoint.pt").exists()
+    check_metrics(read_csv(logdir / "metrics.csv"))
+    rec = wait_records(records, [base, base + 1])
+    # The in-process actor closes its Unity instance itself (status 400) when the run ends.
+    assert rec[base]["shutdown"] == "quit" and rec[base]["n_steps"] > 0
+    assert rec[base]["engine_config"]["time_scale"] == 20.0
+
+
+def test_ant_stand_in(tmp_path):
+    pytest.importorskip("mujoco")
+    logdir = tmp_path / "ant"
+    out = launch("--workers", "1", "--envs-per-worker", "2", "--total-steps", "700", "--logdir", str(logdir),
+                 *tiny(time_horizon=64))
+    assert out.returncode == 0, out.stderr[-3000:]
+    stand_in = [line for line in out.stdout.splitlines() if "STAND-IN" in line]
+    assert len(stand_in) == 1 and "Ant-v5" in stand_in[0] and "--unity-build" in stand_in[0]
+    rows = read_csv(logdir / "metrics.csv")
+    check_metrics(rows)
+    assert float(rows[-1]["charts/updates"]) >= 2
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def assert_clean_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout, out.stderr[-2000:]
+    err = [line for line in out.stderr.splitlines() if line.startswith("launch_ppo: error:")]
+    assert err, out.stderr[-2000:]
+    for n in needles:
+        assert n in err[0], (n, err[0])
+
+
+def test_missing_build(tmp_path):
+    missing = tmp_path / "nowhere" / "Crawler.x86_64"
+    out = launch("--unity-build", str(missing), "--logdir", str(tmp_path / "r"), "--unity-base-port", str(free_base_port(3)))
+    assert_clean_error(out, str(missing), "not found")
+
+
+def test_build_that_never_answers(tmp_path):
+    base = free_base_port(3)
+    build = write_fake_build(tmp_path / "Hang.x86_64", preset="crawler", args=["--hang"])
+    t0 = time.monotonic()
+    out = launch("--unity-build", str(build), "--workers", "2", "--unity-timeout", "2", "--unity-base-port", str(base),
+                 "--logdir", str(tmp_path / "r"))
+    assert_clean_error(out, str(build), f"port {base + 2}", "did not connect")
+    assert time.monotonic() - t0 < 60
+
+
+def test_unknown_yaml_key(tmp_path):
+    bad = tmp_path / "Crawler.yaml"
+    text = (HERE.parent / "configs" / "Crawler.yaml").read_text().replace("      num_epoch: 3\n", "      num_epoch: 3\n      num_epochs: 5\n")
+    bad.write_text(text)
+    out = launch("--mlagents-config", str(bad), "--logdir", str(tmp_path / "r"))
+    assert_clean_error(out, "behaviors.Crawler.hyperparameters.num_epochs", "unknown key")
+
+
+# ------------------------------------------------------------------------- units
+
+
+def _unroll(T: int, D: int, A: int, rng) -> dict[str, np.ndarray]:
+    arrays = {
+        "obs": rng.normal(size=(T + 1, D)).astype(np.float32),
+        "actions": rng.normal(size=(T, A)).astype(np.float32),
+        "log_probs": (rng.normal(size=(T, A)) - 1).astype(np.float32),
+        "rewards": rng.normal(size=T).astype(np.float32),
+        "terminated": np.zeros(T, bool),
+        "truncated": np.zeros(T, bool),
+        "final_obs": np.zeros((T, D), np.float32),
+    }
+    arrays["terminated"][1] = True
+    arrays["truncated"][4] = True
+    arrays["final_obs"][[1, 4]] = rng.normal(size=(2, D)).astype(np.float32)
+    return arrays
+
+
+def _message(trainer: PPOTrainer, arrays: dict[str, np.ndarray]) -> wire.Message:
+    """Through the real codec, as the server receives it."""
+    frames = wire.encode("unroll", actor=1, version=0, arrays=arrays, info={"env": 2})
+    return wire.decode([bytes(memoryview(f)) for f in frames], schema=trainer.schema)
+
+
+def test_piece_from_unroll_bootstraps_from_final_obs():
+    arrays = _unroll(6, 3, 2, np.random.default_rng(0))
+    p = piece_from_unroll(arrays)
+    np.testing.assert_array_equal(p.obs, arrays["obs"][:6])
+    for t in range(6):
+        want = arrays["final_obs"][t] if t in (1, 4) else arrays["obs"][t + 1]
+        np.testing.assert_array_equal(p.next_obs[t], want)
+
+
+def test_nan_unroll_rejected_and_counted():
+    cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=8)
+    trainer = PPOTrainer(cfg, 3, 2, -np.ones(2), np.ones(2), unroll_length=8)
+    rng = np.random.default_rng(1)
+    good = _unroll(8, 3, 2, rng)
+    bad = _unroll(8, 3, 2, rng)
+    bad["rewards"][3] = np.nan
+    assert trainer.ingest(_message(trainer, bad), 0) is False
+    assert trainer.rejected_nan == 1 and trainer.learner.buffer.num_steps == 0
+    steps = trainer.learner.policy.actor_norm.steps.clone()
+    for _ in range(3):
+        assert trainer.ingest(_message(trainer, good), 0) is True
+    assert trainer.ready()
+    m = trainer.update(24)
+    assert m["transport/rejected_nan"] == 1.0
+    assert all(math.isfinite(m[k]) for k in ("losses/policy_loss", "losses/approx_kl", "losses/explained_variance"))
+    assert float(trainer.learner.policy.actor_norm.steps) == float(steps) + 24  # the NaN piece never reached the normalizer
+
+
+def test_choose_unroll_length():
+    ml = PPOConfig.preset("mlagents", time_horizon=1000, buffer_size=20480, batch_size=2048)
+    assert choose_unroll_length(ml, 0) == (1000, None)
+    sb = PPOConfig.preset("sb3", time_horizon=2048, buffer_size=2048)
+    T, note = choose_unroll_length(sb, 0)
+    assert T == 512 and 2048 % T == 0 and "512" in note
+    assert choose_unroll_length(PPOConfig.preset("sb3", time_horizon=256, buffer_size=2048), 0) == (256, None)
+
+
+class _Envs:
+    num_envs = 3
+    action_dim = 2
+
+
+@pytest.mark.parametrize("semantics", ["mlagents", "sb3"])
+def test_agent_clips_env_actions_and_records_raw(semantics):
+    cfg = PPOConfig.preset(semantics, hidden_units=8, num_layers=1, buffer_size=64, batch_size=8)
+    low, high = np.array([-0.5, -2.0]), np.array([0.5, 2.0])
+    settings = PPOAgent.settings(cfg, 4, 2, low, high)
+    obs = np.random.default_rng(0).normal(size=(3, 4))  # float64, as MuJoCo returns
+    agent = PPOAgent(settings, envs=_Envs(), first_obs=obs, unroll_length=5, seed=0)
+    agent.policy.log_sigma.data.fill_(1.5)  # wide enough that clipping happens
+    to_env, rec = agent.act(obs, np.ones(3, bool))
+    raw = rec["actions"]
+    assert rec["log_probs"].shape == (3, 2) and raw.dtype == np.float32
+    want = np.clip(raw, -3, 3) / 3 if semantics == "mlagents" else np.clip(raw, low, high)
+    np.testing.assert_allclose(to_env, want, rtol=1e-6)
+    assert agent.observation(obs, None)["obs"].dtype == np.float32
+    term, trunc = np.array([True, False, False]), np.array([False, False, True])
+    nxt = np.ones((3, 4))
+    out = agent.transition(StepResult(nxt, np.zeros(3, np.float32), term, trunc, nxt * 7))
+    np.testing.assert_array_equal(out["final_obs"][1], 0.0)
+    np.testing.assert_array_equal(out["final_obs"][[0, 2]], 7.0)
