@@ -1,8 +1,8 @@
 """Run metrics: a live console display, TensorBoard scalars and a CSV, from one call.
 
 Keys are grouped by prefix (``losses/``, ``charts/``, ``transport/``,
-``popart/``) as CleanRL does. The CSV is wide: its columns are fixed by the
-first row written; a later key that was not there is kept in TensorBoard only.
+``popart/``) as CleanRL does. The CSV is wide; when a key appears that
+earlier rows lack, the file is rewritten once with the wider header.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class MetricsLogger:
         self.csv_path = os.path.join(logdir, "metrics.csv")
         self._csv_file = None
         self._csv: csv.DictWriter | None = None
-        self._fields: list[str] = []
+        self._fields: list[str] = ["step", "time"]
         self.title = title
         self._live = None
         self._start = time.time()
@@ -58,16 +58,9 @@ class MetricsLogger:
             self.writer.add_scalar(key, value, step)
         full = {"step": step, "time": round(time.time() - self._start, 3), **row}
         if self._csv is None:
-            exists = os.path.exists(self.csv_path) and os.path.getsize(self.csv_path) > 0
-            self._csv_file = open(self.csv_path, "a", newline="")
-            if exists:
-                with open(self.csv_path) as f:
-                    self._fields = next(csv.reader(f))
-            else:
-                self._fields = list(full)
-            self._csv = csv.DictWriter(self._csv_file, fieldnames=self._fields, extrasaction="ignore")
-            if not exists:
-                self._csv.writeheader()
+            self._open_csv()
+        if any(k not in self._fields for k in full):
+            self._widen_csv([k for k in full if k not in self._fields])
         self._csv.writerow(full)
         self._csv_file.flush()
         if self._live is not None:
@@ -75,6 +68,31 @@ class MetricsLogger:
         else:
             parts = [f"{label}={fmt.format(row[k])}" for k, label, fmt in CONSOLE_KEYS if k in row]
             print(f"[{self.title}] " + " ".join(parts), flush=True)
+
+    def _open_csv(self) -> None:
+        exists = os.path.exists(self.csv_path) and os.path.getsize(self.csv_path) > 0
+        if exists:  # a resumed run appends under the existing header
+            with open(self.csv_path, newline="") as f:
+                self._fields = next(csv.reader(f))
+        self._csv_file = open(self.csv_path, "a", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=self._fields, restval="")
+        if not exists:
+            self._csv.writeheader()
+
+    def _widen_csv(self, new_keys: list[str]) -> None:
+        """A key not seen before: rewrite the file once with the wider header (rare, small)."""
+        self._csv_file.close()
+        with open(self.csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        self._fields = self._fields + new_keys
+        tmp = self.csv_path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self._fields, restval="")
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, self.csv_path)
+        self._csv_file = open(self.csv_path, "a", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=self._fields, restval="")
 
     def close(self) -> None:
         if self._live is not None:
