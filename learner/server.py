@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 
 from impala import wire
+from impala.envs.fingerprint import EnvFingerprint
 from impala.trajectory import TrajectorySchema
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,12 @@ class TrajectoryServer:
             if reason is None:
                 info = header["info"]
                 # Keep only small, typed fields: a hello is peer-supplied data.
-                self.accepted[actor] = {k: info[k] for k in ("pid", "num_envs") if type(info.get(k)) is int}
+                kept: dict[str, Any] = {k: info[k] for k in ("pid", "num_envs") if type(info.get(k)) is int}
+                try:
+                    kept["fingerprint"] = EnvFingerprint.from_dict(info["fingerprint"]).to_dict()
+                except (KeyError, TypeError, ValueError):
+                    pass
+                self.accepted[actor] = kept
                 self.refused.pop(actor, None)
             else:
                 self.refused[actor] = reason[:1000]
