@@ -57,6 +57,7 @@ class ImpalaConfig:
     queue_size: int = _f(0, "Unrolls buffered in the learner; 0 means 2 x batch_size.")
     progress: bool = _f(True, "Show the live console progress display.")
     log_interval: float = _f(5.0, "Seconds between console/CSV/TensorBoard rows.")
+    torch_threads: int = _f(0, "CPU threads for the learner's torch ops; 0 = the cores left after the actors (at least 1). More would fight the actors for cores.")
     autocast_bf16: bool = _f(False, "Run the learner's forward pass under bf16 autocast (CUDA only).")
     max_seconds: float = _f(0.0, "Stop after this many seconds of training; 0 means no limit.")
 

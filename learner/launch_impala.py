@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from typing import Any, Mapping
 
 import numpy as np
+import torch
 
 from actors.agents import state_dict_arrays
 from impala import wire
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = from_arguments(ImpalaConfig, args)
+        # Each actor is single-threaded; a learner with as many threads as cores would make the
+        # OS time-slice them against each other (several times slower on a small machine).
+        torch.set_num_threads(config.torch_threads or max(1, (os.cpu_count() or 1) - config.workers))
         spec = EnvSpec(config.env)
         fp, obs_shape, obs_dtype, num_actions = probe_env(spec, config.seed)
         trainer = ImpalaTrainer(config, obs_shape, obs_dtype, num_actions, frames_per_agent_step(fp))

@@ -36,6 +36,10 @@ class VTraceLearner:
         self.config = config
         self.device = device
         self.model = model.to(device)
+        if hasattr(self.model.torso, "to_channels_last"):
+            # NHWC convolutions: ~15% faster updates on CPU (oneDNN), and the layout cuDNN wants
+            # for bf16. Weights published to actors are made contiguous again, so they are unaffected.
+            self.model.torso.to_channels_last()
         self.optimizer = torch.optim.RMSprop(
             self.model.parameters(),
             lr=config.learning_rate,
