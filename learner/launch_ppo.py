@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--total-steps", type=int, default=None, help="Agent steps to train to (absolute, also with --resume); default: the config's max_steps.")
     r.add_argument("--max-policy-lag", type=int, default=0, help="Drop unrolls collected with weights more than this many updates old; 0 = strictly on-policy.")
     r.add_argument("--params-wait", type=float, default=60.0, help="On-policy (lag 0): seconds an actor that sent its share of an update waits for the new weights before collecting more with the old ones.")
-    r.add_argument("--torch-threads", type=int, default=0, help="Learner CPU threads; 0 = CPU count minus --workers (at least 1).")
+    r.add_argument("--torch-threads", type=int, default=0, help="Learner CPU threads; 0 = all cores when on-policy (--max-policy-lag 0: actors wait during updates), else CPU count minus --workers.")
     r.add_argument("--device", default="auto", help="Learner device: auto, cpu, cuda, cuda:N.")
     r.add_argument("--logdir", default="runs/ppo", help="Metrics and checkpoint directory.")
     r.add_argument("--resume", action="store_true", help="Continue from LOGDIR/checkpoint.pt (its step count, weights, optimizer, normalizers).")
@@ -376,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             info = probe_gym(args.env or STAND_IN_ENV, envs_per_worker=args.envs_per_worker, seed=config.seed)
         device = resolve_device(args.device)
         if device.type == "cpu":
-            # Leave the actors their cores: torch's default (all cores) oversubscribes a small CPU box, and on
-            # a loaded 2-core machine that made tiny-minibatch updates ~8x slower than one thread.
-            torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.workers))
+            # On-policy (lag 0) actors wait for the new weights during an update, so the learner may use every
+            # core then. With lag > 0 they keep stepping: leave them their cores, since oversubscribing a small
+            # CPU box made tiny-minibatch updates ~8x slower than one thread on a loaded 2-core machine.
+            cores = os.cpu_count() or 1
+            torch.set_num_threads(args.torch_threads or (cores if args.max_policy_lag == 0 else max(1, cores - args.workers)))
         n_envs = workers * info.envs_per_worker
         per_actor = unrolls_per_update(config, T, n_envs)
         trainer = PPOTrainer(config, info.obs_dim, info.action_dim, info.action_low, info.action_high, T, device,

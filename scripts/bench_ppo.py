@@ -49,7 +49,7 @@ def run_ours(net: str, args: argparse.Namespace, seed: int) -> float:
             "--time-horizon", str(args.n_steps), "--buffer-size", str(buffer), "--batch-size", str(batch),
             "--num-epoch", str(epochs), "--hidden-units", str(hidden), "--num-layers", str(layers),
             "--total-steps", str((args.cycles + 1) * buffer), "--seed", str(seed), "--device", "cpu",
-            "--logdir", logdir, "--log-interval", "0", "--no-progress",
+            "--logdir", logdir, "--log-interval", "0", "--no-progress", *args.ours_extra,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-steps", type=int, default=256, help="Steps per env per cycle (buffer = n_steps * n_envs).")
     p.add_argument("--cycles", type=int, default=5, help="Timed collect+update cycles per run (after 1 warm-up cycle).")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ours-extra", nargs="*", default=[], help="Extra launch_ppo flags, e.g. --ours-extra=--torch-threads=2.")
     args = p.parse_args(argv)
     import torch
 
