@@ -305,6 +305,7 @@ def check_pickle_roundtrip(
     original = cls(**kwargs)
     try:
         try:
+            # A local round trip of an env built just above (the historical failure mode), never bytes from a socket.
             clone = pickle.loads(pickle.dumps(original))
         except Exception as e:  # noqa: BLE001 - any failure to pickle is the finding
             return [Mismatch("pickle", "picklable", f"{type(e).__name__}: {e}", "the env cannot cross a process boundary by pickling; build it in the child from an EnvSpec")]

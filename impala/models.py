@@ -9,6 +9,8 @@ taken as already scaled to [0, 1].
 
 from __future__ import annotations
 
+import abc
+
 from typing import NamedTuple, Sequence
 
 import torch
@@ -55,7 +57,7 @@ def _scale_frames(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return x
 
 
-class _ImageTorso(nn.Module):
+class _ImageTorso(nn.Module, abc.ABC):
     """Shared plumbing: frame scaling, channels_last input, flatten size from obs_shape."""
 
     out_features: int
@@ -69,8 +71,9 @@ class _ImageTorso(nn.Module):
         self.channels_last = True
         return self.to(memory_format=torch.channels_last)
 
+    @abc.abstractmethod
     def _conv_features(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The convolutional stack; subclasses define it."""
 
     def _flat_size(self, obs_shape: Sequence[int]) -> int:
         if len(obs_shape) != 3:
