@@ -62,6 +62,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from actors.agents import state_dict_arrays
 from actors.ppo_agent import PPOAgent, flat_obs_dim
 from impala import wire
 from impala.envs import EnvSpec, UnknownEnvError, make_env
@@ -191,7 +192,7 @@ class PPOTrainer:
 
     def params(self) -> dict[str, np.ndarray]:
         # Weights, log-sigma and the normalizer buffers: actors act with exactly these statistics.
-        return {k: v.detach().to("cpu").contiguous().numpy() for k, v in self.learner.policy.state_dict().items()}
+        return state_dict_arrays(self.learner.policy)
 
     def state_dict(self) -> dict[str, Any]:
         return _to_torch(self.learner.state_dict())
