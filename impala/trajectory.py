@@ -116,6 +116,14 @@ def ppo_unroll_schema(unroll_length: int, obs_dim: int, action_dim: int) -> Traj
     )
 
 
-def stack_time_major(unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema) -> dict[str, np.ndarray]:
-    """Stack B unrolls into ``[T(+1), B, ...]`` arrays."""
-    return {a.name: np.stack([u[a.name] for u in unrolls], axis=1) for a in schema.arrays}
+def stack_time_major(
+    unrolls: list[Mapping[str, np.ndarray]],
+    schema: TrajectorySchema,
+    out: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """Stack B unrolls into ``[T(+1), B, ...]`` arrays (into ``out``'s buffers when given)."""
+    if out is None:
+        return {a.name: np.stack([u[a.name] for u in unrolls], axis=1) for a in schema.arrays}
+    for a in schema.arrays:
+        np.stack([u[a.name] for u in unrolls], axis=1, out=out[a.name])
+    return dict(out)

@@ -24,7 +24,7 @@ from impala.config import ConfigError, ImpalaConfig, add_arguments, from_argumen
 from impala.envs import EnvSpec, UnknownEnvError, make_env
 from impala.envs.fingerprint import EnvFingerprint, check_against_config, configured_settings, measure_fingerprint
 from impala.models import build_model
-from impala.trajectory import impala_unroll_schema, stack_time_major
+from impala.trajectory import impala_unroll_schema
 from learner.runtime import FingerprintMismatchError, RunResult, RunSettings, run
 from learner.server import PortInUseError
 from learner.vtrace_learner import VTraceLearner, resolve_device
@@ -52,9 +52,9 @@ class ImpalaTrainer:
         return len(self._pending) >= self.config.batch_size
 
     def update(self, frames_done: int) -> dict[str, float]:
-        batch_np = stack_time_major(self._pending[: self.config.batch_size], self.schema)
+        batch = self.learner.stage(self._pending[: self.config.batch_size], self.schema)
         del self._pending[: self.config.batch_size]
-        return self.learner.step(self.learner.to_device(batch_np), frames_done=frames_done)
+        return self.learner.step(batch, frames_done=frames_done)
 
     def params(self) -> dict[str, np.ndarray]:
         return state_dict_arrays(self.learner.model)

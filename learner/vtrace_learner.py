@@ -18,6 +18,7 @@ import torch
 from impala.config import ImpalaConfig
 from impala.models import ImpalaNet
 from impala.popart import impala_loss, popart_impala_loss
+from impala.trajectory import TrajectorySchema, stack_time_major
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,20 +49,35 @@ class VTraceLearner:
             momentum=config.rmsprop_momentum,
         )
         self.updates = 0
+        self._staging: dict[str, torch.Tensor] | None = None
+        self._staging_b = 0
 
     def learning_rate(self, frames_done: int) -> float:
         if not self.config.lr_decay:
             return self.config.learning_rate
         return self.config.learning_rate * max(0.0, 1.0 - frames_done / self.config.total_frames)
 
-    def to_device(self, arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, a in arrays.items():
-            t = torch.from_numpy(a)
-            if self.device.type == "cuda":
-                t = t.pin_memory().to(self.device, non_blocking=True)
-            out[name] = t
-        return out
+    def stage(self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema) -> dict[str, torch.Tensor]:
+        """Stack B unrolls time-major straight into staging buffers and move them to the device.
+
+        The buffers are allocated once (page-locked on CUDA, so the host-to-device copy is an
+        asynchronous DMA, not a second staging copy). Reusing them is safe: ``step`` reads its
+        losses back to the host, which waits for the copy, before the next batch is staged.
+        """
+        B = len(unrolls)
+        if self._staging is None or self._staging_b != B:
+            pin = self.device.type == "cuda"
+            self._staging = {
+                a.name: torch.empty(
+                    (a.shape[0], B, *a.shape[1:]), dtype=torch.from_numpy(np.empty(0, dtype=a.dtype)).dtype, pin_memory=pin
+                )
+                for a in schema.arrays
+            }
+            self._staging_b = B
+        stack_time_major(unrolls, schema, out={k: v.numpy() for k, v in self._staging.items()})
+        if self.device.type == "cpu":
+            return dict(self._staging)
+        return {k: v.to(self.device, non_blocking=True) for k, v in self._staging.items()}
 
     def step(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
         """One update. ``batch`` holds the impala_unroll_schema arrays stacked as [T(+1), B, ...]."""

@@ -25,3 +25,26 @@ def test_in_process_run_trains_with_and_without_lstm(tmp_path, use_lstm):
     assert result.dropped == {}
     assert (tmp_path / "checkpoint.pt").exists()
     assert all(math.isfinite(float(p.detach().abs().sum())) for p in trainer.learner.model.parameters())
+
+
+def test_staging_buffers_match_a_fresh_stack_and_are_reused(tmp_path):
+    import numpy as np
+
+    from impala.models import build_model
+    from impala.trajectory import impala_unroll_schema, stack_time_major
+    from learner.vtrace_learner import VTraceLearner
+
+    schema = impala_unroll_schema(5, (4,), "float32", 2, core_state_size=3)
+    learner = VTraceLearner(build_model("mlp", (4,), 2), ImpalaConfig(env="CartPole-v1", logdir=str(tmp_path)), __import__("torch").device("cpu"))
+    rng = np.random.default_rng(0)
+    for _ in range(2):  # the second batch overwrites the first batch's buffers
+        unrolls = []
+        for _ in range(3):
+            u = schema.allocate()
+            for k, v in u.items():
+                v[...] = rng.integers(0, 2, size=v.shape) if v.dtype == bool else rng.normal(size=v.shape)
+            unrolls.append(u)
+        staged = learner.stage(unrolls, schema)
+        for name, want in stack_time_major(unrolls, schema).items():
+            np.testing.assert_array_equal(staged[name].numpy(), want)
+    assert staged["core_state"].shape == (2, 3, 3)
