@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=float, default=0.0, help="Stop after this many seconds (0: run until Ctrl-C).")
     p.add_argument("--curve", default="", help="CURVE keys directory holding the learner's server.key and this machine's client keypair.")
     p.add_argument("--make-keys", action="store_true", help="With --curve: create this machine's client keypair and exit.")
+    p.add_argument(
+        "--insecure", action="store_true",
+        help="Allow a non-loopback learner without --curve. The learner's weights messages choose what these actors run "
+        "(env id and kwargs, a Unity build path), so only do this on a network you trust.",
+    )
     return p
 
 
@@ -110,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         trajectory_endpoint, params_endpoint = parse_endpoint(args.learner)
+        host = trajectory_endpoint.split("//", 1)[1].rsplit(":", 1)[0]
+        if keys is None and host not in ("127.0.0.1", "localhost") and not args.insecure:
+            raise ValueError(
+                f"{args.learner} is not on this machine and no --curve keys were given: whoever answers at that address "
+                "would choose what these actors run. Pass --curve DIR (see README, Security), or --insecure on a trusted network"
+            )
         run = fetch_run_info(params_endpoint, args.timeout, keys)
         env = EnvSpec(run["env"]["id"], dict(run["env"]["kwargs"]), bool(run["env"]["preprocess"]))
         configs = [

@@ -24,6 +24,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 @dataclass(frozen=True)
 class ImpalaConfig:
     env: str = _f("PongDeterministic-v4", "Environment id (classic Atari ids such as PongDeterministic-v4, ale-py ids, or gymnasium ids such as CartPole-v1).")
+    env_kwargs: str = _f("", 'Env constructor overrides as a JSON object, e.g. \'{"frameskip": 4}\' for PongNoFrameskip-v4 with a 4-frame skip; checked in every worker like the registry settings.')
     workers: int = _f(2, "Number of local actor processes; 0 runs no local actors and waits for remote ones (impala-actors).")
     envs_per_worker: int = _f(4, "Environments stepped by each actor with one batched forward pass per step.")
     unroll_length: int = _f(80, "Steps per unroll (T).")
@@ -86,6 +87,21 @@ class ImpalaConfig:
         )
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
         need(self.checkpoint_minutes > 0, "--checkpoint-minutes must be > 0")
+        if self.env_kwargs:
+            import json
+
+            try:
+                parsed = json.loads(self.env_kwargs)
+            except ValueError as e:
+                raise ConfigError(f"--env-kwargs is not valid JSON ({e}); example: '{{\"frameskip\": 4}}'") from None
+            need(isinstance(parsed, dict), f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
+
+    @property
+    def env_overrides(self) -> dict:
+        """``env_kwargs`` parsed (validated in ``__post_init__``)."""
+        import json
+
+        return json.loads(self.env_kwargs) if self.env_kwargs else {}
 
     @property
     def effective_queue_size(self) -> int:

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         # Each actor is single-threaded; a learner with as many threads as cores would make the
         # OS time-slice them against each other (several times slower on a small machine).
         torch.set_num_threads(config.torch_threads or max(1, (os.cpu_count() or 1) - config.workers))
-        spec = EnvSpec(config.env)
+        spec = EnvSpec(config.env, config.env_overrides)
         fp, obs_shape, obs_dtype, num_actions = probe_env(spec, config.seed)
         trainer = ImpalaTrainer(config, obs_shape, obs_dtype, num_actions, frames_per_agent_step(fp))
         settings = RunSettings(

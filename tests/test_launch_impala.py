@@ -143,3 +143,17 @@ def test_help_documents_every_option():
     assert out.returncode == 0
     for flag in ("--workers", "--env", "--total-frames", "--device", "--logdir", "--resume", "--bind", "--start-method", "--popart", "--batch-size"):
         assert flag in out.stdout
+
+
+def test_env_kwargs_override_is_applied_and_validated(tmp_path):
+    from impala.config import ConfigError, ImpalaConfig
+    from learner.launch_impala import probe_env
+    from impala.envs import EnvSpec
+
+    cfg = ImpalaConfig(env="PongNoFrameskip-v4", env_kwargs='{"frameskip": 4}', logdir=str(tmp_path))
+    fp, *_ = probe_env(EnvSpec(cfg.env, cfg.env_overrides), 0)
+    assert (fp.frameskip_min, fp.frameskip_max) == (4, 4)  # measured, not read back from the config
+    with pytest.raises(ConfigError, match="--env-kwargs"):
+        ImpalaConfig(env_kwargs="[1, 2]")
+    out = run(["launch_impala", "--env-kwargs", "{bad"], timeout=60)
+    assert out.returncode == 2 and "--env-kwargs is not valid JSON" in out.stderr and "Traceback" not in out.stderr

@@ -86,3 +86,10 @@ def test_curve_server_refuses_clients_without_an_authorized_key(tmp_path):
         for s in socks:
             s.close()
         server.close()
+
+
+def test_remote_learner_without_curve_is_refused_before_connecting():
+    # The address is never contacted: the check happens before any socket is made.
+    out = run(["impala-actors", "--learner", "tcp://192.0.2.1:5555", "--workers", "1"], timeout=60)
+    assert out.returncode == 2
+    assert "--curve" in out.stderr and "Traceback" not in out.stderr
