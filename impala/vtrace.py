@@ -90,6 +90,7 @@ def from_importance_weights(
     bootstrap_value: torch.Tensor,
     clip_rho_threshold: float | None = 1.0,
     clip_pg_rho_threshold: float | None = 1.0,
+    lambda_: float = 1.0,
 ) -> VTraceReturns:
     """V-trace targets from log importance weights (Espeholt et al. 2018, Sec. 4.1).
 
@@ -101,6 +102,10 @@ def from_importance_weights(
       bootstrap_value: ``V(x_T)``, shape [B, ...].
       clip_rho_threshold: ``rho_bar`` for the value targets; ``None`` = no clipping.
       clip_pg_rho_threshold: ``rho^pg_bar`` for the advantages; ``None`` = no clipping.
+      lambda_: trace decay in [0, 1] (Sec. 4.2 "Remark 2"; rlax's ``lambda_``): the traces
+        become ``c_i = lambda_ * min(1, rho_i)`` and the policy-gradient bootstrap
+        ``lambda_ * v_{s+1} + (1 - lambda_) * V(x_{s+1})``. 1 is the paper's V-trace; on-policy,
+        ``lambda_ < 1`` gives GAE(lambda) advantages and lambda-returns.
 
     Returns:
       :class:`VTraceReturns` ``(vs, pg_advantages)``, both shape [T, B, ...] and with
@@ -112,12 +117,13 @@ def from_importance_weights(
     """
     _check_shapes(log_rhos, discounts, rewards, values, bootstrap_value)
     _check_thresholds(clip_rho_threshold, clip_pg_rho_threshold)
+    _check_lambda(lambda_)
     _check_finite(
         _finite_flags(log_rhos, discounts, rewards, values, bootstrap_value),
         ("log_rhos", "discounts", "rewards", "values", "bootstrap_value"),
     )
     return _vtrace(
-        log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold, clip_pg_rho_threshold
+        log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold, clip_pg_rho_threshold, lambda_
     )
 
 
@@ -131,6 +137,7 @@ def from_logits(
     bootstrap_value: torch.Tensor,
     clip_rho_threshold: float | None = 1.0,
     clip_pg_rho_threshold: float | None = 1.0,
+    lambda_: float = 1.0,
 ) -> VTraceFromLogitsReturns:
     """V-trace for categorical policies given as logits (Espeholt et al. 2018).
 
@@ -156,6 +163,7 @@ def from_logits(
     """
     _check_shapes(actions, discounts, rewards, values, bootstrap_value, first_name="actions")
     _check_thresholds(clip_rho_threshold, clip_pg_rho_threshold)
+    _check_lambda(lambda_)
     for name, logits in (
         ("behaviour_policy_logits", behaviour_policy_logits),
         ("target_policy_logits", target_policy_logits),
@@ -208,7 +216,7 @@ def from_logits(
     behaviour_action_log_probs = action_log_probs(behaviour_policy_logits, actions)
     log_rhos = target_action_log_probs - behaviour_action_log_probs
     returns = _vtrace(
-        log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold, clip_pg_rho_threshold
+        log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold, clip_pg_rho_threshold, lambda_
     )
     return VTraceFromLogitsReturns(
         vs=returns.vs,
@@ -228,6 +236,7 @@ def _vtrace(
     bootstrap_value: torch.Tensor,
     clip_rho_threshold: float | None,
     clip_pg_rho_threshold: float | None,
+    lambda_: float = 1.0,
 ) -> VTraceReturns:
     # Targets are constants for the loss (the paper's "stop gradient" on v_s): letting
     # gradients flow through them would make the critic chase its own bootstrap.
@@ -238,7 +247,7 @@ def _vtrace(
     rhos = torch.exp(log_rhos)
     clipped_rhos = rhos if clip_rho_threshold is None else rhos.clamp(max=clip_rho_threshold)
     # c_i = min(1, rho_i): the trace cut that keeps the operator a contraction (Sec. 4.1).
-    cs = rhos.clamp(max=1.0)
+    cs = lambda_ * rhos.clamp(max=1.0)
 
     v_tp1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)
     deltas = clipped_rhos * (rewards + discounts * v_tp1 - values)
@@ -254,6 +263,8 @@ def _vtrace(
     vs = vs_minus_v + values
 
     vs_tp1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)], dim=0)
+    if lambda_ != 1.0:
+        vs_tp1 = lambda_ * vs_tp1 + (1.0 - lambda_) * v_tp1
     clipped_pg_rhos = rhos if clip_pg_rho_threshold is None else rhos.clamp(max=clip_pg_rho_threshold)
     pg_advantages = clipped_pg_rhos * (rewards + discounts * vs_tp1 - values)
     return VTraceReturns(vs=vs, pg_advantages=pg_advantages)
@@ -291,6 +302,11 @@ def _check_shapes(
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
         if x.dtype != values.dtype:
             raise ValueError(f"{name} has dtype {x.dtype} but values has dtype {values.dtype}")
+
+
+def _check_lambda(lambda_: float) -> None:
+    if not 0.0 <= lambda_ <= 1.0:
+        raise ValueError(f"lambda_ must be in [0, 1], got {lambda_}")
 
 
 def _check_thresholds(clip_rho_threshold: float | None, clip_pg_rho_threshold: float | None) -> None:

@@ -243,3 +243,50 @@ def test_from_logits_bad_inputs():
         vtrace.from_logits(behaviour, nan_logits, actions, discounts, rewards, values, bootstrap)
     with pytest.raises(ValueError, match="clip_rho_threshold"):
         vtrace.from_logits(behaviour, target, actions, discounts, rewards, values, bootstrap, clip_rho_threshold=0.0)
+
+
+def test_lambda_on_policy_equals_gae_and_lambda_returns():
+    """With rho = 1, V-trace(lambda) is GAE(lambda) (Schulman et al. 2016): A_s = sum_k (gamma lambda)^k delta_{s+k},
+    and v_s = V(x_s) + A_s... computed here as the forward sum of TD errors, independently of the recursion."""
+    T, B, lam, gamma = 9, 3, 0.9, 0.97
+    g = torch.Generator().manual_seed(5)
+    rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
+    values = torch.randn(T, B, generator=g, dtype=torch.float64)
+    bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
+    discounts = torch.full((T, B), gamma, dtype=torch.float64)
+    discounts[4, 1] = 0.0  # an episode ends inside the unroll
+    out = vtrace.from_importance_weights(torch.zeros(T, B, dtype=torch.float64), discounts, rewards, values, bootstrap, lambda_=lam)
+    v_next = torch.cat([values[1:], bootstrap[None]])
+    delta = (rewards + discounts * v_next - values).numpy()
+    d = discounts.numpy()
+    gae = np.zeros((T, B))
+    for s in range(T):
+        coef = np.ones(B)
+        for t in range(s, T):
+            gae[s] += coef * delta[t]
+            coef = coef * d[t] * lam
+    np.testing.assert_allclose(out.vs.numpy(), values.numpy() + gae, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out.pg_advantages.numpy(), gae, rtol=1e-10, atol=1e-12)
+
+
+def test_lambda_off_policy_matches_the_double_sum_with_lambda_traces():
+    log_rhos, discounts, rewards, values, bootstrap = random_inputs((6, 4), seed=9)
+    lam = 0.8
+    got = vtrace.from_importance_weights(log_rhos, discounts, rewards, values, bootstrap, lambda_=lam)
+    rho = np.exp(log_rhos.numpy())
+    d, r, v, b = discounts.numpy(), rewards.numpy(), values.numpy(), bootstrap.numpy()
+    T = v.shape[0]
+    v_next = np.concatenate([v[1:], b[None]])
+    delta = np.minimum(1.0, rho) * (r + d * v_next - v)
+    vs = v.copy()
+    for s in range(T):
+        coef = np.ones_like(b)
+        for t in range(s, T):
+            vs[s] += coef * delta[t]
+            coef = coef * d[t] * lam * np.minimum(1.0, rho[t])
+    np.testing.assert_allclose(got.vs.numpy(), vs, rtol=1e-10, atol=1e-12)
+    vs_next = np.concatenate([vs[1:], b[None]])
+    q = r + d * (lam * vs_next + (1 - lam) * v_next)
+    np.testing.assert_allclose(got.pg_advantages.numpy(), np.minimum(1.0, rho) * (q - v), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="lambda_"):
+        vtrace.from_importance_weights(log_rhos, discounts, rewards, values, bootstrap, lambda_=1.5)
