@@ -21,7 +21,8 @@ CONSOLE_KEYS = (
     ("charts/policy_lag", "lag", "{:.1f}"),
     ("transport/queue_depth", "queue", "{:.0f}"),
     ("transport/dropped", "dropped", "{:.0f}"),
-    ("losses/total", "loss", "{:.4f}"),
+    ("losses/entropy", "entropy", "{:.3f}"),
+    ("losses/grad_norm", "grad", "{:.3g}"),
 )
 
 

@@ -30,8 +30,61 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def make_optimizer(model: torch.nn.Module, config: ImpalaConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+    return torch.optim.RMSprop(
+        model.parameters(),
+        lr=config.learning_rate,
+        alpha=config.rmsprop_alpha,
+        eps=config.rmsprop_eps,
+        momentum=config.rmsprop_momentum,
+    )
+
+
+@torch.no_grad()
+def step_fraction(optimizer: torch.optim.Optimizer) -> float:
+    """How much of the learning rate the optimizer's last step used, averaged over all weights.
+
+    RMSprop steps ``lr * g / (sqrt(v) + eps)``: per weight, ``sqrt(v) / (sqrt(v) + eps)`` of
+    a sign step of size lr. Near 1, eps is negligible; near 0, eps dominates and the network
+    barely moves (issue 8: 0.009 with the paper's eps on mean-reduced losses). Adam: the
+    same with the bias-corrected ``v``.
+    """
+    total, count = 0.0, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            if "square_avg" in state:
+                root, eps = state["square_avg"].sqrt(), group["eps"]
+            elif "exp_avg_sq" in state:
+                beta2 = group["betas"][1]
+                correction = 1.0 - beta2 ** float(state["step"])
+                root, eps = (state["exp_avg_sq"] / correction).sqrt(), group["eps"]
+            else:
+                continue
+            total += float((root / (root + eps)).sum())
+            count += root.numel()
+    return total / count if count else float("nan")
+
+
+def logit_spread(logits: torch.Tensor) -> float:
+    """Std across the batch's states of the log-policy, averaged over actions.
+
+    Zero when the policy ignores the state (the same distribution everywhere): the Pong
+    failure of issue 8 showed 0.0007 after 4M frames. Log-softmax first, so a shift of all
+    logits (which does not change the policy) does not count.
+    """
+    log_p = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
+    return float(log_p.std(dim=0).mean()) if log_p.shape[0] > 1 else 0.0
+
+
 class VTraceLearner:
     """Owns the model and optimizer; ``step`` runs one update on a time-major batch."""
+
+    HEALTH_EVERY = 10
 
     def __init__(self, model: ImpalaNet, config: ImpalaConfig, device: torch.device) -> None:
         self.config = config
@@ -41,14 +94,10 @@ class VTraceLearner:
             # NHWC convolutions: ~15% faster updates on CPU (oneDNN), and the layout cuDNN wants
             # for bf16. Weights published to actors are made contiguous again, so they are unaffected.
             self.model.torso.to_channels_last()
-        self.optimizer = torch.optim.RMSprop(
-            self.model.parameters(),
-            lr=config.learning_rate,
-            alpha=config.rmsprop_alpha,
-            eps=config.rmsprop_eps,
-            momentum=config.rmsprop_momentum,
-        )
+        self.optimizer = make_optimizer(self.model, config)
         self.updates = 0
+        self._health: dict[str, float] = {}
+        self._shuffle = torch.Generator().manual_seed(config.seed)
         self._staging: dict[str, torch.Tensor] | None = None
         self._staging_b = 0
 
@@ -79,6 +128,22 @@ class VTraceLearner:
             return dict(self._staging)
         return {k: v.to(self.device, non_blocking=True) for k, v in self._staging.items()}
 
+    def train(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
+        """All the updates one batch gets: ``epochs`` passes, each over ``minibatches`` disjoint
+        sets of whole unrolls in a fresh random order (PPO's loop; 1 x 1 is IMPALA's single step).
+        Every pass recomputes V-trace against the current policy. Returns the last step's metrics."""
+        cfg = self.config
+        B = batch["actions"].shape[1]
+        metrics: dict[str, float] = {}
+        for _ in range(cfg.epochs):
+            if cfg.minibatches == 1:
+                metrics = self.step(batch, frames_done=frames_done)
+                continue
+            for idx in torch.randperm(B, generator=self._shuffle).chunk(cfg.minibatches):
+                idx = idx.to(batch["actions"].device)
+                metrics = self.step({k: v.index_select(1, idx) for k, v in batch.items()}, frames_done=frames_done)
+        return metrics
+
     def step(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
         """One update. ``batch`` holds the impala_unroll_schema arrays stacked as [T(+1), B, ...]."""
         cfg = self.config
@@ -91,15 +156,24 @@ class VTraceLearner:
             if cfg.autocast_bf16 and self.device.type == "cuda"
             else contextlib.nullcontext()
         )
+        torso = self.model.torso
+        # Health metrics cost ~10% of a small CPU update, and the console and CSV show one row
+        # every few seconds: measure them on every HEALTH_EVERY-th update and repeat the last values.
+        measure = self.updates % self.HEALTH_EVERY == 0
+        torso.track_activity = measure
         with autocast:
             out, _ = self.model(batch["obs"], batch["first"], core_state)
+        torso.track_activity = False
         logits = out.policy_logits.float()
         values = out.values.float()
         rewards = batch["rewards"]
         if cfg.reward_clip > 0:
             rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
         discounts = (~batch["dones"]).float() * cfg.discount
-        common = dict(baseline_cost=cfg.baseline_cost, entropy_cost=cfg.entropy_cost)
+        common = dict(
+            baseline_cost=cfg.baseline_cost, entropy_cost=cfg.entropy_cost, reduction=cfg.loss_reduction,
+            pg_clip=cfg.pg_clip or None, normalize_advantages=cfg.advantage_norm, lambda_=cfg.vtrace_lambda,
+        )
         if cfg.popart:
             loss = popart_impala_loss(
                 batch["behaviour_logits"], logits[:-1], batch["actions"], discounts, rewards,
@@ -123,16 +197,42 @@ class VTraceLearner:
             self.model.baseline.update(loss.vtrace.vs)
         self.updates += 1
         state = self.model.baseline.state
-        return {
+        metrics = {
             "losses/total": float(loss.total.detach()),
             "losses/policy": float(loss.pg_loss.detach()),
             "losses/value": float(loss.baseline_loss.detach()),
-            "losses/entropy": float(loss.entropy.detach()),
-            "losses/grad_norm": float(grad_norm),
+            "losses/entropy": float(loss.mean_entropy),
+            "losses/grad_norm": float(grad_norm),  # before clipping
             "charts/learning_rate": lr,
             "popart/mu": float(state.mu[0]),
             "popart/sigma": float(state.sigma[0]),
         }
+        if measure:
+            self._health = self._measure_health(loss, logits, values, torso)
+        metrics.update(self._health)
+        return metrics
+
+    @torch.no_grad()
+    def _measure_health(self, loss: Any, logits: torch.Tensor, values: torch.Tensor, torso: torch.nn.Module) -> dict[str, float]:
+        cfg = self.config
+        health = {
+            "health/step_fraction": step_fraction(self.optimizer),
+            "health/logit_spread": logit_spread(logits.detach()),
+        }
+        rho = loss.vtrace.log_rhos.exp()
+        # Off-policyness of the batch: how often V-trace truncates (rho > 1) and, with
+        # --pg-clip, how often the surrogate's ratio sits outside [1 - eps, 1 + eps].
+        health["health/rho_truncated"] = float((rho > 1.0).float().mean())
+        if cfg.pg_clip:
+            health["losses/clip_fraction"] = float(((rho - 1.0).abs() > cfg.pg_clip).float().mean())
+        # How much of the targets' variance the critic explains (PPO's explained_variance):
+        # near 0, the critic cannot see what predicts the return and advantages are noise.
+        target_var = loss.value_targets.var()
+        err_var = (loss.value_targets - values[:-1].detach()).var()
+        health["health/explained_variance"] = float(1.0 - err_var / target_var) if target_var > 0 else float("nan")
+        for layer, alive in getattr(torso, "activity", {}).items():
+            health[f"health/alive_{layer}"] = alive
+        return health
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "updates": self.updates}
