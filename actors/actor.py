@@ -44,7 +44,7 @@ class ActorConfig:
     agent: dict[str, Any]
     seed: int = 0
     fingerprint_steps: int = 300
-    send_hwm: int = 4
+    send_hwm: int = 2
     params_timeout_s: float = 120.0
     curve: Any = None  # impala.curve.ClientKeys when the learner requires CURVE
     learner_timeout_s: float = 60.0  # no weights heartbeat for this long: the learner is gone, exit

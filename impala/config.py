@@ -2,6 +2,15 @@
 
 Every field has a docstring-like ``help`` in its metadata; ``add_arguments``
 turns the dataclass into command-line flags so ``--help`` documents each one.
+
+**Defaults are the settings measured to learn Pong on a 2-core CPU** (docs/PONG.md,
+issue 8): V-trace(lambda=0.95) targets and advantages with PPO's clipped surrogate
+against the behaviour policy (APPO), 4 passes of 4 minibatches over each batch of
+32 x 32 steps, Adam 2.5e-4 on mean-reduced losses, gradient norm clipped at 0.5,
+orthogonal init. With the IMPALA paper's own settings (single pass, RMSProp 6e-4 /
+eps 0.01 / clip 40 on summed losses, ``configs/impala_paper_atari.yaml``) the policy
+was still uniform after 4M frames here; they remain one flag away for big boxes,
+with their published meaning (tests/test_impala_update.py).
 """
 
 from __future__ import annotations
@@ -27,22 +36,31 @@ class ImpalaConfig:
     env_kwargs: str = _f("", 'Env constructor overrides as a JSON object, e.g. \'{"frameskip": 4}\' for PongNoFrameskip-v4 with a 4-frame skip; checked in every worker like the registry settings.')
     workers: int = _f(2, "Number of local actor processes; 0 runs no local actors and waits for remote ones (impala-actors).")
     envs_per_worker: int = _f(4, "Environments stepped by each actor with one batched forward pass per step.")
-    unroll_length: int = _f(80, "Steps per unroll (T).")
+    unroll_length: int = _f(32, "Steps per unroll (T).")
     batch_size: int = _f(32, "Unrolls per learner update (B).")
-    total_frames: int = _f(50_000_000, "Stop after this many environment frames (agent steps x frame skip).")
-    model: str = _f("auto", "Network: 'shallow' or 'deep' IMPALA CNN for images, 'mlp' for vectors, 'auto' to pick by observation rank.")
+    total_frames: int = _f(20_000_000, "Stop after this many environment frames (agent steps x frame skip).")
+    model: str = _f("auto", "Network: 'shallow' or 'deep' IMPALA CNN or 'nature' (Mnih et al. 2015) for images, 'mlp' for vectors, 'auto' to pick by observation rank.")
     use_lstm: bool = _f(False, "Add an LSTM-256 core (state resets at episode starts).")
-    popart: bool = _f(True, "Normalize value targets with PopArt (Hessel et al. 2018).")
-    learning_rate: float = _f(6e-4, "RMSProp learning rate; decays linearly to 0 over total_frames.")
+    popart: bool = _f(False, "Normalize value targets with PopArt (Hessel et al. 2018). Off by default: the measured small-box Pong recipe (docs/PONG.md) ran without it, and with clipped rewards one task has one value scale; turn it on for unclipped or multi-task rewards.")
+    init: str = _f("orthogonal", "Weight init: 'orthogonal' (gain sqrt(2) torso, 0.01 policy head, zero biases; baselines/cleanrl) or 'torch' (PyTorch defaults, as TorchBeast).")
+    loss_reduction: str = _f("mean", "Reduce the losses over T x B by 'sum' (the IMPALA paper's and TorchBeast's units, in which lr 6e-4 / eps 0.01 / clip 40 are published) or 'mean' (A2C/PPO units).")
+    optimizer: str = _f("adam", "'rmsprop' (torch.optim.RMSprop: eps added to sqrt(v), no bias correction) or 'adam' (bias-corrected; uses --adam-eps).")
+    adam_eps: float = _f(1e-5, "Adam epsilon (with --optimizer adam).")
+    epochs: int = _f(4, "Passes over each batch (1 = IMPALA). More passes reuse each frame for more updates; V-trace re-corrects every pass. Use with --pg-clip.")
+    minibatches: int = _f(4, "Split each batch into this many minibatches of whole unrolls per pass (PPO-style); must divide --batch-size.")
+    pg_clip: float = _f(0.1, "0: IMPALA's policy gradient. >0: PPO's clipped surrogate against the behaviour policy with this epsilon (APPO, as RLlib and Sample Factory).")
+    advantage_norm: bool = _f(True, "Standardize the policy-gradient advantages over each batch (as PPO does per minibatch).")
+    learning_rate: float = _f(2.5e-4, "Learning rate; decays linearly to 0 over total_frames (--no-lr-decay keeps it).")
     lr_decay: bool = _f(True, "Decay the learning rate linearly to 0 over the run.")
     rmsprop_eps: float = _f(0.01, "RMSProp epsilon.")
     rmsprop_alpha: float = _f(0.99, "RMSProp decay.")
     rmsprop_momentum: float = _f(0.0, "RMSProp momentum.")
     entropy_cost: float = _f(0.01, "Entropy bonus coefficient.")
-    baseline_cost: float = _f(0.5, "Value loss coefficient.")
+    baseline_cost: float = _f(1.0, "Value loss coefficient, on 0.5 * squared error (so 1.0 here is PPO's vf_coef 0.5 on the MSE).")
     discount: float = _f(0.99, "Discount factor gamma.")
+    vtrace_lambda: float = _f(0.95, "V-trace trace decay lambda in [0, 1] (rlax's lambda_): 1 is the paper's V-trace; on-policy, lambda < 1 gives GAE(lambda) advantages.")
     reward_clip: float = _f(1.0, "Clip rewards to [-c, c] in the learner; 0 disables.")
-    grad_norm_clip: float = _f(40.0, "Global gradient-norm clip; 0 disables.")
+    grad_norm_clip: float = _f(0.5, "Global gradient-norm clip; 0 disables.")
     popart_beta: float = _f(3e-4, "PopArt statistics step size.")
     seed: int = _f(0, "Base seed; actor i uses seed + 1000 * i (+ restarts).")
     device: str = _f("auto", "Learner device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.")
@@ -55,7 +73,7 @@ class ImpalaConfig:
     port: int = _f(0, "Trajectory port (params use port+1); 0 picks free ports.")
     start_method: str = _f("spawn", "Multiprocessing start method for actors: spawn, fork or forkserver.")
     max_policy_lag: int = _f(0, "Drop unrolls older than this many policy versions; 0 keeps all (V-trace corrects off-policy data).")
-    queue_size: int = _f(0, "Unrolls buffered in the learner; 0 means 2 x batch_size.")
+    queue_size: int = _f(0, "Unrolls buffered in the learner; 0 means batch_size (one batch waits while the learner updates; every unroll buffered beyond that only adds policy lag).")
     progress: bool = _f(True, "Show the live console progress display.")
     log_interval: float = _f(5.0, "Seconds between console/CSV/TensorBoard rows.")
     torch_threads: int = _f(0, "CPU threads for the learner's torch ops; 0 = the cores left after the actors (at least 1). More would fight the actors for cores.")
@@ -72,9 +90,18 @@ class ImpalaConfig:
         need(self.unroll_length >= 1, f"--unroll-length must be >= 1, got {self.unroll_length}")
         need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         need(self.total_frames > 0, f"--total-frames must be > 0, got {self.total_frames}")
-        need(self.model in ("auto", "shallow", "deep", "mlp"), f"--model must be auto, shallow, deep or mlp, got {self.model!r}")
+        need(self.model in ("auto", "shallow", "nature", "deep", "mlp"), f"--model must be auto, shallow, nature, deep or mlp, got {self.model!r}")
         need(self.learning_rate > 0, f"--learning-rate must be > 0, got {self.learning_rate}")
+        need(self.init in ("orthogonal", "torch"), f"--init must be orthogonal or torch, got {self.init!r}")
+        need(self.loss_reduction in ("sum", "mean"), f"--loss-reduction must be sum or mean, got {self.loss_reduction!r}")
+        need(self.optimizer in ("rmsprop", "adam"), f"--optimizer must be rmsprop or adam, got {self.optimizer!r}")
+        need(self.adam_eps > 0, f"--adam-eps must be > 0, got {self.adam_eps}")
+        need(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
+        need(self.minibatches >= 1 and self.batch_size % self.minibatches == 0,
+             f"--minibatches must be >= 1 and divide --batch-size {self.batch_size}, got {self.minibatches}")
+        need(0 <= self.pg_clip < 1, f"--pg-clip must be in [0, 1), got {self.pg_clip}")
         need(0 < self.discount <= 1, f"--discount must be in (0, 1], got {self.discount}")
+        need(0 <= self.vtrace_lambda <= 1, f"--vtrace-lambda must be in [0, 1], got {self.vtrace_lambda}")
         need(0 < self.popart_beta <= 1, f"--popart-beta must be in (0, 1], got {self.popart_beta}")
         need(self.reward_clip >= 0 and self.grad_norm_clip >= 0, "--reward-clip and --grad-norm-clip must be >= 0")
         need(1 <= self.port + 1 <= 65535 or self.port == 0, f"--port must be 0 or in 1..65534, got {self.port}")
@@ -105,7 +132,7 @@ class ImpalaConfig:
 
     @property
     def effective_queue_size(self) -> int:
-        return self.queue_size or 2 * self.batch_size
+        return self.queue_size or self.batch_size
 
     @property
     def checkpoint_path(self) -> str:
@@ -113,7 +140,8 @@ class ImpalaConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per dataclass field, with the field's help and default."""
+    """One ``--flag`` per dataclass field, with the field's help and default (the parser's
+    ``ArgumentDefaultsHelpFormatter`` prints the default once)."""
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -124,10 +152,56 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         if typ is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            parser.add_argument(flag, type=typ, default=f.default, help=f"{help_text} (default: {f.default})")
+            parser.add_argument(flag, type=typ, default=f.default, help=help_text)
 
 
 def from_arguments(cls: type, args: argparse.Namespace, **extra: Any) -> Any:
     kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     kwargs.update(extra)
     return cls(**kwargs)
+
+
+def load_preset(path: str, cls: type) -> dict[str, Any]:
+    """Read a preset file: a YAML mapping from option names to values.
+
+    Keys are the long flags without dashes (``learning_rate`` or ``learning-rate``). An
+    unknown key or a value of the wrong type is a :class:`ConfigError` naming the file and
+    the key. The values become the parser's defaults, so explicit flags still override them.
+    """
+    import difflib
+
+    import yaml
+
+    try:
+        with open(path) as fh:
+            doc = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(doc).__name__}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = str(key).replace("-", "_")
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"--config {path}: unknown option {key!r}{hint}")
+        typ = hints[name]
+        ok = (
+            isinstance(value, bool) if typ is bool
+            else isinstance(value, int) and not isinstance(value, bool) if typ is int
+            else isinstance(value, (int, float)) and not isinstance(value, bool) if typ is float
+            else isinstance(value, str)
+        )
+        if not ok:
+            raise ConfigError(f"--config {path}: {key} must be {typ.__name__}, got {value!r}")
+        values[name] = float(value) if typ is float else value
+    return values

@@ -20,7 +20,7 @@ import torch
 
 from actors.agents import state_dict_arrays
 from impala import wire
-from impala.config import ConfigError, ImpalaConfig, add_arguments, from_arguments
+from impala.config import ConfigError, ImpalaConfig, add_arguments, from_arguments, load_preset
 from impala.envs import EnvSpec, UnknownEnvError, make_env
 from impala.envs.fingerprint import EnvFingerprint, check_against_config, configured_settings, measure_fingerprint
 from impala.models import build_model
@@ -37,7 +37,7 @@ class ImpalaTrainer:
 
     def __init__(self, config: ImpalaConfig, obs_shape: tuple[int, ...], obs_dtype: str, num_actions: int, frames_per_step: float) -> None:
         self.config = config
-        model = build_model(config.model, obs_shape, num_actions, use_lstm=config.use_lstm, beta=config.popart_beta)
+        model = build_model(config.model, obs_shape, num_actions, use_lstm=config.use_lstm, init=config.init, beta=config.popart_beta)
         self.learner = VTraceLearner(model, config, resolve_device(config.device))
         core = model.core.hidden_size if config.use_lstm else 0
         self.schema = impala_unroll_schema(config.unroll_length, obs_shape, obs_dtype, num_actions, core)
@@ -54,7 +54,7 @@ class ImpalaTrainer:
     def update(self, frames_done: int) -> dict[str, float]:
         batch = self.learner.stage(self._pending[: self.config.batch_size], self.schema)
         del self._pending[: self.config.batch_size]
-        return self.learner.step(batch, frames_done=frames_done)
+        return self.learner.train(batch, frames_done=frames_done)
 
     def params(self) -> dict[str, np.ndarray]:
         return state_dict_arrays(self.learner.model)
@@ -106,19 +106,40 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument(
+        "--config", metavar="FILE", default=None,
+        help="Preset file (YAML, option: value) applied before the flags, e.g. configs/impala_paper_atari.yaml; "
+        "flags given on the command line override it.",
+    )
     add_arguments(parser, ImpalaConfig)
     parser.add_argument("--log-level", default="INFO", help="Python logging level.")
     return parser
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Defaults < ``--config`` preset < explicit flags."""
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_preset(known.config, ImpalaConfig))
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f"launch_impala: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = from_arguments(ImpalaConfig, args)
         # Each actor is single-threaded; a learner with as many threads as cores would make the
         # OS time-slice them against each other (several times slower on a small machine).
         torch.set_num_threads(config.torch_threads or max(1, (os.cpu_count() or 1) - config.workers))
+        torch.manual_seed(config.seed)  # the network's initialization is part of the run's seed
         spec = EnvSpec(config.env, config.env_overrides)
         fp, obs_shape, obs_dtype, num_actions = probe_env(spec, config.seed)
         trainer = ImpalaTrainer(config, obs_shape, obs_dtype, num_actions, frames_per_agent_step(fp))
@@ -141,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seconds=config.max_seconds,
             max_policy_lag=config.max_policy_lag or None,
             title=f"impala {config.env}",
-            config_record={k: v for k, v in dataclasses.asdict(config).items()},
+            config_record={**dataclasses.asdict(config), "preset": args.config or ""},
             reference_fingerprint=fp,
             spawn_actors=config.workers > 0,
             curve_dir=config.curve or None,

@@ -64,7 +64,7 @@ class TrajectoryServer:
         port: int = 0,
         queue_size: int = 64,
         on_hello: Callable[[int, Mapping[str, Any]], str | None] | None = None,
-        rcv_hwm: int = 8,
+        rcv_hwm: int = 2,
         curve_dir: str | None = None,
         validate: Callable[[Mapping[str, np.ndarray]], str | None] | None = None,
     ) -> None:

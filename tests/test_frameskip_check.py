@@ -119,7 +119,7 @@ def test_runtime_refuses_to_train_when_one_actor_fingerprint_differs(tmp_path):
     from learner.launch_impala import ImpalaTrainer, frames_per_agent_step, probe_env
     from learner.runtime import FingerprintMismatchError, RunSettings, run
 
-    config = ImpalaConfig(env="PongDeterministic-v4", workers=2, envs_per_worker=1, unroll_length=20, batch_size=2,
+    config = ImpalaConfig(env="PongDeterministic-v4", workers=2, envs_per_worker=1, unroll_length=20, batch_size=2, minibatches=1,
                           total_frames=100_000, device="cpu", logdir=str(tmp_path), progress=False)
     spec = EnvSpec(config.env)
     fp, obs_shape, obs_dtype, num_actions = probe_env(spec, config.seed)
