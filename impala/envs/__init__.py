@@ -14,6 +14,7 @@ from typing import Any
 
 import gymnasium as gym
 
+from impala.envs import catch
 from impala.envs.atari import is_atari, make_atari, register_classic_ids
 
 
@@ -55,6 +56,7 @@ class EnvSpec:
 
 def _ensure_registries() -> None:
     register_classic_ids()
+    catch.register()
 
 
 def check_env_id(env_id: str) -> None:
@@ -69,6 +71,7 @@ def check_env_id(env_id: str) -> None:
 
 def make_env(spec: EnvSpec, *, seed: int | None = None) -> gym.Env:
     """Build the environment described by ``spec`` in the calling process."""
+    _ensure_registries()  # a spawned child unpickles the spec without running __post_init__
     if spec.atari:
         return make_atari(spec.id, seed=seed, preprocess=spec.preprocess, **spec.kwargs)
     env = gym.make(spec.id, **spec.kwargs)
