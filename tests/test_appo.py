@@ -96,7 +96,7 @@ def test_each_epoch_is_an_optimizer_step_on_the_same_batch():
     from learner.launch_impala import ImpalaTrainer
 
     torch.manual_seed(0)
-    config = ImpalaConfig(env="CartPole-v1", unroll_length=5, batch_size=2, epochs=3, pg_clip=0.2, device="cpu",
+    config = ImpalaConfig(env="CartPole-v1", unroll_length=5, batch_size=2, minibatches=1, epochs=3, pg_clip=0.2, device="cpu",
                           loss_reduction="mean", optimizer="adam")
     trainer = ImpalaTrainer(config, (4,), "float32", 2, 1.0)
     g = np.random.default_rng(0)
