@@ -85,7 +85,7 @@ def test_step_fraction_matches_the_optimizer_state(kind):
 
 def test_learner_reports_health_every_update():
     torch.manual_seed(0)
-    config = ImpalaConfig(unroll_length=5, batch_size=3, device="cpu", loss_reduction="mean", optimizer="adam")
+    config = ImpalaConfig(unroll_length=5, batch_size=3, minibatches=1, device="cpu", loss_reduction="mean", optimizer="adam")
     learner = VTraceLearner(build_model("shallow", (4, 84, 84), 6), config, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     batch = {

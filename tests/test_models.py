@@ -14,7 +14,7 @@ def _frames(T, B, seed=0):
     return torch.randint(0, 256, (T, B, *PONG_OBS), generator=g, dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("kind", ["shallow", "deep"])
+@pytest.mark.parametrize("kind", ["shallow", "nature", "deep"])
 @pytest.mark.parametrize("use_lstm", [False, True])
 def test_pong_shapes(kind, use_lstm):
     torch.manual_seed(0)
@@ -125,7 +125,8 @@ def test_mlp_cartpole_shapes(use_lstm):
 def test_build_model_kinds_and_errors():
     assert isinstance(models.build_model("auto", PONG_OBS, 6).torso, models.ShallowCNN)
     assert isinstance(models.build_model("deep", PONG_OBS, 6).torso, models.DeepResNet)
-    with pytest.raises(ValueError, match="unknown model kind 'resnet'; choose one of auto, shallow, deep, mlp"):
+    assert isinstance(models.build_model("nature", PONG_OBS, 6).torso, models.NatureCNN)
+    with pytest.raises(ValueError, match="unknown model kind 'resnet'; choose one of auto, shallow, nature, deep, mlp"):
         models.build_model("resnet", PONG_OBS, 6)
     with pytest.raises(ValueError, match="'mlp' needs 1-D observations"):
         models.build_model("mlp", PONG_OBS, 6)
