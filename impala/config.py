@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
@@ -85,6 +86,11 @@ class ImpalaConfig:
             if not cond:
                 raise ConfigError(msg)
 
+        hints = get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            # inf or nan in any float flag trains a NaN network or never stops; no field means that.
+            value = getattr(self, f.name)
+            need(hints[f.name] is not float or math.isfinite(value), f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         need(self.workers >= 0, f"--workers must be >= 0, got {self.workers}")
         need(self.envs_per_worker >= 1, f"--envs-per-worker must be >= 1, got {self.envs_per_worker}")
         need(self.unroll_length >= 1, f"--unroll-length must be >= 1, got {self.unroll_length}")
@@ -103,6 +109,17 @@ class ImpalaConfig:
         need(0 < self.discount <= 1, f"--discount must be in (0, 1], got {self.discount}")
         need(0 <= self.vtrace_lambda <= 1, f"--vtrace-lambda must be in [0, 1], got {self.vtrace_lambda}")
         need(0 < self.popart_beta <= 1, f"--popart-beta must be in (0, 1], got {self.popart_beta}")
+        need(self.rmsprop_eps > 0, f"--rmsprop-eps must be > 0, got {self.rmsprop_eps}")
+        need(0 <= self.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {self.rmsprop_alpha}")
+        need(self.rmsprop_momentum >= 0, f"--rmsprop-momentum must be >= 0, got {self.rmsprop_momentum}")
+        need(self.entropy_cost >= 0, f"--entropy-cost must be >= 0, got {self.entropy_cost}")
+        need(self.baseline_cost >= 0, f"--baseline-cost must be >= 0, got {self.baseline_cost}")
+        need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
+        need(self.max_policy_lag >= 0, f"--max-policy-lag must be >= 0 (0 keeps all), got {self.max_policy_lag}")
+        need(self.queue_size >= 0, f"--queue-size must be >= 0 (0 means --batch-size), got {self.queue_size}")
+        need(self.max_seconds >= 0, f"--max-seconds must be >= 0 (0 means no limit), got {self.max_seconds}")
+        need(self.log_interval > 0, f"--log-interval must be > 0, got {self.log_interval}")
+        need(self.torch_threads >= 0, f"--torch-threads must be >= 0 (0 picks), got {self.torch_threads}")
         need(self.reward_clip >= 0 and self.grad_norm_clip >= 0, "--reward-clip and --grad-norm-clip must be >= 0")
         need(1 <= self.port + 1 <= 65535 or self.port == 0, f"--port must be 0 or in 1..65534, got {self.port}")
         need(self.start_method in ("spawn", "fork", "forkserver"), f"--start-method must be spawn, fork or forkserver, got {self.start_method!r}")
@@ -195,6 +212,12 @@ def load_preset(path: str, cls: type) -> dict[str, Any]:
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"--config {path}: unknown option {key!r}{hint}")
         typ = hints[name]
+        if typ is float and isinstance(value, str):
+            # PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string; take it as the number it reads as.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = (
             isinstance(value, bool) if typ is bool
             else isinstance(value, int) and not isinstance(value, bool) if typ is int

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -37,7 +38,10 @@ class ImpalaTrainer:
 
     def __init__(self, config: ImpalaConfig, obs_shape: tuple[int, ...], obs_dtype: str, num_actions: int, frames_per_step: float) -> None:
         self.config = config
-        model = build_model(config.model, obs_shape, num_actions, use_lstm=config.use_lstm, init=config.init, beta=config.popart_beta)
+        try:
+            model = build_model(config.model, obs_shape, num_actions, use_lstm=config.use_lstm, init=config.init, beta=config.popart_beta)
+        except ValueError as e:  # the model kind does not fit this env's observations
+            raise ConfigError(f"--model {config.model}: {e}") from None
         self.learner = VTraceLearner(model, config, resolve_device(config.device))
         core = model.core.hidden_size if config.use_lstm else 0
         self.schema = impala_unroll_schema(config.unroll_length, obs_shape, obs_dtype, num_actions, core)
@@ -76,7 +80,13 @@ class ImpalaTrainer:
 
 def probe_env(spec: EnvSpec, seed: int) -> tuple[EnvFingerprint, tuple[int, ...], str, int]:
     """Build one env here, in the learner, and measure what it does."""
-    env = make_env(spec, seed=seed)
+    try:
+        env = make_env(spec, seed=seed)
+    except TypeError as e:
+        if not spec.kwargs:
+            raise
+        # gymnasium's message for a constructor argument the env does not take
+        raise ConfigError(f"--env-kwargs {json.dumps(spec.kwargs)}: {spec.id} does not accept them ({e})") from None
     try:
         fp = measure_fingerprint(env, seed=seed)
         num_actions = int(getattr(env.action_space, "n", 0))
@@ -88,6 +98,16 @@ def probe_env(spec: EnvSpec, seed: int) -> tuple[EnvFingerprint, tuple[int, ...]
     if problems:
         raise FingerprintMismatchError("the learner's own env differs from its configuration: " + "; ".join(map(str, problems)))
     return fp, fp.obs_shape, fp.obs_dtype, num_actions
+
+
+def check_logdir(path: str) -> None:
+    """Fail at start-up, not at the first checkpoint, when the run could not save anything."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--logdir {path}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--logdir {path}: not writable")
 
 
 def frames_per_agent_step(fp: EnvFingerprint) -> float:
@@ -112,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flags given on the command line override it.",
     )
     add_arguments(parser, ImpalaConfig)
-    parser.add_argument("--log-level", default="INFO", help="Python logging level.")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="Python logging level.")
     return parser
 
 
@@ -140,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         # OS time-slice them against each other (several times slower on a small machine).
         torch.set_num_threads(config.torch_threads or max(1, (os.cpu_count() or 1) - config.workers))
         torch.manual_seed(config.seed)  # the network's initialization is part of the run's seed
+        check_logdir(config.logdir)
         spec = EnvSpec(config.env, config.env_overrides)
         fp, obs_shape, obs_dtype, num_actions = probe_env(spec, config.seed)
         trainer = ImpalaTrainer(config, obs_shape, obs_dtype, num_actions, frames_per_agent_step(fp))

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from impala.config import ImpalaConfig
+from impala.config import ConfigError, ImpalaConfig
 from impala.models import ImpalaNet
 from impala.popart import impala_loss, popart_impala_loss
 from impala.trajectory import TrajectorySchema, stack_time_major
@@ -26,7 +26,9 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {name} was requested but CUDA is not available; use --device cpu or auto")
+        raise ConfigError(f"--device {name} was requested but CUDA is not available; use --device cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 

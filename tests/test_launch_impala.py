@@ -157,3 +157,58 @@ def test_env_kwargs_override_is_applied_and_validated(tmp_path):
         ImpalaConfig(env_kwargs="[1, 2]")
     out = run(["launch_impala", "--env-kwargs", "{bad"], timeout=60)
     assert out.returncode == 2 and "--env-kwargs is not valid JSON" in out.stderr and "Traceback" not in out.stderr
+
+
+BAD_VALUES = [
+    (["--learning-rate", "inf"], "--learning-rate must be a finite number"),
+    (["--rmsprop-alpha", "5"], "--rmsprop-alpha must be in [0, 1)"),
+    (["--entropy-cost", "nan"], "--entropy-cost must be a finite number"),
+    (["--max-policy-lag", "-1"], "--max-policy-lag must be >= 0"),
+    (["--queue-size", "-1"], "--queue-size must be >= 0"),
+    (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
+    (["--log-interval", "nan"], "--log-interval must be a finite number"),
+    (["--torch-threads", "-1"], "--torch-threads must be >= 0"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--rmsprop-eps", "-1"], "--rmsprop-eps must be > 0"),
+    (["--rmsprop-momentum", "-1"], "--rmsprop-momentum must be >= 0"),
+    (["--minibatches", "3"], "--minibatches must be >= 1 and divide --batch-size 32"),
+    (["--device", "cuda:7"], "--device cuda:7"),
+    (["--env", "CartPole-v1", "--model", "deep"], "--model deep: model kind 'deep' needs image observations"),
+    (["--env", "CartPole-v1", "--env-kwargs", '{"foo": 1}'], "CartPole-v1 does not accept them"),
+    (["--env", "CartPole-v1", "--logdir", "/proc/no-such-dir"], "--logdir /proc/no-such-dir: cannot create it"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_VALUES, ids=[a[0] for a, _ in BAD_VALUES])
+def test_bad_values_are_one_line_errors_before_anything_starts(argv, message, capsys):
+    from learner.launch_impala import main
+
+    if argv[:2] == ["--device", "cuda:7"] and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    assert main([*argv, "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("launch_impala: error: ") and message in err[0], err
+
+
+def test_bad_log_level_and_preset_from_the_real_cli(tmp_path):
+    out = run(["launch_impala", "--log-level", "BOGUS"], timeout=60)
+    assert out.returncode == 2 and "invalid choice: 'BOGUS'" in out.stderr and "Traceback" not in out.stderr
+    preset = tmp_path / "p.yaml"
+    preset.write_text("learning_rate: 1e-3\nlearnin_rate: 2\n")
+    out = run(["launch_impala", "--config", str(preset)], timeout=60)
+    assert out.returncode == 2 and "unknown option 'learnin_rate'; did you mean learning_rate?" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_preset_values_are_defaults_that_flags_override(tmp_path):
+    from learner.launch_impala import parse_args
+
+    preset = tmp_path / "p.yaml"
+    preset.write_text("learning-rate: 1e-3\nunroll_length: 80\noptimizer: rmsprop\n")  # YAML 1.1 reads 1e-3 as a string
+    args = parse_args(["--config", str(preset), "--unroll-length", "20"])
+    assert (args.learning_rate, args.unroll_length, args.optimizer, args.batch_size) == (0.001, 20, "rmsprop", 32)
+    preset.write_text("unroll_length: eighty\n")
+    from impala.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unroll_length"):
+        parse_args(["--config", str(preset)])

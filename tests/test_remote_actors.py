@@ -19,8 +19,10 @@ CARTPOLE = ["--env", "CartPole-v1", "--unroll-length", "20", "--batch-size", "8"
 
 def _learner_then_actors(tmp_path, learner_extra, actor_extra):
     port = free_port_pair()
+    # The "other machine" is this one: a learner taking every core (its default with --workers 0)
+    # would time-slice its threads against the actors' (about 30x slower on 2 loaded cores).
     learner = start(["launch_impala", "--workers", "0", *CARTPOLE, "--total-frames", "20000", "--port", str(port),
-                     "--logdir", str(tmp_path / "run"), "--max-seconds", "120", *learner_extra])
+                     "--logdir", str(tmp_path / "run"), "--max-seconds", "120", "--torch-threads", "1", *learner_extra])
     try:
         if "--curve" in learner_extra:
             keys = learner_extra[learner_extra.index("--curve") + 1]
