@@ -20,7 +20,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 
 class ConfigError(ValueError):
@@ -80,6 +80,7 @@ class ImpalaConfig:
     torch_threads: int = _f(0, "CPU threads for the learner's torch ops; 0 = the cores left after the actors (at least 1). More would fight the actors for cores.")
     autocast_bf16: bool = _f(False, "Run the learner's forward pass under bf16 autocast (CUDA only).")
     max_seconds: float = _f(0.0, "Stop after this many seconds of training; 0 means no limit.")
+    stop_at_return: Optional[float] = _f(None, "Stop early once the mean return of the last 100 episodes reaches this (counted only after 100 episodes have finished); unset: run to --total-frames.")
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -90,7 +91,8 @@ class ImpalaConfig:
         for f in dataclasses.fields(self):
             # inf or nan in any float flag trains a NaN network or never stops; no field means that.
             value = getattr(self, f.name)
-            need(hints[f.name] is not float or math.isfinite(value), f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+            is_float = _value_type(hints[f.name]) is float
+            need(not is_float or value is None or math.isfinite(value), f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         need(self.workers >= 0, f"--workers must be >= 0, got {self.workers}")
         need(self.envs_per_worker >= 1, f"--envs-per-worker must be >= 1, got {self.envs_per_worker}")
         need(self.unroll_length >= 1, f"--unroll-length must be >= 1, got {self.unroll_length}")
@@ -156,6 +158,15 @@ class ImpalaConfig:
         return os.path.join(self.logdir, "checkpoint.pt")
 
 
+def _value_type(hint: Any) -> Any:
+    """``float`` for ``float`` and ``Optional[float]`` (an unset optional flag is None)."""
+    if get_origin(hint) is Union:
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
     """One ``--flag`` per dataclass field, with the field's help and default (the parser's
     ``ArgumentDefaultsHelpFormatter`` prints the default once)."""
@@ -164,7 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        typ = hints[f.name]
+        typ = _value_type(hints[f.name])
         help_text = f.metadata.get("help", "")
         if typ is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
@@ -211,7 +222,7 @@ def load_preset(path: str, cls: type) -> dict[str, Any]:
             close = difflib.get_close_matches(name, names, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"--config {path}: unknown option {key!r}{hint}")
-        typ = hints[name]
+        typ = _value_type(hints[name])
         if typ is float and isinstance(value, str):
             # PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string; take it as the number it reads as.
             try:

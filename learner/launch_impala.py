@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=config.progress,
             log_interval=config.log_interval,
             max_seconds=config.max_seconds,
+            stop_at_return=config.stop_at_return,
             max_policy_lag=config.max_policy_lag or None,
             title=f"impala {config.env}",
             config_record={**dataclasses.asdict(config), "preset": args.config or ""},
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"launch_impala: done: {result.env_frames} env frames, {result.updates} updates, mean return (last 100) {mean}, "
         f"dropped {result.dropped or 0}, actor restarts {result.restarts}, checkpoint {result.checkpoint}"
-        + (" (interrupted)" if result.interrupted else ""),
+        + (" (interrupted)" if result.interrupted else "")
+        + (f" (stopped at --stop-at-return {config.stop_at_return:g})" if result.reached_return else ""),
         flush=True,
     )
     return 0

@@ -71,6 +71,7 @@ class RunSettings:
     progress: bool = True
     log_interval: float = 5.0
     max_seconds: float = 0.0
+    stop_at_return: float | None = None  # stop once the full 100-episode mean return reaches it
     max_policy_lag: int | None = None  # None keeps all (V-trace corrects); 0 = on-policy only (PPO)
     title: str = "impala"
     config_record: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +97,7 @@ class RunResult:
     restarts: int
     interrupted: bool
     checkpoint: str
+    reached_return: bool = False  # stopped early at settings.stop_at_return
 
 
 class _Stop:
@@ -223,7 +225,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
     ]
     pool = ThreadActors(configs) if settings.in_process else ActorPool(configs, start_method=settings.start_method, actor_class=settings.actor_class)
     logger = MetricsLogger(settings.logdir, progress=settings.progress, title=settings.title)
-    interrupted = False
+    interrupted = reached_return = False
     start = time.monotonic()
     last_ckpt = time.monotonic()
     last_log = time.monotonic()
@@ -300,6 +302,12 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
                 if now - last_ckpt >= settings.checkpoint_minutes * 60:
                     checkpoint()
                     last_ckpt = now
+                if settings.stop_at_return is not None:
+                    mean = server.full_window_mean_return()
+                    if mean is not None and mean >= settings.stop_at_return:
+                        log.info("mean return of the last 100 episodes %.2f reached --stop-at-return %g", mean, settings.stop_at_return)
+                        reached_return = True
+                        break
             interrupted = stop.event.is_set()
     except KeyboardInterrupt:
         interrupted = True
@@ -320,4 +328,5 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         restarts=pool.restarts,
         interrupted=interrupted,
         checkpoint=settings.checkpoint_path,
+        reached_return=reached_return,
     )

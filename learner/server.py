@@ -254,6 +254,13 @@ class TrajectoryServer:
             self._last_params = packed
             self.pub.send(packed, copy=False)
 
+    def full_window_mean_return(self) -> float | None:
+        """Mean return of the last 100 episodes; None until 100 episodes have finished."""
+        with self._stats_lock:
+            if len(self.episode_returns) < (self.episode_returns.maxlen or 0):
+                return None
+            return float(np.mean(self.episode_returns))
+
     def stats(self) -> dict[str, float]:
         with self._stats_lock:
             returns = list(self.episode_returns)

@@ -34,13 +34,13 @@ def test_cartpole_learns_to_195_within_3_minutes(tmp_path):
     t0 = time.monotonic()
     # The README's CartPole recipe: short unrolls, small batches, a higher learning rate than Atari's.
     out = run(["launch_impala", "--workers", "2", *CARTPOLE, "--learning-rate", "2e-3", "--total-frames", "400000", "--max-seconds", "170",
-               "--logdir", str(tmp_path), "--log-interval", "5"], timeout=240)
+               "--stop-at-return", "195", "--logdir", str(tmp_path), "--log-interval", "5"], timeout=240)
     elapsed = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = _done_line(out.stdout)
     mean = float(re.search(r"mean return \(last 100\) ([\d.]+)", line).group(1))
     print(line, f"elapsed {elapsed:.0f}s")
-    assert mean >= 195, line
+    assert mean >= 195 and "stopped at --stop-at-return 195" in line, line
     assert elapsed < 180 + 30  # 3 minutes of training plus process start-up
 
 
@@ -167,6 +167,7 @@ BAD_VALUES = [
     (["--queue-size", "-1"], "--queue-size must be >= 0"),
     (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
     (["--log-interval", "nan"], "--log-interval must be a finite number"),
+    (["--stop-at-return", "inf"], "--stop-at-return must be a finite number"),
     (["--torch-threads", "-1"], "--torch-threads must be >= 0"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--rmsprop-eps", "-1"], "--rmsprop-eps must be > 0"),
