@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Plot learning curves (mean return over the last 100 episodes vs env frames) from runs' metrics.csv.
+"""Plot learning curves (mean return over the last 100 episodes vs env frames and vs wall time).
+
+Each source is a run directory (its metrics.csv) or a CSV file with columns
+frames,time,mean_return_100 (for example scripts/sb3_pong_reference.py's output).
 
     python scripts/plot_curves.py runs/a runs/b --labels "run a" "run b" --out docs/curve.png
 """
@@ -16,13 +19,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def read(logdir: str, key: str) -> tuple[list[float], list[float], list[float]]:
+def read(source: str, key: str) -> tuple[list[float], list[float], list[float]]:
+    """(frames, values, seconds) from a run directory's metrics.csv or a frames,time,<key> CSV."""
+    path = source if os.path.isfile(source) else os.path.join(source, "metrics.csv")
+    if not os.path.isfile(path):
+        raise SystemExit(f"plot_curves: no metrics.csv in {source!r}")
     xs, ys, ts = [], [], []
-    with open(os.path.join(logdir, "metrics.csv")) as f:
+    with open(path) as f:
         for row in csv.DictReader(f):
-            if row.get(key):
-                xs.append(float(row["charts/env_frames"]))
-                ys.append(float(row[key]))
+            frames = row.get("charts/env_frames") or row.get("frames")
+            value = row.get(key) or row.get(key.split("/")[-1])
+            if frames and value:
+                xs.append(float(frames))
+                ys.append(float(value))
                 ts.append(float(row["time"]))
     return xs, ys, ts
 
@@ -41,8 +50,8 @@ def main() -> None:
     for logdir, label in zip(args.logdirs, labels):
         xs, ys, ts = read(logdir, args.key)
         ax1.plot(xs, ys, label=label)
-        ax2.plot(ts, ys, label=label)
-    for ax, xl in ((ax1, "environment frames"), (ax2, "wall-clock seconds")):
+        ax2.plot([t / 60 for t in ts], ys, label=label)
+    for ax, xl in ((ax1, "environment frames"), (ax2, "wall-clock minutes")):
         if args.hline is not None:
             ax.axhline(args.hline, color="gray", ls="--", lw=1, label=f"target {args.hline:g}")
         ax.set_xlabel(xl)
