@@ -13,32 +13,17 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from impala.trajectory import ArraySpec, TrajectorySchema, impala_unroll_schema
+from actors.ppo_agent import PPOAgent
 from impala.envs.vector import StepResult
-
-
-def state_dict_schema(module: torch.nn.Module) -> TrajectorySchema:
-    """The exact layout a params message for ``module`` must have."""
-    return TrajectorySchema(
-        tuple(ArraySpec(k, str(v.numpy().dtype), tuple(v.shape)) for k, v in module.state_dict().items())
-    )
-
-
-def state_dict_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {k: v.detach().to("cpu").contiguous().numpy() for k, v in module.state_dict().items()}
-
-
-def load_state_arrays(module: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
-    # Copy: the arrays are views over received ZeroMQ frames.
-    module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+from impala.models import build_model
+from impala.params import load_state_arrays, state_dict_schema
+from impala.trajectory import impala_unroll_schema
 
 
 class ImpalaAgent:
     """Discrete actions sampled from the policy logits of an IMPALA network."""
 
     def __init__(self, settings: Mapping[str, Any], *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int) -> None:
-        from impala.models import build_model
-
         obs_shape, obs_dtype = tuple(first_obs.shape[1:]), str(first_obs.dtype)
         num_actions, num_envs = int(envs.action_space.n), envs.num_envs
 
@@ -95,7 +80,5 @@ def make_agent(settings: Mapping[str, Any], **kw: Any):
     if kind == "impala":
         return ImpalaAgent(settings, **kw)
     if kind == "ppo":
-        from actors.ppo_agent import PPOAgent
-
         return PPOAgent(settings, **kw)
     raise ValueError(f"unknown agent kind {kind!r}")

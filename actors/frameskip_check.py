@@ -41,7 +41,8 @@ from typing import Any, Iterable, Sequence
 import gymnasium as gym
 import numpy as np
 
-from actors.actor import Actor, ActorConfig
+from actors.actor import Actor
+from actors.loop import ActorConfig
 from actors.pool import ActorPool
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id, make_env
 from impala.envs.fingerprint import (

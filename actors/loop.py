@@ -12,21 +12,57 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zmq
 
-from actors.actor import ActorConfig, exit_if_orphaned
 from actors.agents import make_agent
 from impala import wire
-from impala.envs import make_env
+from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import measure_fingerprint
 from impala.envs.vector import EpisodeTracker, GymVecEnv
 
 log = logging.getLogger(__name__)
 
 LEARNER_GONE_EXIT = 3
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """Everything a child needs, as plain picklable data.
+
+    actor_id: this actor's index (also its Unity ``worker_id``).
+    env: what to build inside ``run()``.
+    num_envs: envs stepped together with one batched forward pass.
+    unroll_length: steps per env per unroll (T).
+    trajectory_endpoint / params_endpoint: the learner's ZeroMQ endpoints.
+    agent: which agent adapter to use ("impala" or "ppo") and its settings.
+    seed: base seed of this incarnation (restarts get a new one).
+    fingerprint_steps: random steps used to measure the env fingerprint.
+    """
+
+    actor_id: int
+    env: EnvSpec
+    num_envs: int
+    unroll_length: int
+    trajectory_endpoint: str
+    params_endpoint: str
+    agent: dict[str, Any]
+    seed: int = 0
+    fingerprint_steps: int = 300
+    send_hwm: int = 2
+    params_timeout_s: float = 120.0
+    curve: Any = None  # impala.curve.ClientKeys when the learner requires CURVE
+    learner_timeout_s: float = 60.0  # no weights heartbeat for this long: the learner is gone, exit
+
+
+def exit_if_orphaned(parent_pid: int) -> None:
+    """Actors must not outlive their learner (it may have been SIGKILLed)."""
+    if os.getppid() != parent_pid:
+        log.warning("learner process %d is gone; actor exiting", parent_pid)
+        raise SystemExit(0)  # unwinds through run_actor's finally, which closes the envs
 
 
 class LearnerGone(Exception):

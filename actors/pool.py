@@ -8,7 +8,8 @@ import multiprocessing
 import time
 from typing import Callable
 
-from actors.actor import Actor, ActorConfig
+from actors.actor import Actor
+from actors.loop import ActorConfig
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from actors.agents import load_state_arrays, state_dict_schema
 from impala.envs.vector import StepResult
+from impala.params import load_state_arrays, state_dict_schema
 from impala.ppo_config import PPOConfig
-from impala.ppo_policy import env_action
+from impala.ppo_policy import env_action, make_policy
 from impala.trajectory import ppo_unroll_schema
 
 
@@ -59,8 +59,6 @@ class PPOAgent:
         }
 
     def __init__(self, settings: Mapping[str, Any], *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int) -> None:
-        from learner.ppo_learner import make_policy
-
         self.config = PPOConfig(**settings["config"])
         self.num_envs = int(envs.num_envs)
         self.obs_dim = int(settings["obs_dim"])

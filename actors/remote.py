@@ -20,7 +20,7 @@ import time
 
 import zmq
 
-from actors.actor import ActorConfig
+from actors.loop import ActorConfig
 from actors.pool import ActorPool
 from impala import wire
 from impala.envs import EnvSpec

@@ -31,6 +31,7 @@ from torch import nn
 
 from impala import ppo
 from impala.normalizers import FrozenObsNormalizer, MLAgentsNormalizer
+from impala.ppo_config import PPOConfig
 
 ACTIVATIONS = {"swish": nn.SiLU, "tanh": nn.Tanh, "relu": nn.ReLU}
 INITS = ("mlagents", "sb3")
@@ -250,3 +251,18 @@ class ActorCritic(nn.Module):
         if self.obs_norm_kind == "vecnormalize":
             return self.obs_norm(obs)
         return obs
+
+
+def make_policy(config: PPOConfig, obs_dim: int, action_dim: int) -> ActorCritic:
+    """The actor-critic a learner and its actors share (same layout, same state_dict keys)."""
+    return ActorCritic(
+        obs_dim,
+        action_dim,
+        hidden_units=config.hidden_units,
+        num_layers=config.num_layers,
+        activation=config.activation,
+        init=config.init,
+        obs_norm=config.obs_norm,
+        log_prob_form=config.log_prob_form,
+        seed=config.seed,
+    )

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from actors.agents import state_dict_arrays
+from impala.params import state_dict_arrays
 from impala import wire
 from impala.config import ConfigError, ImpalaConfig, add_arguments, from_arguments, load_preset
 from impala.envs import EnvSpec, UnknownEnvError, make_env

@@ -62,7 +62,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from actors.agents import state_dict_arrays
+from impala.params import state_dict_arrays
 from actors.ppo_agent import PPOAgent, flat_obs_dim
 from impala import wire
 from impala.envs import EnvSpec, UnknownEnvError, make_env

@@ -25,7 +25,7 @@ import torch
 from impala import ppo
 from impala.normalizers import RewardNormalizer, RunningMeanStd
 from impala.ppo_config import PPOConfig
-from impala.ppo_policy import ActorCritic, env_action
+from impala.ppo_policy import ActorCritic, env_action, make_policy
 
 
 class TrajectoryPiece(NamedTuple):
@@ -54,21 +54,6 @@ class TrajectoryPiece(NamedTuple):
     next_obs: np.ndarray
     values: np.ndarray | None = None
     source: Hashable = 0
-
-
-def make_policy(config: PPOConfig, obs_dim: int, action_dim: int) -> ActorCritic:
-    """The actor-critic a learner and its actors share (same layout, same state_dict keys)."""
-    return ActorCritic(
-        obs_dim,
-        action_dim,
-        hidden_units=config.hidden_units,
-        num_layers=config.num_layers,
-        activation=config.activation,
-        init=config.init,
-        obs_norm=config.obs_norm,
-        log_prob_form=config.log_prob_form,
-        seed=config.seed,
-    )
 
 
 class TrajectoryBuffer:

@@ -20,7 +20,8 @@ from typing import Any, Mapping, Protocol
 
 import numpy as np
 
-from actors.actor import Actor, ActorConfig
+from actors.actor import Actor
+from actors.loop import ActorConfig
 from actors.pool import ActorPool
 from impala import wire
 from impala.checkpoint import load_checkpoint, save_checkpoint

@@ -29,7 +29,8 @@ import gymnasium as gym
 import numpy as np
 from ale_py.env import AtariEnv
 
-from actors.actor import Actor, ActorConfig
+from actors.actor import Actor
+from actors.loop import ActorConfig
 from impala.envs import EnvSpec
 
 
