@@ -73,7 +73,7 @@ class ImpalaConfig:
     insecure_bind: bool = _f(False, "Allow a non-loopback --bind without --curve (only on a network you trust).")
     port: int = _f(0, "Trajectory port (params use port+1); 0 picks free ports.")
     start_method: str = _f("spawn", "Multiprocessing start method for actors: spawn, fork or forkserver.")
-    max_policy_lag: int = _f(0, "Drop unrolls older than this many policy versions; 0 keeps all (V-trace corrects off-policy data).")
+    max_policy_lag: Optional[int] = _f(None, "Drop unrolls older than this many policy versions (0: on-policy only, as launch_ppo); unset keeps all (V-trace corrects off-policy data).")
     queue_size: int = _f(0, "Unrolls buffered in the learner; 0 means batch_size (one batch waits while the learner updates; every unroll buffered beyond that only adds policy lag).")
     progress: bool = _f(True, "Show the live console progress display.")
     log_interval: float = _f(5.0, "Seconds between console/CSV/TensorBoard rows.")
@@ -117,7 +117,7 @@ class ImpalaConfig:
         need(self.entropy_cost >= 0, f"--entropy-cost must be >= 0, got {self.entropy_cost}")
         need(self.baseline_cost >= 0, f"--baseline-cost must be >= 0, got {self.baseline_cost}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
-        need(self.max_policy_lag >= 0, f"--max-policy-lag must be >= 0 (0 keeps all), got {self.max_policy_lag}")
+        need(self.max_policy_lag is None or self.max_policy_lag >= 0, f"--max-policy-lag must be >= 0 (0: on-policy only; leave it unset to keep all), got {self.max_policy_lag}")
         need(self.queue_size >= 0, f"--queue-size must be >= 0 (0 means --batch-size), got {self.queue_size}")
         need(self.max_seconds >= 0, f"--max-seconds must be >= 0 (0 means no limit), got {self.max_seconds}")
         need(self.log_interval > 0, f"--log-interval must be > 0, got {self.log_interval}")
@@ -230,12 +230,13 @@ def load_preset(path: str, cls: type) -> dict[str, Any]:
             except ValueError:
                 pass
         ok = (
-            isinstance(value, bool) if typ is bool
+            _value_type(hints[name]) is not hints[name] if value is None  # null for an optional field: unset
+            else isinstance(value, bool) if typ is bool
             else isinstance(value, int) and not isinstance(value, bool) if typ is int
             else isinstance(value, (int, float)) and not isinstance(value, bool) if typ is float
             else isinstance(value, str)
         )
         if not ok:
             raise ConfigError(f"--config {path}: {key} must be {typ.__name__}, got {value!r}")
-        values[name] = float(value) if typ is float else value
+        values[name] = float(value) if typ is float and value is not None else value
     return values

@@ -213,3 +213,23 @@ def test_preset_values_are_defaults_that_flags_override(tmp_path):
 
     with pytest.raises(ConfigError, match="unroll_length"):
         parse_args(["--config", str(preset)])
+
+
+def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
+    """Unset keeps every unroll (V-trace corrects); 0 means on-policy only, as in launch_ppo."""
+    from learner.launch_impala import parse_args
+
+    assert parse_args([]).max_policy_lag is None
+    assert parse_args(["--max-policy-lag", "0"]).max_policy_lag == 0
+    preset = tmp_path / "p.yaml"
+    preset.write_text("max_policy_lag: null\nstop_at_return: 20\n")
+    args = parse_args(["--config", str(preset)])
+    assert args.max_policy_lag is None and args.stop_at_return == 20.0
+    # on-policy only, for real: every unroll used was produced by the current weights
+    out = run(["launch_impala", "--workers", "2", *CARTPOLE, "--max-policy-lag", "0", "--total-frames", "6000",
+               "--logdir", str(tmp_path / "run")], timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(float(r["charts/policy_lag"]) == 0.0 for r in rows if r.get("charts/policy_lag"))
+    assert float(rows[-1]["transport/dropped_stale"]) > 0  # unrolls from older weights were refused
