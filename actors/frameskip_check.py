@@ -222,10 +222,17 @@ def check_workers(
     spawned: list[int] = []
     try:
         server.start()
-        pool.start()
+        started_all = True
+        try:
+            pool.start()
+        except (TypeError, AttributeError, pickle.PicklingError) as e:
+            # spawn/forkserver pickle the actor object; an env built in __init__ (an ALEInterface)
+            # cannot cross. Report it as a finding; the __init__ audit names the attribute.
+            row.errors.append(f"the actor could not be sent to a {start_method} worker: {e} ({ENV_IN_INIT})")
+            started_all = False
         spawned = pool.pids()
         deadline = time.monotonic() + timeout
-        while len(server.accepted) < workers:
+        while started_all and len(server.accepted) < workers:
             dead = [a for a in pool.actors if not a.is_alive() and a.config.actor_id not in server.accepted]
             if dead:
                 time.sleep(0.5)  # a hello sent just before exiting may still be in flight

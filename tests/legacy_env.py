@@ -25,6 +25,7 @@ import time
 from collections import deque
 from typing import Any
 
+import ale_py
 import gymnasium as gym
 import numpy as np
 from ale_py.env import AtariEnv
@@ -127,6 +128,14 @@ class LegacyActor(Actor):
         finally:
             self.env.close()
             link.close()
+
+
+class UnpicklableEnvActor(Actor):
+    """The seed's pattern: the emulator itself (an ALEInterface, which cannot be pickled) built in ``__init__``."""
+
+    def __init__(self, config: ActorConfig, *, start_method: str = "spawn") -> None:
+        super().__init__(config, start_method=start_method)
+        self.ale = ale_py.ALEInterface()
 
 
 class SwapEnvActor(Actor):

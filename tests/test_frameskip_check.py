@@ -84,6 +84,14 @@ def test_legacy_env_built_in_init_and_pickled_into_a_spawned_worker_is_caught():
     assert "MISMATCH" in r.stdout
 
 
+def test_actor_with_an_unpicklable_env_from_init_is_a_finding_under_spawn_not_a_traceback():
+    r = run_cli("PongDeterministic-v4", "--start-method", "spawn", "--workers", "1", "--actor-class", "legacy_env:UnpicklableEnvActor")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert "could not be sent to a spawn worker" in r.stderr and "pickle" in r.stderr, r.stderr
+    assert "UnpicklableEnvActor.ale is a ALEInterface" in r.stderr  # the attribute that holds the env
+
+
 def test_pickle_roundtrip_of_the_legacy_env_reports_frameskip_and_sticky():
     problems = {m.field: m for m in check_pickle_roundtrip("PongDeterministic-v0", env_class=LegacyAtariEnv)}
     assert set(problems) >= {"frameskip", "sticky"}
