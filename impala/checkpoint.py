@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from impala.config import ConfigError
+
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
@@ -34,3 +36,13 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}; run without --resume, or point --logdir at a run that has one")
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def check_logdir(path: str) -> None:
+    """Fail at start-up, not at the first checkpoint, when the run could not save anything."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--logdir {path}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--logdir {path}: not writable")

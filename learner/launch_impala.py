@@ -21,6 +21,7 @@ import torch
 
 from impala.params import state_dict_arrays
 from impala import wire
+from impala.checkpoint import check_logdir
 from impala.config import ConfigError, ImpalaConfig, add_arguments, from_arguments, load_preset
 from impala.envs import EnvSpec, UnknownEnvError, make_env
 from impala.envs.fingerprint import EnvFingerprint, check_against_config, configured_settings, measure_fingerprint
@@ -98,16 +99,6 @@ def probe_env(spec: EnvSpec, seed: int) -> tuple[EnvFingerprint, tuple[int, ...]
     if problems:
         raise FingerprintMismatchError("the learner's own env differs from its configuration: " + "; ".join(map(str, problems)))
     return fp, fp.obs_shape, fp.obs_dtype, num_actions
-
-
-def check_logdir(path: str) -> None:
-    """Fail at start-up, not at the first checkpoint, when the run could not save anything."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--logdir {path}: cannot create it ({e.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"--logdir {path}: not writable")
 
 
 def frames_per_agent_step(fp: EnvFingerprint) -> float:

@@ -68,6 +68,7 @@ from impala import wire
 from impala.envs import EnvSpec, UnknownEnvError, make_env
 from impala.envs.fingerprint import EnvFingerprint, measure_fingerprint
 from impala.envs.unity import UnityEnvError
+from impala.checkpoint import check_logdir
 from impala.ppo_config import ConfigError, PPOConfig, config_from_args, config_to_argparse
 from impala.trajectory import ppo_unroll_schema
 from learner.ppo_learner import PPOLearner, TrajectoryPiece
@@ -333,9 +334,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-minutes", type=float, default=10.0, help="Minutes between checkpoints (one is always written at exit).")
     r.add_argument("--log-interval", type=float, default=5.0, help="Seconds between console/CSV/TensorBoard rows.")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="Live console table when stdout is a terminal.")
-    r.add_argument("--log-level", default="INFO", help="Python logging level.")
+    r.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="Python logging level.")
     config_to_argparse(parser)
     return parser
+
+
+def check_run_values(args: argparse.Namespace) -> None:
+    """Process-level values that would crash later or silently do nothing; one message each."""
+    for flag in ("max_seconds", "checkpoint_minutes", "log_interval", "params_wait"):
+        value = getattr(args, flag)
+        if not math.isfinite(value):
+            raise LaunchError(f"--{flag.replace('_', '-')} must be a finite number, got {value}")
+    if args.max_seconds < 0:
+        raise LaunchError(f"--max-seconds must be >= 0 (0 means no limit), got {args.max_seconds}")
+    if args.checkpoint_minutes <= 0 or args.log_interval <= 0 or args.params_wait <= 0:
+        raise LaunchError("--checkpoint-minutes, --log-interval and --params-wait must be > 0")
+    if args.torch_threads < 0:
+        raise LaunchError(f"--torch-threads must be >= 0 (0 picks), got {args.torch_threads}")
+    if not (args.port == 0 or 1 <= args.port <= 65534):
+        raise LaunchError(f"--port must be 0 or in 1..65534 (params use port+1), got {args.port}")
+    if args.total_steps is not None and args.total_steps <= 0:
+        raise LaunchError(f"--total-steps must be > 0, got {args.total_steps}")
+    if args.unity_timeout <= 0 or not 1 <= args.unity_base_port <= 65535:
+        raise LaunchError("--unity-timeout must be > 0 and --unity-base-port in 1..65535")
 
 
 def load_config(args: argparse.Namespace, crawler_job: bool) -> PPOConfig:
@@ -357,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"--envs-per-worker must be >= 1, got {args.envs_per_worker}")
         if args.unroll_length < 0 or args.max_policy_lag < 0:
             raise LaunchError("--unroll-length and --max-policy-lag must be >= 0")
+        check_run_values(args)
+        check_logdir(args.logdir)
         crawler_job = args.env is None
         config = load_config(args, crawler_job)
         T, note = choose_unroll_length(config, args.unroll_length)

@@ -303,3 +303,30 @@ def test_agent_clips_env_actions_and_records_raw(semantics):
     out = agent.transition(StepResult(nxt, np.zeros(3, np.float32), term, trunc, nxt * 7))
     np.testing.assert_array_equal(out["final_obs"][1], 0.0)
     np.testing.assert_array_equal(out["final_obs"][[0, 2]], 7.0)
+
+
+RUN_BAD_VALUES = [
+    (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
+    (["--log-interval", "nan"], "--log-interval must be a finite number"),
+    (["--params-wait", "nan"], "--params-wait must be a finite number"),
+    (["--checkpoint-minutes", "0"], "--checkpoint-minutes"),
+    (["--torch-threads", "-1"], "--torch-threads must be >= 0"),
+    (["--port", "70000"], "--port must be 0 or in 1..65534"),
+    (["--total-steps", "-5"], "--total-steps must be > 0"),
+    (["--logdir", "/proc/no-such-dir"], "--logdir /proc/no-such-dir: cannot create it"),
+]
+
+
+@pytest.mark.parametrize("argv,message", RUN_BAD_VALUES, ids=[a[0] for a, _ in RUN_BAD_VALUES])
+def test_bad_run_values_are_one_line_errors(argv, message, capsys, tmp_path):
+    from learner.launch_ppo import main
+
+    assert main(["--env", "Pendulum-v1", "--workers", "0", "--logdir", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("launch_ppo: error: ") and message in err[0], err
+
+
+def test_bad_log_level_is_an_argparse_error_not_a_traceback():
+    out = subprocess.run([sys.executable, "-m", "learner.launch_ppo", "--log-level", "BOGUS"], capture_output=True, text=True, timeout=60,
+                         cwd=HERE.parent)
+    assert out.returncode == 2 and "invalid choice: 'BOGUS'" in out.stderr and "Traceback" not in out.stderr
