@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import multiprocessing
 import re
 import sys
@@ -114,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--learner tcp://HOST:PORT is required")
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        for flag in ("timeout", "learner_timeout"):
+            value = getattr(args, flag)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds > 0, got {value}")
+        if not (math.isfinite(args.max_seconds) and args.max_seconds >= 0):
+            raise ValueError(f"--max-seconds must be >= 0 (0: run until Ctrl-C), got {args.max_seconds}")
+        if args.first_id < 0 or args.seed < 0:
+            raise ValueError(f"--first-id and --seed must be >= 0, got {args.first_id} and {args.seed}")
         trajectory_endpoint, params_endpoint = parse_endpoint(args.learner)
         host = trajectory_endpoint.split("//", 1)[1].rsplit(":", 1)[0]
         if keys is None and host not in ("127.0.0.1", "localhost") and not args.insecure:

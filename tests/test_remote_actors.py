@@ -95,3 +95,18 @@ def test_remote_learner_without_curve_is_refused_before_connecting():
     out = run(["impala-actors", "--learner", "tcp://192.0.2.1:5555", "--workers", "1"], timeout=60)
     assert out.returncode == 2
     assert "--curve" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_values_are_one_line_errors_before_connecting():
+    cases = [
+        (["--timeout", "nan"], "--timeout must be a finite number of seconds > 0"),
+        (["--learner-timeout", "-1"], "--learner-timeout must be a finite number of seconds > 0"),
+        (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
+        (["--first-id", "-1"], "--first-id and --seed must be >= 0"),
+        (["--workers", "0"], "--workers must be >= 1"),
+    ]
+    for argv, message in cases:
+        # every case must fail before waiting for weights from the (absent) learner
+        out = run(["impala-actors", "--learner", "tcp://127.0.0.1:1", *argv], timeout=60)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and message in lines[0], (argv, out.stderr)
