@@ -1,4 +1,4 @@
-"""``PixelCatch-v0``: a one-minute check that the image path learns (bsuite's Catch, drawn in pixels).
+"""``PixelCatch-v0``: a two-minute check that the image path learns (bsuite's Catch, drawn in pixels).
 
 A ball falls one row per step from a random column of a 10 x 5 grid; the agent moves a
 paddle on the bottom row left, not at all, or right. When the ball reaches the bottom,
