@@ -325,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--logdir", default="runs/ppo", help="Metrics and checkpoint directory.")
     r.add_argument("--resume", action="store_true", help="Continue from LOGDIR/checkpoint.pt (its step count, weights, optimizer, normalizers).")
     r.add_argument("--port", type=int, default=0, help="Learner trajectory port (params on port+1); 0 picks free ports.")
-    r.add_argument("--bind", default="127.0.0.1", help="Address the learner binds.")
+    r.add_argument("--bind", default="127.0.0.1", help="Address the learner binds. Anything but loopback needs --curve (or --insecure-bind).")
+    r.add_argument("--curve", default="", help="Directory of ZeroMQ CURVE keys (created if missing): only actors whose public key is in DIR/authorized/ may connect (impala-actors --curve); traffic is encrypted.")
+    r.add_argument("--insecure-bind", action="store_true", help="Allow a non-loopback --bind without --curve (only on a network you trust).")
     r.add_argument("--start-method", default="spawn", choices=["spawn", "forkserver", "fork"], help="Multiprocessing start method for actors.")
     r.add_argument("--unity-timeout", type=int, default=60, help="Seconds to wait for a Unity instance to connect.")
     r.add_argument("--unity-base-port", type=int, default=UNITY_BASE_PORT, help="Unity gRPC port of worker 0; worker i uses base + i.")
@@ -445,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             reference_fingerprint=info.fingerprint,
             hello_timeout=max(180.0, args.unity_timeout + 120.0),
             in_process=in_process,
+            curve_dir=args.curve or None,
+            insecure_bind=args.insecure_bind,
         )
         result: RunResult = run(trainer, settings)
     except (ConfigError, LaunchError, UnityEnvError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError, TimeoutError) as e:

@@ -203,6 +203,8 @@ class TrajectoryServer:
                     kept["fingerprint"] = EnvFingerprint.from_dict(info["fingerprint"]).to_dict()
                 except (KeyError, TypeError, ValueError):
                     pass
+                if actor not in self.accepted:
+                    log.info("actor %d joined (%s envs)", actor, kept.get("num_envs", "?"))
                 self.accepted[actor] = kept
                 self.refused.pop(actor, None)
             else:

@@ -110,3 +110,27 @@ def test_bad_values_are_one_line_errors_before_connecting():
         out = run(["impala-actors", "--learner", "tcp://127.0.0.1:1", *argv], timeout=60)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and message in lines[0], (argv, out.stderr)
+
+
+def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
+    """launch_ppo with --curve: impala-actors learns from the weights message that it runs a PPO
+    agent, joins through the CURVE handshake with an authorized key, and trains with the local actor."""
+    port = free_port_pair()
+    keys, client = tmp_path / "learner-keys", tmp_path / "actor-keys"
+    learner = start(["launch_ppo", "--env", "Pendulum-v1", "--workers", "1", "--envs-per-worker", "2", "--curve", str(keys),
+                     "--port", str(port), "--logdir", str(tmp_path / "run"), "--max-seconds", "45", "--no-progress",
+                     "--torch-threads", "1"])
+    try:
+        assert wait_for(lambda: os.path.exists(os.path.join(keys, "server.key")), 60)
+        public = make_client_keys(str(client))
+        shutil.copy(os.path.join(keys, "server.key"), client)
+        shutil.copy(public, os.path.join(keys, "authorized", "remote.key"))
+        actors = run(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1", "--curve", str(client),
+                      "--learner-timeout", "8"], timeout=180)
+        out, _ = learner.communicate(timeout=60)
+    finally:
+        kill_group(learner)
+    assert learner.returncode == 0, out[-3000:]
+    assert "actor 0 joined" in out and "actor 1000 joined (2 envs)" in out, out[-3000:]
+    assert "running 1 actors for Pendulum-v1" in actors.stderr and "the learner is gone" in actors.stderr, actors.stderr[-2000:]
+    assert int(re.search(r"done: (\d+) agent steps", out).group(1)) > 0
