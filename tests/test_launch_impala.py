@@ -233,3 +233,31 @@ def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
         rows = list(csv.DictReader(f))
     assert rows and all(float(r["charts/policy_lag"]) == 0.0 for r in rows if r.get("charts/policy_lag"))
     assert float(rows[-1]["transport/dropped_stale"]) > 0  # unrolls from older weights were refused
+
+
+# Fields where these values are legitimate: an id/path/address checked where it is used, a threshold.
+FREE_TEXT = {"env", "logdir", "bind", "curve"}
+ANY_NUMBER = {"stop_at_return"}
+
+
+def test_every_numeric_and_choice_field_rejects_bad_values():
+    """Walk every ImpalaConfig field (each is a launch_impala flag) with values that cannot work."""
+    import dataclasses
+    import math
+    from typing import get_type_hints
+
+    from impala.config import ConfigError, ImpalaConfig, _value_type
+
+    hints = get_type_hints(ImpalaConfig)
+    accepted = []
+    for f in dataclasses.fields(ImpalaConfig):
+        kind = _value_type(hints[f.name])
+        bad = {float: [math.nan, math.inf, -math.inf] + ([] if f.name in ANY_NUMBER else [-1.0]), int: [-1],
+               str: [] if f.name in FREE_TEXT else ["BOGUS"], bool: []}[kind]
+        for value in bad:
+            try:
+                ImpalaConfig(**{f.name: value})
+                accepted.append((f.name, value))
+            except ConfigError:
+                pass
+    assert accepted == []
