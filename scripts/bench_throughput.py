@@ -96,8 +96,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--seconds", type=float, default=60.0, help="Measured seconds for each of (a) and (b).")
     ap.add_argument("--envs-per-worker", type=int, default=4)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--unroll-length", type=int, default=80)
+    ap.add_argument("--batch-size", type=int, default=None, help="Default: launch_impala's.")
+    ap.add_argument("--unroll-length", type=int, default=None, help="Default: launch_impala's.")
     ap.add_argument("--device", default="auto")
     ap.add_argument("extra", nargs="*", help="More launch_impala flags (after --).")
     args = ap.parse_args()
@@ -116,10 +116,13 @@ def main() -> None:
 
     steps_a, frames_a = env_limit(args.env, args.workers, args.seconds)
     print(f"(a) env limit:      {frames_a:10,.0f} frames/s  ({steps_a:,.0f} agent steps/s)")
-    flags = ["--envs-per-worker", str(args.envs_per_worker), "--batch-size", str(args.batch_size),
-             "--unroll-length", str(args.unroll_length), "--device", args.device, *args.extra]
+    flags = ["--envs-per-worker", str(args.envs_per_worker), "--device", args.device]
+    for flag, value in (("--batch-size", args.batch_size), ("--unroll-length", args.unroll_length)):
+        if value is not None:
+            flags += [flag, str(value)]
+    flags += args.extra
     frames_b, lag, done = system_throughput(args.env, args.workers, args.seconds + 20, flags)
-    print(f"(b) launch_impala:  {frames_b:10,.0f} frames/s  (K={args.envs_per_worker} envs/worker, B={args.batch_size}, T={args.unroll_length}, mean policy lag {lag:.1f})")
+    print(f"(b) launch_impala:  {frames_b:10,.0f} frames/s  (K={args.envs_per_worker} envs/worker, B={args.batch_size or 'default'}, T={args.unroll_length or 'default'}, mean policy lag {lag:.1f})")
     print(f"    {done}")
     print(f"ratio b/a = {frames_b / frames_a:.3f}")
 
