@@ -21,7 +21,7 @@ import torch
 
 from impala.params import state_dict_arrays
 from impala import wire
-from impala.checkpoint import check_logdir
+from impala.checkpoint import CheckpointError, check_logdir
 from impala.config import ConfigError, ImpalaConfig, add_arguments, from_arguments, load_preset
 from impala.envs import EnvSpec, UnknownEnvError, make_env
 from impala.envs.fingerprint import EnvFingerprint, check_against_config, configured_settings, measure_fingerprint
@@ -49,17 +49,26 @@ class ImpalaTrainer:
         self.agent_settings = {"kind": "impala", "model": config.model, "use_lstm": config.use_lstm, "popart_beta": config.popart_beta}
         self.frames_per_step = frames_per_step
         self._pending: list[Mapping[str, np.ndarray]] = []
+        self._sources: list[int] = []  # actor id of each pending unroll, to name them if a batch is bad
 
     def ingest(self, msg: wire.Message, version: int) -> None:
         self._pending.append(msg.arrays)
+        self._sources.append(msg.actor)
 
     def ready(self) -> bool:
         return len(self._pending) >= self.config.batch_size
 
     def update(self, frames_done: int) -> dict[str, float]:
-        batch = self.learner.stage(self._pending[: self.config.batch_size], self.schema)
-        del self._pending[: self.config.batch_size]
-        return self.learner.train(batch, frames_done=frames_done)
+        B = self.config.batch_size
+        batch = self.learner.stage(self._pending[:B], self.schema)
+        sources = sorted(set(self._sources[:B]))
+        del self._pending[:B], self._sources[:B]
+        skipped_before = self.learner.skipped_updates
+        metrics = self.learner.train(batch, frames_done=frames_done)
+        if self.learner.skipped_updates > skipped_before:
+            log.warning("skipped %d update step(s) with a non-finite loss or gradient; the batch came from actors %s",
+                        self.learner.skipped_updates - skipped_before, sources)
+        return metrics
 
     def params(self) -> dict[str, np.ndarray]:
         return state_dict_arrays(self.learner.model)
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         log.info("env %s: obs %s %s, %d actions, frameskip %s, sticky %s; learner on %s", spec.id, obs_shape, obs_dtype, num_actions, fp.frameskip_text(), fp.sticky, trainer.learner.device)
         result: RunResult = run(trainer, settings)
-    except (ConfigError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError, TimeoutError) as e:
+    except (ConfigError, CheckpointError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError, TimeoutError) as e:
         print(f"launch_impala: error: {e}", file=sys.stderr)
         return 2
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"

@@ -68,7 +68,7 @@ from impala import wire
 from impala.envs import EnvSpec, UnknownEnvError, make_env
 from impala.envs.fingerprint import EnvFingerprint, measure_fingerprint
 from impala.envs.unity import UnityEnvError
-from impala.checkpoint import check_logdir
+from impala.checkpoint import CheckpointError, check_logdir
 from impala.ppo_config import ConfigError, PPOConfig, config_from_args, config_to_argparse
 from impala.trajectory import ppo_unroll_schema
 from learner.ppo_learner import PPOLearner, TrajectoryPiece
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             insecure_bind=args.insecure_bind,
         )
         result: RunResult = run(trainer, settings)
-    except (ConfigError, LaunchError, UnityEnvError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError, TimeoutError) as e:
+    except (ConfigError, CheckpointError, LaunchError, UnityEnvError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError, TimeoutError) as e:
         print(f"launch_ppo: error: {e}", file=sys.stderr)
         return 2
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"

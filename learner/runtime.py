@@ -24,7 +24,7 @@ from actors.actor import Actor
 from actors.loop import ActorConfig
 from actors.pool import ActorPool
 from impala import wire
-from impala.checkpoint import load_checkpoint, save_checkpoint
+from impala.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from impala.config import ConfigError
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import EnvFingerprint, compare_fingerprints
@@ -165,10 +165,14 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
     env_frames = 0
     version = 0
     if settings.resume:
-        state = load_checkpoint(settings.checkpoint_path)
-        trainer.load_state_dict(state["trainer"])
-        env_frames = int(state["env_frames"])
-        version = int(state["version"])
+        state = load_checkpoint(settings.checkpoint_path, keys=("trainer", "env_frames", "version"))
+        try:
+            trainer.load_state_dict(state["trainer"])
+            env_frames = int(state["env_frames"])
+            version = int(state["version"])
+        except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint {settings.checkpoint_path} does not fit this run (another env or network?): {first}") from None
         log.info("resumed from %s at %d env frames, policy version %d", settings.checkpoint_path, env_frames, version)
     start_version = version
 
@@ -235,10 +239,13 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
     metrics: dict[str, float] = {}
 
     def checkpoint() -> None:
-        save_checkpoint(
-            settings.checkpoint_path,
-            {"trainer": trainer.state_dict(), "env_frames": env_frames, "version": version, "config": settings.config_record},
-        )
+        try:
+            save_checkpoint(
+                settings.checkpoint_path,
+                {"trainer": trainer.state_dict(), "env_frames": env_frames, "version": version, "config": settings.config_record},
+            )
+        except CheckpointError as e:  # diverged weights: keep the last good checkpoint
+            log.error("%s; the previous checkpoint is kept", e)
 
     def check_refusals() -> None:
         # A refused *local* actor means this run is misconfigured: stop before training. A refused

@@ -98,6 +98,7 @@ class VTraceLearner:
             self.model.torso.to_channels_last()
         self.optimizer = make_optimizer(self.model, config)
         self.updates = 0
+        self.skipped_updates = 0  # steps dropped because their loss or gradient was not finite
         self._health: dict[str, float] = {}
         self._shuffle = torch.Generator().manual_seed(config.seed)
         self._staging: dict[str, torch.Tensor] | None = None
@@ -194,9 +195,18 @@ class VTraceLearner:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), cfg.grad_norm_clip if cfg.grad_norm_clip > 0 else float("inf")
         )
-        self.optimizer.step()
-        if cfg.popart:
-            self.model.baseline.update(loss.vtrace.vs)
+        finite = bool(torch.isfinite(loss.total)) and bool(torch.isfinite(grad_norm))
+        if finite and cfg.popart:
+            finite = bool(torch.isfinite(loss.vtrace.vs).all())
+        if finite:
+            self.optimizer.step()
+            if cfg.popart:
+                self.model.baseline.update(loss.vtrace.vs)
+        else:
+            # A batch whose loss or gradient is NaN/inf (finite but huge inputs overflow the forward
+            # pass) must not reach the weights, the actors or a checkpoint: drop this step, go on.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
         self.updates += 1
         state = self.model.baseline.state
         metrics = {
@@ -205,6 +215,7 @@ class VTraceLearner:
             "losses/value": float(loss.baseline_loss.detach()),
             "losses/entropy": float(loss.mean_entropy),
             "losses/grad_norm": float(grad_norm),  # before clipping
+            "learner/skipped_updates": float(self.skipped_updates),
             "charts/learning_rate": lr,
             "popart/mu": float(state.mu[0]),
             "popart/sigma": float(state.sigma[0]),

@@ -1,0 +1,124 @@
+"""Bad data and bad files never reach the weights, a checkpoint or a traceback (issue 10, items 1 and 8)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from impala.checkpoint import CheckpointError, load_checkpoint, non_finite_tensors, save_checkpoint
+from impala.config import ImpalaConfig
+from procs import run
+
+T, B = 5, 4
+
+
+def _learner():
+    from learner.launch_impala import ImpalaTrainer
+
+    torch.manual_seed(0)
+    config = ImpalaConfig(env="CartPole-v1", unroll_length=T, batch_size=B, minibatches=1, epochs=1, device="cpu")
+    return ImpalaTrainer(config, (4,), "float32", 2, 1.0)
+
+
+def _unroll(rng, obs_scale=1.0):
+    return {
+        "obs": (rng.standard_normal((T + 1, 4)) * obs_scale).astype(np.float32),
+        "first": np.zeros(T + 1, bool),
+        "actions": rng.integers(0, 2, T).astype(np.int64),
+        "behaviour_logits": rng.standard_normal((T, 2)).astype(np.float32),
+        "rewards": rng.standard_normal(T).astype(np.float32),
+        "dones": np.zeros(T, bool),
+    }
+
+
+def _weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.learner.model.state_dict().items()}
+
+
+def test_a_finite_but_huge_unroll_is_skipped_and_training_goes_on():
+    trainer = _learner()
+    rng = np.random.default_rng(0)
+    schema_names = {a.name for a in trainer.schema.arrays}
+    assert schema_names == set(_unroll(rng))  # the test batch is the real schema
+    before = _weights(trainer)
+    # 1e25 observations are finite, so the wire accepts them; squared in the value loss they are inf.
+    poisoned = [_unroll(rng)] * (B - 1) + [_unroll(rng, obs_scale=1e25)]
+    batch = trainer.learner.stage(poisoned, trainer.schema)
+    metrics = trainer.learner.train(batch, frames_done=0)
+    assert metrics["learner/skipped_updates"] == 1.0 and trainer.learner.skipped_updates == 1
+    after = _weights(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a non-finite step changed the weights"
+    assert non_finite_tensors(trainer.state_dict()) == []
+    good = trainer.learner.stage([_unroll(rng) for _ in range(B)], trainer.schema)
+    metrics = trainer.learner.train(good, frames_done=0)
+    assert metrics["learner/skipped_updates"] == 1.0
+    assert any(not torch.equal(after[k], v) for k, v in _weights(trainer).items()), "a good batch must still train"
+
+
+def test_a_non_finite_state_is_never_written_over_a_good_checkpoint(tmp_path):
+    path = str(tmp_path / "checkpoint.pt")
+    save_checkpoint(path, {"trainer": {"w": torch.ones(3)}, "env_frames": 1, "version": 1})
+    with pytest.raises(CheckpointError, match=r"not writing .*1 tensor\(s\) hold NaN or inf \(trainer\.w\)"):
+        save_checkpoint(path, {"trainer": {"w": torch.tensor([1.0, float("nan"), 2.0])}, "env_frames": 2, "version": 2})
+    state = load_checkpoint(path)
+    assert state["version"] == 1 and torch.equal(state["trainer"]["w"], torch.ones(3))
+    assert [n for n in os.listdir(tmp_path)] == ["checkpoint.pt"]  # no temp file left behind
+    # integer tensors and plain data are not "non-finite"
+    assert non_finite_tensors({"a": torch.arange(3), "b": [torch.tensor([float("inf")])], "c": 1.5}) == ["b.0"]
+
+
+def _bad_files(tmp_path):
+    good = tmp_path / "good.pt"
+    save_checkpoint(str(good), {"trainer": {"w": torch.ones(1000)}, "env_frames": 1, "version": 1})
+    data = good.read_bytes()
+    cases = {
+        "empty": b"",
+        "truncated": data[: len(data) // 2],
+        "random": np.random.default_rng(0).bytes(4096),
+    }
+    out = {}
+    for name, blob in cases.items():
+        path = tmp_path / f"{name}.pt"
+        path.write_bytes(blob)
+        out[name] = path
+    missing = tmp_path / "missing-keys.pt"
+    save_checkpoint(str(missing), {"something": torch.ones(2)})
+    out["missing keys"] = missing
+    directory = tmp_path / "a-directory.pt"
+    directory.mkdir()
+    out["directory"] = directory
+    return out
+
+
+def test_bad_checkpoint_files_are_one_clear_error(tmp_path):
+    for name, path in _bad_files(tmp_path).items():
+        with pytest.raises(CheckpointError) as info:
+            load_checkpoint(str(path), keys=("trainer", "env_frames", "version"))
+        message = str(info.value)
+        assert str(path) in message and "weights_only" not in message, (name, message)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "random", "missing keys"])
+def test_resume_from_a_bad_checkpoint_is_one_line_and_exit_2(tmp_path, kind):
+    bad = _bad_files(tmp_path)[kind]
+    logdir = tmp_path / "run"
+    logdir.mkdir()
+    os.replace(bad, logdir / "checkpoint.pt")
+    out = run(["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "weights_only" not in out.stderr
+    assert lines[-1].startswith("launch_impala: error: checkpoint ") and str(logdir / "checkpoint.pt") in lines[-1], lines
+
+
+def test_resume_from_another_networks_checkpoint_is_one_line_and_exit_2(tmp_path):
+    logdir = tmp_path / "run"
+    first = run(["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--unroll-length", "8", "--batch-size", "4",
+                 "--total-frames", "2000", "--logdir", str(logdir), "--no-progress"], timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    out = run(["launch_impala", "--env", "Acrobot-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "does not fit this run (another env or network?)" in out.stderr.strip().splitlines()[-1]
