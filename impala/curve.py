@@ -10,17 +10,24 @@ For a remote machine, copy ``DIR/server.key`` there and make it a client
 keypair with ``impala-actors --curve DIR2 --make-keys``; then copy that
 machine's ``DIR2/client.key`` into the learner's ``DIR/authorized/``. Only
 holders of an authorized secret key can send trajectories or read weights.
+
+Secret key files are created 0600 in directories created 0700, and a secret key file
+that group or others can read is refused (``ConfigError``, saying how to fix it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+from impala.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -31,11 +38,30 @@ class ClientKeys:
     client_secret: str
 
 
+@contextlib.contextmanager
+def _private_files():
+    """Files and directories made inside are for the owner only (no window where a secret is 0644)."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def check_secret_file(path: str) -> None:
+    """Refuse a secret key that group or others can read."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        raise ConfigError(f"secret key {path} is readable by others (mode {mode:04o}); run: chmod 600 {path}")
+
+
 def _ensure_pair(directory: str, name: str) -> tuple[str, str]:
     public, secret = os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret")
     if not (os.path.exists(public) and os.path.exists(secret)):
-        os.makedirs(directory, exist_ok=True)
-        public, secret = zmq.auth.create_certificates(directory, name)
+        with _private_files():
+            os.makedirs(directory, exist_ok=True)
+            public, secret = zmq.auth.create_certificates(directory, name)
+    check_secret_file(secret)
     return public, secret
 
 
@@ -44,7 +70,8 @@ def prepare_server(directory: str) -> ClientKeys:
     server_public, _ = _ensure_pair(directory, "server")
     local_public, local_secret = _ensure_pair(directory, "local")
     authorized = os.path.join(directory, "authorized")
-    os.makedirs(authorized, exist_ok=True)
+    with _private_files():
+        os.makedirs(authorized, exist_ok=True)
     shutil.copy(local_public, os.path.join(authorized, "local.key"))
     return ClientKeys(server_public, local_secret)
 
@@ -61,6 +88,7 @@ def client_keys(directory: str) -> ClientKeys:
     for path, hint in ((server_public, "copy the learner's server.key here"), (client_secret, "run impala-actors --curve DIR --make-keys")):
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: {hint}")
+    check_secret_file(client_secret)
     return ClientKeys(server_public, client_secret)
 
 

@@ -134,3 +134,27 @@ def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
     assert "actor 0 joined" in out and "actor 1000 joined (2 envs)" in out, out[-3000:]
     assert "running 1 actors for Pendulum-v1" in actors.stderr and "the learner is gone" in actors.stderr, actors.stderr[-2000:]
     assert int(re.search(r"done: (\d+) agent steps", out).group(1)) > 0
+
+
+def test_secret_keys_are_private_and_loose_ones_are_refused(tmp_path):
+    import stat
+
+    keys = tmp_path / "learner-keys"
+    prepare_server(str(keys))
+    for name in ("server.key_secret", "local.key_secret"):
+        assert stat.S_IMODE(os.stat(keys / name).st_mode) == 0o600, name
+    assert stat.S_IMODE(os.stat(keys).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(keys / "authorized").st_mode) == 0o700
+    os.chmod(keys / "server.key_secret", 0o644)
+    out = run(["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--curve", str(keys), "--logdir", str(tmp_path / "run")],
+              timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"secret key {keys / 'server.key_secret'} is readable by others (mode 0644); run: chmod 600" in lines[-1]
+    # the actor side too
+    client = tmp_path / "actor-keys"
+    make_client_keys(str(client))
+    shutil.copy(keys / "server.key", client)
+    os.chmod(client / "client.key_secret", 0o640)
+    out = run(["impala-actors", "--learner", "tcp://127.0.0.1:5555", "--curve", str(client)], timeout=60)
+    assert out.returncode == 2 and "readable by others (mode 0640)" in out.stderr and "Traceback" not in out.stderr
