@@ -36,7 +36,7 @@ class PortInUseError(RuntimeError):
 MAX_ACTORS = 4096  # distinct actor ids the learner keeps state for
 
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
-DROP_REASONS = ("malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale")
+DROP_REASONS = ("malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale", "future_version")
 
 
 class TrajectoryServer:
@@ -116,6 +116,7 @@ class TrajectoryServer:
         self.episode_lengths: collections.deque[int] = collections.deque(maxlen=100)
         self.episodes_total = 0
         self.run_info: dict[str, Any] = {}
+        self.published_version = 0  # the initial weights are version 0; unrolls claiming a later one are dropped
 
     def _bind(self, bind: str, port: int) -> tuple[int, int]:
         addr = f"tcp://{bind}"
@@ -232,6 +233,10 @@ class TrajectoryServer:
         if problem is not None:
             self._drop("schema", actor, problem)
             return
+        if msg.version > self.published_version:
+            # No actor can hold weights the learner has not published yet.
+            self._drop("future_version", actor, f"policy version {msg.version} > published {self.published_version}")
+            return
         with self._stats_lock:
             self.episode_returns.extend(returns)
             self.episode_lengths.extend(lengths)
@@ -253,6 +258,7 @@ class TrajectoryServer:
     def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
         packed = wire.encode_packed("params", actor=0, version=version, arrays=arrays, info={"run": self.run_info})
         with self._pub_lock:
+            self.published_version = version
             self._last_params = packed
             self.pub.send(packed, copy=False)
 

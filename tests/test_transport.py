@@ -93,6 +93,20 @@ def test_every_bad_message_is_dropped_and_counted(server, push, caplog):
     assert any("actor 7 (non_finite" in r.getMessage() for r in caplog.records)
 
 
+def test_unrolls_from_a_future_policy_version_are_dropped(server, push, caplog):
+    caplog.set_level(logging.WARNING, logger="learner.server")
+    _send(push, wire.encode("hello", actor=5, version=-1, info={"fingerprint": {}}))
+    assert _wait(lambda: 5 in server.accepted)
+    server.publish(3, {})
+    _send(push, wire.encode("unroll", actor=5, version=2**62, arrays=_unroll()))
+    assert _wait(lambda: server.dropped["future_version"] == 1)
+    assert server.stats()["transport/dropped_future_version"] == 1.0
+    assert any("policy version 4611686018427387904 > published 3" in r.getMessage() for r in caplog.records)
+    _send(push, wire.encode("unroll", actor=5, version=3, arrays=_unroll()))  # the current version is fine
+    msg = server.get(timeout=5)
+    assert msg is not None and msg.version == 3 and server.dropped["future_version"] == 1
+
+
 def test_refused_actor_data_is_dropped(server, push):
     _send(push, wire.encode("hello", actor=2, version=-1, info={"ok": False}))
     assert _wait(lambda: 2 in server.refused)
