@@ -116,6 +116,7 @@ class TrajectoryServer:
         self.episode_lengths: collections.deque[int] = collections.deque(maxlen=100)
         self.episodes_total = 0
         self.run_info: dict[str, Any] = {}
+        self.refused_hellos = 0
         self.published_version = 0  # the initial weights are version 0; unrolls claiming a later one are dropped
 
     def _bind(self, bind: str, port: int) -> tuple[int, int]:
@@ -211,7 +212,10 @@ class TrajectoryServer:
             else:
                 self.refused[actor] = reason[:1000]
                 self.accepted.pop(actor, None)
-                log.error("refused actor %d: %s", actor, reason)
+                self.refused_hellos += 1
+                # peer-triggered, like drops: the first few, then every 1000th, each cut to 300 characters
+                if self.refused_hellos <= 20 or self.refused_hellos % 1000 == 0:
+                    log.error("refused actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
             return
         if kind != "unroll":
             self._drop("unexpected_kind", actor, kind)

@@ -107,6 +107,15 @@ def test_unrolls_from_a_future_policy_version_are_dropped(server, push, caplog):
     assert msg is not None and msg.version == 3 and server.dropped["future_version"] == 1
 
 
+def test_refused_hellos_are_logged_with_a_throttle(server, push, caplog):
+    caplog.set_level(logging.ERROR, logger="learner.server")
+    for i in range(300):
+        _send(push, wire.encode("hello", actor=100 + i, version=-1, info={"ok": False}))
+    assert _wait(lambda: server.refused_hellos == 300)
+    refusals = [r for r in caplog.records if "refused actor" in r.getMessage()]
+    assert len(refusals) == 20 and all(len(r.getMessage()) < 400 for r in refusals)
+
+
 def test_refused_actor_data_is_dropped(server, push):
     _send(push, wire.encode("hello", actor=2, version=-1, info={"ok": False}))
     assert _wait(lambda: 2 in server.refused)
