@@ -55,6 +55,7 @@ class ActorConfig:
     send_hwm: int = 2
     params_timeout_s: float = 120.0
     curve: Any = None  # impala.curve.ClientKeys when the learner requires CURVE
+    local_token: str = ""  # handed to the learner's own actors at spawn; proves a hello is theirs
     learner_timeout_s: float = 60.0  # no weights heartbeat for this long: the learner is gone, exit
 
 
@@ -179,7 +180,10 @@ def run_actor(
         obs = envs.reset()
         agent = make_agent(config.agent, envs=envs, first_obs=obs, unroll_length=T, seed=config.seed)
         link = ActorLink(config, parent_pid, stop_event, message_bytes=agent.schema.nbytes)
-        hello = wire.encode("hello", actor=config.actor_id, version=-1, info={"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K})
+        hello_info = {"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K}
+        if config.local_token:
+            hello_info["local_token"] = config.local_token
+        hello = wire.encode("hello", actor=config.actor_id, version=-1, info=hello_info)
         link.send(hello)
 
         params = None

@@ -9,8 +9,10 @@ metrics, checkpoints, shutdown) lives here once.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -177,8 +179,26 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
     start_version = version
 
     reference = settings.reference_fingerprint
+    # Ids below --workers belong to this learner's own actors. A peer that merely reaches the port
+    # could send a hello as actor 0; only the actors spawned here know this run's token.
+    local_token = secrets.token_hex(16)
+    verified_local: set[int] = set()  # local ids whose hello carried the token
+    local_refusals: dict[int, str] = {}  # verified local actors whose env differs: stop the run
 
     def on_hello(actor: int, info: Mapping[str, Any]) -> str | None:
+        local = settings.spawn_actors and 0 <= actor < settings.workers
+        if local:
+            token = info.get("local_token")
+            if not (isinstance(token, str) and hmac.compare_digest(token, local_token)):
+                return f"actor id {actor} is reserved for this learner's local actors and the hello has no valid local token"
+        reason = fingerprint_problem(info)
+        if local:
+            verified_local.add(actor)
+            if reason is not None:
+                local_refusals[actor] = reason
+        return reason
+
+    def fingerprint_problem(info: Mapping[str, Any]) -> str | None:
         # The runtime guard of SEEDS.md part 1: a worker must never train on other dynamics.
         if reference is None:
             return None
@@ -204,7 +224,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         )
     server = TrajectoryServer(
         trainer.schema, bind=settings.bind, port=settings.port, queue_size=settings.queue_size, on_hello=on_hello, curve_dir=settings.curve_dir,
-        validate=getattr(trainer, "validate", None)
+        validate=getattr(trainer, "validate", None), protected_ids=verified_local,
     )
     # Remote actors (impala-actors) learn what to run from this, sent with every weights message.
     server.run_info = {
@@ -225,6 +245,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
             agent=trainer.agent_settings,
             seed=settings.seed + 1000 * i,
             curve=client_keys,
+            local_token=local_token,
         )
         for i in range(settings.workers)
     ]
@@ -248,11 +269,10 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
             log.error("%s; the previous checkpoint is kept", e)
 
     def check_refusals() -> None:
-        # A refused *local* actor means this run is misconfigured: stop before training. A refused
-        # remote actor (other ids) is only kept out; its data is dropped and counted.
-        local = {a: r for a, r in server.refused.items() if a < settings.workers}
-        if local:
-            actor, reason = next(iter(local.items()))
+        # A refused *local* actor (one that proved it is ours) means this run is misconfigured: stop
+        # before training. Any other refused hello is only kept out; its data is dropped and counted.
+        if local_refusals:
+            actor, reason = next(iter(local_refusals.items()))
             raise FingerprintMismatchError(
                 f"actor {actor}'s environment differs from the learner's: {reason}. Refusing to train on different dynamics."
             )

@@ -67,8 +67,12 @@ class TrajectoryServer:
         rcv_hwm: int = 2,
         curve_dir: str | None = None,
         validate: Callable[[Mapping[str, np.ndarray]], str | None] | None = None,
+        protected_ids: set[int] | None = None,
     ) -> None:
         self.auth = None
+        # Accepted actors that a refused hello must not evict (the learner's own, verified actors):
+        # otherwise anyone reaching the port could lock one out by sending a bad hello in its name.
+        self.protected_ids = protected_ids if protected_ids is not None else set()
         self.validate = validate or (lambda arrays: None)
         self.schema = schema
         self.max_bytes = schema.nbytes + 1024
@@ -209,6 +213,10 @@ class TrajectoryServer:
                     log.info("actor %d joined (%s envs)", actor, kept.get("num_envs", "?"))
                 self.accepted[actor] = kept
                 self.refused.pop(actor, None)
+            elif actor in self.accepted and actor in self.protected_ids:
+                self.refused_hellos += 1
+                if self.refused_hellos <= 20 or self.refused_hellos % 1000 == 0:
+                    log.error("ignored a hello in the name of verified actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
             else:
                 self.refused[actor] = reason[:1000]
                 self.accepted.pop(actor, None)

@@ -261,3 +261,31 @@ def test_every_numeric_and_choice_field_rejects_bad_values():
             except ConfigError:
                 pass
     assert accepted == []
+
+
+def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_path):
+    """Issue 10, item 2: anyone who reaches the port can send a hello as actor 0. Without the
+    token the learner handed its own actors at spawn it is refused, and it does not evict them."""
+    import zmq
+
+    from impala import wire
+
+    port = free_port_pair()
+    learner = start(["launch_impala", "--workers", "1", *CARTPOLE, "--port", str(port), "--total-frames", "60000",
+                     "--max-seconds", "100", "--logdir", str(tmp_path)])
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        metrics = tmp_path / "metrics.csv"
+        assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 90), "the run never started"
+        for actor in (0, 0, 5):  # the local actor's id (twice), then a free remote id
+            sock.send_multipart([bytes(f) for f in wire.encode("hello", actor=actor, version=-1, info={"fingerprint": {"junk": 1}})])
+        out, _ = learner.communicate(timeout=150)
+    finally:
+        sock.close()
+        kill_group(learner)
+    assert learner.returncode == 0, out[-3000:]
+    assert "ignored a hello in the name of verified actor 0" in out and "no valid local token" in out, out[-3000:]
+    assert "refused actor 5" in out
+    assert _frames(_done_line(out)) >= 60000  # actor 0 kept training to the end
