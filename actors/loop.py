@@ -226,6 +226,9 @@ def run_actor(
                 # Episode stats ride on the first env's message only, so none is counted twice.
                 info = wire.episode_info(returns, lengths) if k == 0 else {}
                 info["env"] = k  # which env stream this unroll continues (PPO's per-env reward normalization)
+                info["run_id"] = run_id  # the learner process whose weights made it; another one drops it
+                if config.local_token:
+                    info["local_token"] = config.local_token
                 if not link.send(wire.encode("unroll", actor=config.actor_id, version=version, arrays={n: buf[n][k] for n in buf}, info=info)):
                     return "stopped"
             unrolls += 1

@@ -224,7 +224,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         )
     server = TrajectoryServer(
         trainer.schema, bind=settings.bind, port=settings.port, queue_size=settings.queue_size, on_hello=on_hello, curve_dir=settings.curve_dir,
-        validate=getattr(trainer, "validate", None), protected_ids=verified_local,
+        validate=getattr(trainer, "validate", None), protected_ids=verified_local, local_token=local_token,
     )
     # Remote actors (impala-actors) learn what to run from this, sent with every weights message.
     server.run_info = {

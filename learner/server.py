@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import hmac
 import logging
 import queue
 import threading
@@ -36,7 +37,10 @@ class PortInUseError(RuntimeError):
 MAX_ACTORS = 4096  # distinct actor ids the learner keeps state for
 
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
-DROP_REASONS = ("malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale", "future_version")
+DROP_REASONS = (
+    "malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale", "future_version",
+    "other_run", "unverified_local",
+)
 
 
 class TrajectoryServer:
@@ -68,11 +72,13 @@ class TrajectoryServer:
         curve_dir: str | None = None,
         validate: Callable[[Mapping[str, np.ndarray]], str | None] | None = None,
         protected_ids: set[int] | None = None,
+        local_token: str = "",
     ) -> None:
         self.auth = None
         # Accepted actors that a refused hello must not evict (the learner's own, verified actors):
         # otherwise anyone reaching the port could lock one out by sending a bad hello in its name.
         self.protected_ids = protected_ids if protected_ids is not None else set()
+        self.local_token = local_token  # verified local actors stamp every unroll with it
         self.validate = validate or (lambda arrays: None)
         self.schema = schema
         self.max_bytes = schema.nbytes + 1024
@@ -245,6 +251,16 @@ class TrajectoryServer:
         if problem is not None:
             self._drop("schema", actor, problem)
             return
+        run_id = self.run_info.get("run_id")
+        if run_id is not None and msg.info.get("run_id") != run_id:
+            # collected for another learner process (say, by an orphan of a killed run on this port)
+            self._drop("other_run", actor, "unroll from another learner run")
+            return
+        if actor in self.protected_ids:
+            token = msg.info.get("local_token")
+            if not (isinstance(token, str) and hmac.compare_digest(token, self.local_token)):
+                self._drop("unverified_local", actor, "unroll in the name of a local actor without its token")
+                return
         if msg.version > self.published_version:
             # No actor can hold weights the learner has not published yet.
             self._drop("future_version", actor, f"policy version {msg.version} > published {self.published_version}")

@@ -107,6 +107,26 @@ def test_unrolls_from_a_future_policy_version_are_dropped(server, push, caplog):
     assert msg is not None and msg.version == 3 and server.dropped["future_version"] == 1
 
 
+def test_unrolls_from_another_run_or_unverified_local_ids_are_dropped(server, push):
+    server.run_info = {"run_id": "current"}
+    server.protected_ids.add(0)
+    server.local_token = "t0ken"
+    for actor in (0, 9):
+        _send(push, wire.encode("hello", actor=actor, version=-1, info={"fingerprint": {}}))
+    assert _wait(lambda: {0, 9} <= set(server.accepted))
+    stamp = {"run_id": "current"}
+    _send(push, wire.encode("unroll", actor=9, version=0, arrays=_unroll(), info={"run_id": "a-killed-run"}))
+    _send(push, wire.encode("unroll", actor=9, version=0, arrays=_unroll()))  # no run id at all
+    _send(push, wire.encode("unroll", actor=0, version=0, arrays=_unroll(), info=stamp))  # a local id, no token
+    _send(push, wire.encode("unroll", actor=0, version=0, arrays=_unroll(), info={**stamp, "local_token": "guess"}))
+    assert _wait(lambda: server.dropped["other_run"] == 2 and server.dropped["unverified_local"] == 2), dict(server.dropped)
+    assert server.queue.qsize() == 0
+    _send(push, wire.encode("unroll", actor=9, version=0, arrays=_unroll(), info=stamp))
+    _send(push, wire.encode("unroll", actor=0, version=0, arrays=_unroll(), info={**stamp, "local_token": "t0ken"}))
+    got = [server.get(timeout=5), server.get(timeout=5)]
+    assert sorted(m.actor for m in got if m is not None) == [0, 9]
+
+
 def test_refused_hellos_are_logged_with_a_throttle(server, push, caplog):
     caplog.set_level(logging.ERROR, logger="learner.server")
     for i in range(300):
