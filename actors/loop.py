@@ -153,6 +153,11 @@ class ActorLink:
         self.sub.close()
 
 
+def _unknown_actors(msg: wire.Message) -> list:
+    ids = msg.info.get("unknown_actors")
+    return ids if isinstance(ids, list) else []
+
+
 def _run_id(msg: wire.Message) -> Any:
     run = msg.info.get("run")
     return run.get("run_id") if isinstance(run, dict) else None
@@ -204,6 +209,7 @@ def run_actor(
         episodes = EpisodeTracker(K)
         unrolls = 0
         sent_with_version = 0  # unrolls sent with the current weights
+        last_rehello = 0.0
         while (max_unrolls is None or unrolls < max_unrolls) and not stop_event.is_set():
             # Fresh buffers each unroll: ZeroMQ sends them zero-copy and may still hold the last ones.
             buf = {a.name: np.empty((K, *a.shape), dtype=a.dtype) for a in agent.schema.arrays}
@@ -242,6 +248,11 @@ def run_actor(
             while (newest is None or newest.version <= version) and time.monotonic() < wait_until and not stop_event.is_set():
                 link._alive()
                 newest = link.latest_params(agent.params_schema, timeout_ms=100)
+            if newest is not None and config.actor_id in _unknown_actors(newest) and time.monotonic() - last_rehello > 5.0:
+                # The learner dropped our unrolls as unknown (it forgot us, or never got our hello).
+                log.warning("actor %d: the learner does not know this actor (its unrolls were dropped); saying hello again", config.actor_id)
+                link.send(hello)
+                last_rehello = time.monotonic()
             if newest is not None and _run_id(newest) != run_id:
                 # A new learner process (say, resumed after a crash) knows nothing of us: say hello
                 # again and take its weights, whatever their version number.

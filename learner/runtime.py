@@ -289,7 +289,8 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
                 check_refusals()
                 pool.supervise()
 
-            server.wait_for_hellos(settings.workers, settings.hello_timeout, check=during_wait)
+            # count only hellos that proved to be from our actors: a forged one must not end the wait
+            server.wait_for_hellos(settings.workers, settings.hello_timeout, check=during_wait, ids=verified_local)
             check_refusals()
         server.publish(version, trainer.params())
         with _Stop() as stop:

@@ -34,7 +34,10 @@ class PortInUseError(RuntimeError):
     pass
 
 
-MAX_ACTORS = 4096  # distinct actor ids the learner keeps state for
+MAX_ACTORS = 4096  # accepted actor ids the learner keeps state for
+MAX_REFUSED = 1024  # refused ids remembered (oldest forgotten first); they never take an actor slot
+ACTOR_IDLE_S = 600.0  # an accepted actor silent this long gives its slot up when the table is full
+MAX_UNKNOWN_REPORTED = 64  # ids whose unrolls were dropped as unknown, told back in the weights message
 
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
 DROP_REASONS = (
@@ -119,7 +122,11 @@ class TrajectoryServer:
         self.params_endpoint = f"tcp://{host}:{self.params_port}"
         self.queue: queue.Queue[wire.Message] = queue.Queue(maxsize=queue_size)
         self.accepted: dict[int, dict[str, Any]] = {}
-        self.refused: dict[int, str] = {}
+        self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self.last_seen: dict[int, float] = {}  # accepted actor -> monotonic time of its last valid message
+        # Ids whose unrolls were dropped because the learner does not know them (never said hello,
+        # or their slot expired): the weights message lists them, so such an actor says hello again.
+        self.unknown_recent: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.received = 0
         self.episode_returns: collections.deque[float] = collections.deque(maxlen=100)
@@ -203,8 +210,8 @@ class TrajectoryServer:
             return
         kind = header["kind"]
         if kind == "hello":
-            if actor not in self.accepted and len(self.accepted) + len(self.refused) >= MAX_ACTORS:
-                self._drop("unknown_actor", actor, f"more than {MAX_ACTORS} actor ids")
+            if actor not in self.accepted and len(self.accepted) >= MAX_ACTORS and not self._expire_idle():
+                self._drop("unknown_actor", actor, f"more than {MAX_ACTORS} active actor ids")
                 return
             reason = self.on_hello(actor, header["info"])
             if reason is None:
@@ -218,14 +225,21 @@ class TrajectoryServer:
                 if actor not in self.accepted:
                     log.info("actor %d joined (%s envs)", actor, kept.get("num_envs", "?"))
                 self.accepted[actor] = kept
+                self.last_seen[actor] = time.monotonic()
                 self.refused.pop(actor, None)
+                with self._stats_lock:
+                    self.unknown_recent.pop(actor, None)
             elif actor in self.accepted and actor in self.protected_ids:
                 self.refused_hellos += 1
                 if self.refused_hellos <= 20 or self.refused_hellos % 1000 == 0:
                     log.error("ignored a hello in the name of verified actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
             else:
                 self.refused[actor] = reason[:1000]
+                self.refused.move_to_end(actor)
+                while len(self.refused) > MAX_REFUSED:
+                    self.refused.popitem(last=False)
                 self.accepted.pop(actor, None)
+                self.last_seen.pop(actor, None)
                 self.refused_hellos += 1
                 # peer-triggered, like drops: the first few, then every 1000th, each cut to 300 characters
                 if self.refused_hellos <= 20 or self.refused_hellos % 1000 == 0:
@@ -236,6 +250,12 @@ class TrajectoryServer:
             return
         if actor not in self.accepted:
             self._drop("unknown_actor", actor, self.refused.get(actor, "no hello received"))
+            if actor not in self.refused:
+                with self._stats_lock:  # publish() reads it from the learner's thread
+                    self.unknown_recent[actor] = None
+                    self.unknown_recent.move_to_end(actor)
+                    while len(self.unknown_recent) > MAX_UNKNOWN_REPORTED:
+                        self.unknown_recent.popitem(last=False)
             return
         try:
             msg = wire.decode(frames, schema=self.schema, max_bytes=self.max_bytes)
@@ -265,6 +285,7 @@ class TrajectoryServer:
             # No actor can hold weights the learner has not published yet.
             self._drop("future_version", actor, f"policy version {msg.version} > published {self.published_version}")
             return
+        self.last_seen[actor] = time.monotonic()
         with self._stats_lock:
             self.episode_returns.extend(returns)
             self.episode_lengths.extend(lengths)
@@ -283,8 +304,22 @@ class TrajectoryServer:
         except queue.Empty:
             return None
 
+    def _expire_idle(self) -> bool:
+        """Free the slots of accepted actors silent for ACTOR_IDLE_S (never a verified local one)."""
+        now = time.monotonic()
+        idle = [a for a in self.accepted if a not in self.protected_ids and now - self.last_seen.get(a, now) > ACTOR_IDLE_S]
+        for actor in idle:
+            self.accepted.pop(actor, None)
+            self.last_seen.pop(actor, None)
+        if idle:
+            log.info("forgot %d actor(s) silent for more than %.0fs", len(idle), ACTOR_IDLE_S)
+        return bool(idle)
+
     def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
-        packed = wire.encode_packed("params", actor=0, version=version, arrays=arrays, info={"run": self.run_info})
+        with self._stats_lock:
+            unknown = list(self.unknown_recent)
+        info = {"run": self.run_info, "unknown_actors": unknown}
+        packed = wire.encode_packed("params", actor=0, version=version, arrays=arrays, info=info)
         with self._pub_lock:
             self.published_version = version
             self._last_params = packed
@@ -326,9 +361,10 @@ class TrajectoryServer:
             self.auth.stop()
             self.auth = None
 
-    def wait_for_hellos(self, n: int, timeout: float, check: Callable[[], None] = lambda: None) -> None:
+    def wait_for_hellos(self, n: int, timeout: float, check: Callable[[], None] = lambda: None, ids: set[int] | None = None) -> None:
+        """Wait until ``n`` actors said hello (accepted or refused), or ``n`` of ``ids`` did."""
         deadline = time.monotonic() + timeout
-        while len(self.accepted) + len(self.refused) < n:
+        while (len(ids) if ids is not None else len(self.accepted) + len(self.refused)) < n:
             check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {len(self.accepted)} of {n} actors said hello within {timeout:.0f}s")

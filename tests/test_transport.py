@@ -226,3 +226,67 @@ def test_hello_keeps_only_small_typed_fields(server, push):
     _send(push, wire.encode("hello", actor=9, version=-1, info={"pid": 12, "num_envs": 4, "junk": "x" * 50000}))
     assert _wait(lambda: 9 in server.accepted)
     assert server.accepted[9] == {"pid": 12, "num_envs": 4}  # no fingerprint: none was valid
+
+
+def test_refused_ids_take_no_slot_and_idle_actors_give_theirs_up(server, push, monkeypatch):
+    import learner.server as server_module
+
+    monkeypatch.setattr(server_module, "MAX_ACTORS", 4)
+    monkeypatch.setattr(server_module, "MAX_REFUSED", 16)
+    for i in range(50):  # many refused ids: remembered up to MAX_REFUSED, never counted as actors
+        _send(push, wire.encode("hello", actor=1000 + i, version=-1, info={"ok": False}))
+    assert _wait(lambda: server.refused_hellos == 50)
+    assert len(server.refused) == 16
+    for actor in range(4):
+        _send(push, wire.encode("hello", actor=actor, version=-1, info={"fingerprint": {}}))
+    assert _wait(lambda: len(server.accepted) == 4)
+    # The table is full and nobody is idle: a fifth actor is turned away (and counted).
+    _send(push, wire.encode("hello", actor=99, version=-1, info={"fingerprint": {}}))
+    assert _wait(lambda: server.dropped["unknown_actor"] == 1) and 99 not in server.accepted
+    # Once actor 2 has been silent longer than ACTOR_IDLE_S, its slot goes to the newcomer.
+    monkeypatch.setattr(server_module, "ACTOR_IDLE_S", 0.2)
+    for actor in (0, 1, 3):
+        server.last_seen[actor] = time.monotonic() + 3600  # still active
+    time.sleep(0.3)
+    _send(push, wire.encode("hello", actor=99, version=-1, info={"fingerprint": {}}))
+    assert _wait(lambda: 99 in server.accepted)
+    assert 2 not in server.accepted and {0, 1, 3} <= set(server.accepted)
+
+
+def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
+    """A real actor loop (in a thread) against the server: after the learner forgets it, its next
+    unroll is dropped as unknown, the weights message names it, and it says hello again."""
+    import threading
+
+    from actors.loop import ActorConfig, run_actor
+    from impala.envs import EnvSpec
+    from impala.models import build_model
+    from impala.params import state_dict_arrays
+    from impala.trajectory import impala_unroll_schema
+
+    schema = impala_unroll_schema(4, (4,), "float32", 2)
+    srv = TrajectoryServer(schema, queue_size=64)
+    srv.start()
+    stop = threading.Event()
+    config = ActorConfig(actor_id=3, env=EnvSpec("CartPole-v1"), num_envs=1, unroll_length=4,
+                         trajectory_endpoint=srv.trajectory_endpoint, params_endpoint=srv.params_endpoint,
+                         agent={"kind": "impala", "model": "mlp", "use_lstm": False}, learner_timeout_s=30)
+    actor = threading.Thread(target=run_actor, args=(config,), kwargs={"stop_event": stop}, daemon=True)
+    try:
+        params = state_dict_arrays(build_model("mlp", (4,), 2))
+        actor.start()
+        assert _wait(lambda: 3 in srv.accepted, 60)
+        srv.publish(0, params)
+        assert srv.get(timeout=30) is not None
+        srv.accepted.pop(3)  # the learner forgets it (as an idle expiry would)
+        assert _wait(lambda: srv.dropped["unknown_actor"] >= 1, 30)
+        deadline = time.monotonic() + 30
+        while 3 not in srv.accepted and time.monotonic() < deadline:
+            srv.publish(0, params)  # weights go out after every update; they now list actor 3
+            while srv.get(timeout=0.05) is not None:
+                pass
+        assert 3 in srv.accepted, dict(srv.dropped)
+    finally:
+        stop.set()
+        actor.join(timeout=10)
+        srv.close()
