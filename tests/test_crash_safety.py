@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -122,3 +123,44 @@ def test_resume_from_another_networks_checkpoint_is_one_line_and_exit_2(tmp_path
     out = run(["launch_impala", "--env", "Acrobot-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "does not fit this run (another env or network?)" in out.stderr.strip().splitlines()[-1]
+
+
+def test_sigkill_and_resume_ten_times(tmp_path):
+    """Kill the learner at random points, resume at once on the same port (its orphans may still
+    be running): the checkpoint always loads, frames and versions never go backwards, no temp file
+    is left, no orphaned actor outlives 15 s, and no orphan's unroll is trained on (lag >= 0)."""
+    import csv
+    import random
+    import signal
+
+    from procs import actor_pids, alive, free_port_pair, kill_group, start, wait_for
+
+    rng = random.Random(0)
+    port = free_port_pair()
+    ckpt = tmp_path / "checkpoint.pt"
+    history: list[tuple[int, int]] = []
+    orphans: list[int] = []
+    for round_ in range(10):
+        proc = start(["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--unroll-length", "20", "--batch-size", "4",
+                      "--port", str(port), "--total-frames", "10000000", "--checkpoint-minutes", "0.01", "--no-progress",
+                      "--log-interval", "0.5", "--logdir", str(tmp_path)] + (["--resume"] if round_ else []))
+        try:
+            before = history[-1][0] if history else 0
+            assert wait_for(lambda: ckpt.exists() and load_checkpoint(str(ckpt))["env_frames"] > before, 90), f"round {round_}"
+            time.sleep(rng.uniform(0.0, 2.0))
+            orphans += actor_pids(proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        finally:
+            kill_group(proc)
+        state = load_checkpoint(str(ckpt), keys=("trainer", "env_frames", "version"))
+        assert non_finite_tensors(state) == []
+        history.append((int(state["env_frames"]), int(state["version"])))
+        assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == [], os.listdir(tmp_path)
+    assert wait_for(lambda: not any(alive(p) for p in orphans), 15), [p for p in orphans if alive(p)]
+    frames, versions = zip(*history)
+    assert list(frames) == sorted(frames) and list(versions) == sorted(versions), history
+    assert frames[-1] > frames[0]
+    with open(tmp_path / "metrics.csv") as f:
+        lags = [float(r["charts/policy_lag"]) for r in csv.DictReader(f) if r.get("charts/policy_lag")]
+    assert lags and min(lags) >= 0, min(lags)
