@@ -60,6 +60,7 @@ class ImpalaConfig:
     baseline_cost: float = _f(1.0, "Value loss coefficient, on 0.5 * squared error (so 1.0 here is PPO's vf_coef 0.5 on the MSE).")
     discount: float = _f(0.99, "Discount factor gamma.")
     vtrace_lambda: float = _f(0.95, "V-trace trace decay lambda in [0, 1] (rlax's lambda_): 1 is the paper's V-trace; on-policy, lambda < 1 gives GAE(lambda) advantages.")
+    max_abs_value: float = _f(1e6, "Unrolls whose float observations, behaviour logits or rewards exceed this in absolute value are dropped on receipt (counted as transport/dropped_schema): finite but huge values would overflow the update.")
     reward_clip: float = _f(1.0, "Clip rewards to [-c, c] in the learner; 0 disables.")
     grad_norm_clip: float = _f(0.5, "Global gradient-norm clip; 0 disables.")
     popart_beta: float = _f(3e-4, "PopArt statistics step size.")
@@ -123,6 +124,7 @@ class ImpalaConfig:
         need(self.log_interval > 0, f"--log-interval must be > 0, got {self.log_interval}")
         need(self.torch_threads >= 0, f"--torch-threads must be >= 0 (0 picks), got {self.torch_threads}")
         need(self.reward_clip >= 0 and self.grad_norm_clip >= 0, "--reward-clip and --grad-norm-clip must be >= 0")
+        need(self.max_abs_value > 0, f"--max-abs-value must be > 0, got {self.max_abs_value}")
         need(1 <= self.port + 1 <= 65535 or self.port == 0, f"--port must be 0 or in 1..65534, got {self.port}")
         need(self.start_method in ("spawn", "fork", "forkserver"), f"--start-method must be spawn, fork or forkserver, got {self.start_method!r}")
         import multiprocessing

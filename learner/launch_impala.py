@@ -74,11 +74,17 @@ class ImpalaTrainer:
         return state_dict_arrays(self.learner.model)
 
     def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
-        """Values the schema cannot express: actions must index the policy's logits."""
+        """Values the schema cannot express: actions must index the policy's logits, and float
+        arrays stay within --max-abs-value (uint8 frames are bounded by their dtype)."""
         actions = arrays["actions"]
         n = arrays["behaviour_logits"].shape[-1]
         if actions.size and (actions.min() < 0 or actions.max() >= n):
             return f"actions outside [0, {n})"
+        bound = self.config.max_abs_value
+        for name in ("obs", "behaviour_logits", "rewards"):
+            value = arrays[name]
+            if value.dtype.kind == "f" and value.size and float(np.abs(value).max()) > bound:
+                return f"{name} exceeds --max-abs-value {bound:g} (max |x| = {float(np.abs(value).max()):.3g})"
         return None
 
     def state_dict(self) -> dict[str, Any]:

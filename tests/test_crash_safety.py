@@ -164,3 +164,20 @@ def test_sigkill_and_resume_ten_times(tmp_path):
     with open(tmp_path / "metrics.csv") as f:
         lags = [float(r["charts/policy_lag"]) for r in csv.DictReader(f) if r.get("charts/policy_lag")]
     assert lags and min(lags) >= 0, min(lags)
+
+
+def test_huge_float_values_are_dropped_on_receipt():
+    trainer = _learner()
+    rng = np.random.default_rng(1)
+    assert trainer.validate(_unroll(rng)) is None
+    for name, scale in (("obs", 1e25), ("behaviour_logits", 1e7), ("rewards", 3e38)):
+        bad = _unroll(rng)
+        bad[name] = (bad[name] * 0 + scale).astype(np.float32)
+        problem = trainer.validate(bad)
+        assert problem is not None and name in problem and "--max-abs-value" in problem
+    import dataclasses
+
+    trainer.config = dataclasses.replace(trainer.config, max_abs_value=1e30)  # the bound is the user's to set
+    bad = _unroll(rng)
+    bad["obs"][:] = 1e25
+    assert trainer.validate(bad) is None
