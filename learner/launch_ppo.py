@@ -349,8 +349,10 @@ def check_run_values(args: argparse.Namespace) -> None:
             raise LaunchError(f"--{flag.replace('_', '-')} must be a finite number, got {value}")
     if args.max_seconds < 0:
         raise LaunchError(f"--max-seconds must be >= 0 (0 means no limit), got {args.max_seconds}")
-    if args.checkpoint_minutes <= 0 or args.log_interval <= 0 or args.params_wait <= 0:
-        raise LaunchError("--checkpoint-minutes, --log-interval and --params-wait must be > 0")
+    if args.checkpoint_minutes <= 0:
+        raise LaunchError(f"--checkpoint-minutes must be > 0, got {args.checkpoint_minutes}")
+    if args.log_interval < 0 or args.params_wait < 0:
+        raise LaunchError("--log-interval (0: every update) and --params-wait must be >= 0")
     if args.torch_threads < 0:
         raise LaunchError(f"--torch-threads must be >= 0 (0 picks), got {args.torch_threads}")
     if not (args.port == 0 or 1 <= args.port <= 65534):
