@@ -162,6 +162,7 @@ class PPOTrainer:
         *,
         unrolls_per_update: int = 0,
         params_wait_s: float = 0.0,
+        max_abs_value: float = 1e6,
     ) -> None:
         self.config = config
         self.learner = PPOLearner(config, obs_dim, action_dim, action_low, action_high, device)
@@ -170,6 +171,14 @@ class PPOTrainer:
             config, obs_dim, action_dim, action_low, action_high, unrolls_per_update=unrolls_per_update, params_wait_s=params_wait_s
         )
         self.frames_per_step = 1.0  # total_frames counts agent steps
+        self.max_abs_value = max_abs_value
+
+    def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        """Finite but huge floats (a peer's, or a diverging env's) are dropped on receipt."""
+        for name, value in arrays.items():
+            if value.dtype.kind == "f" and value.size and float(np.abs(value).max()) > self.max_abs_value:
+                return f"{name} exceeds --max-abs-value {self.max_abs_value:g} (max |x| = {float(np.abs(value).max()):.3g})"
+        return None
 
     def ingest(self, msg: wire.Message, version: int) -> bool:
         """False when the unroll held NaN/inf: counted (``transport/rejected_nan``), never trained on."""
@@ -319,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--unroll-length", type=int, default=0, help=f"Steps per env per unroll message; 0 = min(time_horizon, {MAX_UNROLL}) (a divisor of buffer_size for SB3's buffer_full).")
     r.add_argument("--total-steps", type=int, default=None, help="Agent steps to train to (absolute, also with --resume); default: the config's max_steps.")
     r.add_argument("--max-policy-lag", type=int, default=0, help="Drop unrolls collected with weights more than this many updates old; 0 = strictly on-policy.")
+    r.add_argument("--max-abs-value", type=float, default=1e6, help="Unrolls holding a float (observation, action, log-prob, reward) above this in absolute value are dropped on receipt (transport/dropped_schema).")
     r.add_argument("--params-wait", type=float, default=60.0, help="On-policy (lag 0): seconds an actor that sent its share of an update waits for the new weights before collecting more with the old ones.")
     r.add_argument("--torch-threads", type=int, default=0, help="Learner CPU threads; 0 = all cores when on-policy (--max-policy-lag 0: actors wait during updates), else CPU count minus --workers.")
     r.add_argument("--device", default="auto", help="Learner device: auto, cpu, cuda, cuda:N.")
@@ -343,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_run_values(args: argparse.Namespace) -> None:
     """Process-level values that would crash later or silently do nothing; one message each."""
-    for flag in ("max_seconds", "checkpoint_minutes", "log_interval", "params_wait"):
+    for flag in ("max_seconds", "checkpoint_minutes", "log_interval", "params_wait", "max_abs_value"):
         value = getattr(args, flag)
         if not math.isfinite(value):
             raise LaunchError(f"--{flag.replace('_', '-')} must be a finite number, got {value}")
@@ -353,6 +363,8 @@ def check_run_values(args: argparse.Namespace) -> None:
         raise LaunchError(f"--checkpoint-minutes must be > 0, got {args.checkpoint_minutes}")
     if args.log_interval < 0 or args.params_wait < 0:
         raise LaunchError("--log-interval (0: every update) and --params-wait must be >= 0")
+    if args.max_abs_value <= 0:
+        raise LaunchError(f"--max-abs-value must be > 0, got {args.max_abs_value}")
     if args.torch_threads < 0:
         raise LaunchError(f"--torch-threads must be >= 0 (0 picks), got {args.torch_threads}")
     if not (args.port == 0 or 1 <= args.port <= 65534):
@@ -412,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         n_envs = workers * info.envs_per_worker
         per_actor = unrolls_per_update(config, T, n_envs)
         trainer = PPOTrainer(config, info.obs_dim, info.action_dim, info.action_low, info.action_high, T, device,
-                             unrolls_per_update=per_actor if args.max_policy_lag == 0 else 0, params_wait_s=args.params_wait)
+                             unrolls_per_update=per_actor if args.max_policy_lag == 0 else 0, params_wait_s=args.params_wait,
+                             max_abs_value=args.max_abs_value)
         total_steps = args.total_steps if args.total_steps is not None else config.max_steps
         log.info("%s", info.description)
         log.info(

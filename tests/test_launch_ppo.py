@@ -270,6 +270,22 @@ def test_nan_unroll_rejected_and_counted():
     assert float(trainer.learner.policy.actor_norm.steps) == float(steps) + 24  # the NaN piece never reached the normalizer
 
 
+def test_huge_finite_unrolls_are_dropped_on_receipt():
+    cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=8)
+    trainer = PPOTrainer(cfg, 3, 2, -np.ones(2), np.ones(2), unroll_length=8)
+    rng = np.random.default_rng(2)
+    assert trainer.validate(_unroll(8, 3, 2, rng)) is None
+    for name in ("obs", "rewards", "log_probs", "final_obs"):
+        bad = _unroll(8, 3, 2, rng)
+        bad[name] = np.full_like(bad[name], 1e25)
+        problem = trainer.validate(bad)
+        assert problem is not None and problem.startswith(name) and "--max-abs-value" in problem
+    loose = PPOTrainer(cfg, 3, 2, -np.ones(2), np.ones(2), unroll_length=8, max_abs_value=1e30)
+    bad = _unroll(8, 3, 2, rng)
+    bad["obs"][:] = 1e25
+    assert loose.validate(bad) is None
+
+
 def test_choose_unroll_length():
     ml = PPOConfig.preset("mlagents", time_horizon=1000, buffer_size=20480, batch_size=2048)
     assert choose_unroll_length(ml, 0) == (1000, None)
@@ -309,6 +325,7 @@ RUN_BAD_VALUES = [
     (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
     (["--log-interval", "nan"], "--log-interval must be a finite number"),
     (["--params-wait", "nan"], "--params-wait must be a finite number"),
+    (["--max-abs-value", "0"], "--max-abs-value must be > 0"),
     (["--checkpoint-minutes", "0"], "--checkpoint-minutes"),
     (["--torch-threads", "-1"], "--torch-threads must be >= 0"),
     (["--port", "70000"], "--port must be 0 or in 1..65534"),
