@@ -134,6 +134,7 @@ class TrajectoryServer:
         self.episodes_total = 0
         self.run_info: dict[str, Any] = {}
         self.refused_hellos = 0
+        self.joined = 0
         self.published_version = 0  # the initial weights are version 0; unrolls claiming a later one are dropped
 
     def _bind(self, bind: str, port: int) -> tuple[int, int]:
@@ -223,7 +224,9 @@ class TrajectoryServer:
                 except (KeyError, TypeError, ValueError):
                     pass
                 if actor not in self.accepted:
-                    log.info("actor %d joined (%s envs)", actor, kept.get("num_envs", "?"))
+                    self.joined += 1
+                    if self.joined <= 100 or self.joined % 1000 == 0:  # peer-triggered: throttled like drops
+                        log.info("actor %d joined (%s envs; #%d)", actor, kept.get("num_envs", "?"), self.joined)
                 self.accepted[actor] = kept
                 self.last_seen[actor] = time.monotonic()
                 self.refused.pop(actor, None)

@@ -131,7 +131,7 @@ def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
     finally:
         kill_group(learner)
     assert learner.returncode == 0, out[-3000:]
-    assert "actor 0 joined" in out and "actor 1000 joined (2 envs)" in out, out[-3000:]
+    assert "actor 0 joined" in out and "actor 1000 joined (2 envs;" in out, out[-3000:]
     assert "running 1 actors for Pendulum-v1" in actors.stderr and "the learner is gone" in actors.stderr, actors.stderr[-2000:]
     assert int(re.search(r"done: (\d+) agent steps", out).group(1)) > 0
 
