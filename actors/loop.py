@@ -98,6 +98,7 @@ class ActorLink:
         self.parent_pid = parent_pid
         self.stop_event = stop_event or threading.Event()
         self.last_weights: float | None = None  # None until the first weights arrive
+        self.bad_params = 0
         self.ctx = zmq.Context.instance()
         self.push = self.ctx.socket(zmq.PUSH)
         self.sub = self.ctx.socket(zmq.SUB)
@@ -142,7 +143,9 @@ class ActorLink:
             try:
                 msg = wire.decode_packed(frame, schema=schema, expect_kind="params")
             except wire.WireError as e:
-                log.error("actor %d: dropping bad params message: %s", self.config.actor_id, e)
+                self.bad_params += 1
+                if self.bad_params <= 20 or self.bad_params % 1000 == 0:  # peer-triggered: throttled
+                    log.error("actor %d: dropping bad params message (#%d): %s", self.config.actor_id, self.bad_params, str(e)[:300])
                 continue
             if newest is None or msg.version > newest.version:
                 newest = msg
