@@ -57,7 +57,7 @@ def main() -> None:
         ax.set_xlabel(xl)
         ax.set_ylabel("mean return, last 100 episodes")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="upper left", fontsize=8)  # learning curves rise: the top left stays empty
     fig.suptitle(args.title)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
