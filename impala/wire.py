@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -254,6 +254,18 @@ def parse_episode_info(info: Mapping[str, Any]) -> tuple[list[float], list[int]]
     if not all(type(n) is int and 0 <= n < 2**53 for n in lengths):
         raise WireError("episode_lengths must be non-negative ints")
     return [float(r) for r in returns], [int(n) for n in lengths]
+
+
+def check_bounded(arrays: Mapping[str, np.ndarray], bound: float, names: Iterable[str] | None = None) -> str | None:
+    """A message naming the first floating-point array (of ``names``, default all) holding a value
+    above ``bound`` in absolute value, else None. Finite but huge values overflow an update."""
+    for name in arrays if names is None else names:
+        a = arrays[name]
+        if a.dtype.kind == "f" and a.size:
+            peak = float(np.abs(a).max())
+            if peak > bound:
+                return f"{name} exceeds --max-abs-value {bound:g} (max |x| = {peak:.3g})"
+    return None
 
 
 def check_finite(arrays: Mapping[str, np.ndarray]) -> str | None:

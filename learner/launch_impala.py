@@ -80,12 +80,7 @@ class ImpalaTrainer:
         n = arrays["behaviour_logits"].shape[-1]
         if actions.size and (actions.min() < 0 or actions.max() >= n):
             return f"actions outside [0, {n})"
-        bound = self.config.max_abs_value
-        for name in ("obs", "behaviour_logits", "rewards"):
-            value = arrays[name]
-            if value.dtype.kind == "f" and value.size and float(np.abs(value).max()) > bound:
-                return f"{name} exceeds --max-abs-value {bound:g} (max |x| = {float(np.abs(value).max()):.3g})"
-        return None
+        return wire.check_bounded(arrays, self.config.max_abs_value, ("obs", "behaviour_logits", "rewards"))
 
     def state_dict(self) -> dict[str, Any]:
         return self.learner.state_dict()

@@ -175,10 +175,7 @@ class PPOTrainer:
 
     def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
         """Finite but huge floats (a peer's, or a diverging env's) are dropped on receipt."""
-        for name, value in arrays.items():
-            if value.dtype.kind == "f" and value.size and float(np.abs(value).max()) > self.max_abs_value:
-                return f"{name} exceeds --max-abs-value {self.max_abs_value:g} (max |x| = {float(np.abs(value).max()):.3g})"
-        return None
+        return wire.check_bounded(arrays, self.max_abs_value)
 
     def ingest(self, msg: wire.Message, version: int) -> bool:
         """False when the unroll held NaN/inf: counted (``transport/rejected_nan``), never trained on."""
