@@ -23,6 +23,7 @@ from impala import wire
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import measure_fingerprint
 from impala.envs.vector import EpisodeTracker, GymVecEnv
+from impala.metrics import log_this_one
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class ActorLink:
                 msg = wire.decode_packed(frame, schema=schema, expect_kind="params")
             except wire.WireError as e:
                 self.bad_params += 1
-                if self.bad_params <= 20 or self.bad_params % 1000 == 0:  # peer-triggered: throttled
+                if log_this_one(self.bad_params):
                     log.error("actor %d: dropping bad params message (#%d): %s", self.config.actor_id, self.bad_params, str(e)[:300])
                 continue
             if newest is None or msg.version > newest.version:

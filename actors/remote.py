@@ -25,6 +25,7 @@ from actors.loop import ActorConfig
 from actors.pool import ActorPool
 from impala import wire
 from impala.envs import EnvSpec
+from impala.metrics import log_this_one
 
 log = logging.getLogger("impala-actors")
 
@@ -53,7 +54,7 @@ def fetch_run_info(params_endpoint: str, timeout_s: float, keys=None) -> dict:
                     msg = wire.decode_packed(frame, expect_kind="params")
                 except wire.WireError as e:
                     bad += 1
-                    if bad <= 20 or bad % 1000 == 0:  # peer-triggered: throttled
+                    if log_this_one(bad):
                         log.error("bad weights message from %s (#%d): %s", params_endpoint, bad, str(e)[:300])
                     continue
                 run = msg.info.get("run")

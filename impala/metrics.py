@@ -13,6 +13,12 @@ import sys
 import time
 from typing import Mapping
 
+def log_this_one(count: int, first: int = 20, every: int = 1000) -> bool:
+    """Throttle for log lines a peer can trigger: the first ``first`` occurrences, then every
+    ``every``-th, so a flood of bad messages cannot flood the log too."""
+    return count <= first or count % every == 0
+
+
 CONSOLE_KEYS = (
     ("charts/env_frames", "frames", "{:,.0f}"),
     ("charts/fps", "frames/s", "{:,.0f}"),

@@ -25,6 +25,7 @@ import zmq
 
 from impala import wire
 from impala.envs.fingerprint import EnvFingerprint
+from impala.metrics import log_this_one
 from impala.trajectory import TrajectorySchema
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ class TrajectoryServer:
             self.dropped[reason] += 1
             n = self.dropped[reason]
         # Log the first few of each reason, then every 1000th: a flood must not flood the log too.
-        if n <= 20 or n % 1000 == 0:
+        if log_this_one(n):
             log.warning("dropped message from actor %s (%s, #%d of this kind): %s", actor, reason, n, detail)
 
     def count_stale(self) -> None:
@@ -225,7 +226,7 @@ class TrajectoryServer:
                     pass
                 if actor not in self.accepted:
                     self.joined += 1
-                    if self.joined <= 100 or self.joined % 1000 == 0:  # peer-triggered: throttled like drops
+                    if log_this_one(self.joined, first=100):
                         log.info("actor %d joined (%s envs; #%d)", actor, kept.get("num_envs", "?"), self.joined)
                 self.accepted[actor] = kept
                 self.last_seen[actor] = time.monotonic()
@@ -234,7 +235,7 @@ class TrajectoryServer:
                     self.unknown_recent.pop(actor, None)
             elif actor in self.accepted and actor in self.protected_ids:
                 self.refused_hellos += 1
-                if self.refused_hellos <= 20 or self.refused_hellos % 1000 == 0:
+                if log_this_one(self.refused_hellos):
                     log.error("ignored a hello in the name of verified actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
             else:
                 self.refused[actor] = reason[:1000]
@@ -244,8 +245,7 @@ class TrajectoryServer:
                 self.accepted.pop(actor, None)
                 self.last_seen.pop(actor, None)
                 self.refused_hellos += 1
-                # peer-triggered, like drops: the first few, then every 1000th, each cut to 300 characters
-                if self.refused_hellos <= 20 or self.refused_hellos % 1000 == 0:
+                if log_this_one(self.refused_hellos):  # each line cut to 300 characters
                     log.error("refused actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
             return
         if kind != "unroll":
