@@ -54,6 +54,7 @@ from impala.envs.fingerprint import (
     configured_settings,
     measure_fingerprint,
 )
+from impala.envs.probe import expected_observation
 from impala.trajectory import impala_unroll_schema
 from learner.server import TrajectoryServer
 
@@ -120,16 +121,6 @@ def _obs_mismatches(expected: tuple[tuple[int, ...], str], fp: EnvFingerprint) -
     if fp.obs_dtype != dtype:
         out.append(Mismatch("obs_dtype", dtype, fp.obs_dtype, cause))
     return out
-
-
-def expected_observation(spec: EnvSpec) -> tuple[tuple[int, ...], str]:
-    """The observation shape and dtype the parent expects from ``spec``'s observation space."""
-    env = make_env(spec)
-    try:
-        space = env.observation_space
-        return tuple(int(d) for d in space.shape), str(np.dtype(space.dtype))
-    finally:
-        env.close()
 
 
 def _lingering(pids: Iterable[int], wait: float = 5.0) -> list[int]:

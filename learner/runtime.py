@@ -29,16 +29,12 @@ from impala import wire
 from impala.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from impala.config import ConfigError
 from impala.envs import EnvSpec
-from impala.envs.fingerprint import EnvFingerprint, compare_fingerprints
+from impala.envs.fingerprint import EnvFingerprint, FingerprintMismatchError, compare_fingerprints
 from impala.metrics import MetricsLogger
 from impala.trajectory import TrajectorySchema
 from learner.server import TrajectoryServer
 
 log = logging.getLogger(__name__)
-
-
-class FingerprintMismatchError(RuntimeError):
-    """An actor's environment differs from the learner's: training would be silently wrong."""
 
 
 class Trainer(Protocol):

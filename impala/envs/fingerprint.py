@@ -20,6 +20,10 @@ import numpy as np
 from impala.envs.atari import register_classic_ids
 
 
+
+class FingerprintMismatchError(RuntimeError):
+    """An env differs from the learner's (or from its own configuration): training would be silently wrong."""
+
 @dataclass(frozen=True)
 class EnvFingerprint:
     """The settings an env exhibits. ``None`` means "not applicable" (non-Atari envs).

@@ -1,0 +1,157 @@
+"""One env probe for every caller: build the env once in this process and say what it is.
+
+The launchers (``launch_impala``, ``launch_ppo``), ``frameskip_check`` and the actor's
+hello all learn an env's observation and action spaces and its measured fingerprint
+here, so they cannot disagree on what "the env" is. What each learner *needs* of the
+env (discrete actions for IMPALA, vector observations and Box actions for PPO) is
+checked by :meth:`EnvInfo.require_discrete` / :meth:`EnvInfo.require_continuous_vector`,
+with the message naming the launcher that would work instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from impala.config import ConfigError
+from impala.envs import EnvSpec, make_env
+from impala.envs.fingerprint import (
+    EnvFingerprint,
+    FingerprintMismatchError,
+    check_against_config,
+    configured_settings,
+    measure_fingerprint,
+)
+
+
+def flat_obs_dim(obs_shape: tuple[int, ...]) -> int:
+    """Vector observations are flattened to this many float32 values."""
+    return int(np.prod(obs_shape)) if obs_shape else 1
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """What a probe measured. ``num_actions`` > 0 for discrete actions; ``action_low/high`` for Box actions."""
+
+    spec: EnvSpec
+    obs_shape: tuple[int, ...]
+    obs_dtype: str
+    obs_space: str  # the gymnasium spaces' class names (Box, Discrete, ...)
+    action_space: str
+    num_actions: int = 0
+    action_low: np.ndarray | None = None
+    action_high: np.ndarray | None = None
+    fingerprint: EnvFingerprint | None = None  # None for Unity builds (the build is the reference)
+    agents_per_instance: int | None = None  # Unity: the build decides how many agents one instance steps
+    description: str = ""
+
+    @property
+    def obs_dim(self) -> int:
+        return flat_obs_dim(self.obs_shape)
+
+    @property
+    def action_dim(self) -> int:
+        return 0 if self.action_low is None else int(self.action_low.size)
+
+    @property
+    def frames_per_step(self) -> float:
+        """Env frames per agent step: the mean frame skip (1 for envs without one)."""
+        fp = self.fingerprint
+        if fp is None or fp.frameskip_min is None:
+            return 1.0
+        return (fp.frameskip_min + fp.frameskip_max) / 2.0
+
+    def require_discrete(self, launcher: str) -> None:
+        if self.num_actions < 1:
+            raise ConfigError(f"{self.spec.id} has a {self.action_space} action space; {launcher} needs discrete actions (try launch_ppo)")
+
+    def require_continuous_vector(self, launcher: str) -> None:
+        if self.action_low is None:
+            raise ConfigError(f"{self.spec.id} has a {self.action_space} action space; {launcher} needs continuous (Box) actions (try launch_impala)")
+        if self.obs_space != "Box":
+            raise ConfigError(f"{self.spec.id} has a {self.obs_space} observation space; {launcher} needs a Box (vector) observation")
+        if len(self.obs_shape) >= 3:
+            raise ConfigError(f"{self.spec.id} has image observations {self.obs_shape}; {launcher} supports vector observations only")
+
+
+def build_env(spec: EnvSpec, *, seed: int | None = None) -> gym.Env:
+    """``make_env`` with the user's mistakes worded: kwargs the env does not take, a missing extra."""
+    try:
+        return make_env(spec, seed=seed)
+    except gym.error.DependencyNotInstalled as e:
+        extra = " (pip install -e '.[mujoco]')" if "mujoco" in str(e).lower() else ""
+        raise ConfigError(f"{spec.id} cannot be built: {e}{extra}") from None
+    except TypeError as e:
+        if not spec.kwargs:
+            raise
+        # gymnasium's message for a constructor argument the env does not take
+        raise ConfigError(f"--env-kwargs {json.dumps(spec.kwargs)}: {spec.id} does not accept them ({e})") from None
+
+
+def expected_observation(spec: EnvSpec) -> tuple[tuple[int, ...], str]:
+    """The observation shape and dtype of ``spec``'s observation space (no steps taken)."""
+    env = build_env(spec)
+    try:
+        space = env.observation_space
+        return tuple(int(d) for d in space.shape), str(np.dtype(space.dtype))
+    finally:
+        env.close()
+
+
+def probe_env(spec: EnvSpec, *, seed: int = 0, check_config: bool = True) -> EnvInfo:
+    """Build one gymnasium env here, measure its fingerprint and spaces, close it.
+
+    With ``check_config`` the measured dynamics must match what the id and kwargs promise
+    (frame skip, sticky actions): a mismatch is a :class:`FingerprintMismatchError`.
+    """
+    env = build_env(spec, seed=seed)
+    try:
+        fp = measure_fingerprint(env, seed=seed)
+        obs_space, act_space = env.observation_space, env.action_space
+    finally:
+        env.close()
+    if check_config:
+        problems = check_against_config(fp, configured_settings(spec.id, spec.kwargs))
+        if problems:
+            raise FingerprintMismatchError("the learner's own env differs from its configuration: " + "; ".join(map(str, problems)))
+    kind = type(act_space).__name__
+    num_actions = int(act_space.n) if isinstance(act_space, gym.spaces.Discrete) else 0
+    low = high = None
+    if isinstance(act_space, gym.spaces.Box):
+        low = np.broadcast_to(act_space.low, act_space.shape).reshape(-1).astype(np.float32)
+        high = np.broadcast_to(act_space.high, act_space.shape).reshape(-1).astype(np.float32)
+    if num_actions:
+        actions = f"{num_actions} discrete actions"
+    elif low is not None:
+        actions = f"{low.size} actions in [{low.min():g}, {high.max():g}]"
+    else:
+        actions = f"a {kind} action space"
+    description = (
+        f"{spec.id}: obs {fp.obs_shape} {fp.obs_dtype}, {actions}, frameskip {fp.frameskip_text()}, sticky {fp.sticky}, "
+        f"episode limit {fp.max_episode_steps}"
+    )
+    return EnvInfo(spec, tuple(fp.obs_shape), fp.obs_dtype, type(obs_space).__name__, kind, num_actions, low, high, fp, None, description)
+
+
+def probe_unity(build: str, *, worker_id: int, base_port: int, timeout: int, behavior: str | None, seed: int) -> EnvInfo:
+    """Start the build once here (an unused worker_id), read its spec, close it.
+
+    Fails fast, in this process, with UnityVecEnv's message (it names the path and the port).
+    """
+    from impala.envs.unity import UnityVecEnv
+
+    with UnityVecEnv(build, worker_id=worker_id, base_port=base_port, seed=seed, timeout_wait=timeout, behavior_name=behavior) as env:
+        obs_dim, action_dim, k, name = env.obs_dim, env.action_dim, env.num_envs, env.behavior_name
+        specs = env.obs_specs
+    kwargs: dict[str, Any] = {"file_name": build, "base_port": base_port, "timeout_wait": timeout, "behavior_name": name}
+    ones = np.ones(action_dim, np.float32)
+    return EnvInfo(
+        EnvSpec("unity:" + Path(build).name, kwargs=kwargs), (obs_dim,), "float32", "Box", "Box", 0, -ones, ones, None, k,
+        f"Unity build {build!r}: behavior {name!r}, {k} agents per instance, obs {specs} -> {obs_dim}, "
+        f"{action_dim} continuous actions in [-1, 1]",
+    )
