@@ -17,8 +17,9 @@ import sys
 import pytest
 
 from actors.actor import Actor
-from actors.frameskip_check import DEFAULT_ENV_IDS, ENV_IN_INIT, _actor_config, check_actor_builds_no_env, check_pickle_roundtrip
 from impala.envs import EnvSpec, make_env
+from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip
+from learner.frameskip_check import DEFAULT_ENV_IDS, _actor_config
 from legacy_env import LegacyActor, LegacyAtariEnv, SwapEnvActor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +30,7 @@ METHODS = [m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.ge
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     # PYTHONPATH: the CLI (and the children it spawns) must import tests/legacy_env.py for --actor-class.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([sys.executable, "-m", "actors.frameskip_check", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "learner.frameskip_check", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -15,20 +15,20 @@ method it:
    (``configured_settings`` + ``check_against_config``, plus the observation
    the parent expects), then stops the pool and checks that no child lingers;
 3. pickles the raw ALE env in the parent, unpickles it, measures it and
-   compares (the historical failure mode itself);
+   compares (the historical failure mode itself; ``impala.envs.audit``);
 4. constructs the actor class in the parent and walks its attributes for any
-   environment object (envs must be built in ``run()``, never in ``__init__``).
+   environment object (envs must be built in ``run()``, never in ``__init__``;
+   ``impala.envs.audit``).
 
 One table row per (env id x start method); exit status 1 on any mismatch, 2 on
 bad input. ``--plot`` additionally runs episodes under the configured settings
 and under a deliberately mis-specified twin (frameskip 2-4, sticky 0.25) and
-plots steps per episode and episode return side by side.
+plots steps per episode and episode return side by side (``learner.frameskip_plot``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import multiprocessing
 import os
@@ -39,29 +39,21 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import gymnasium as gym
-import numpy as np
 
 from actors.actor import Actor
 from actors.loop import ActorConfig
 from actors.pool import ActorPool
-from impala.envs import EnvSpec, UnknownEnvError, check_env_id, make_env
-from impala.envs.fingerprint import (
-    ConfiguredSettings,
-    EnvFingerprint,
-    Mismatch,
-    check_against_config,
-    compare_fingerprints,
-    configured_settings,
-    measure_fingerprint,
-)
+from impala.checkpoint import CheckpointError
+from impala.envs import EnvSpec, UnknownEnvError, check_env_id
+from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip, envs_held_by, obs_mismatches
+from impala.envs.fingerprint import ConfiguredSettings, EnvFingerprint, Mismatch, check_against_config, configured_settings
 from impala.envs.probe import expected_observation
 from impala.trajectory import impala_unroll_schema
+from learner.frameskip_plot import check_checkpoint, checkpoint_path, plot_episodes, run_episodes, summary_lines
 from learner.server import TrajectoryServer
 
 DEFAULT_ENV_IDS = ("PongDeterministic-v4", "PongNoFrameskip-v4", "Pong-v4", "ALE/Pong-v5")
 START_METHODS = ("fork", "spawn", "forkserver")
-ENV_IN_INIT = "actor holds an environment object built in the parent (in __init__); build envs inside run() from an EnvSpec"
-TWIN_OVERRIDES: dict[str, Any] = {"frameskip": (2, 5), "repeat_action_probability": 0.25}
 
 
 class UsageError(ValueError):
@@ -112,17 +104,6 @@ class Row:
         return out
 
 
-def _obs_mismatches(expected: tuple[tuple[int, ...], str], fp: EnvFingerprint) -> list[Mismatch]:
-    shape, dtype = expected
-    cause = "the worker's env was not built from the same EnvSpec as the parent's (different wrappers/preprocessing)"
-    out = []
-    if tuple(fp.obs_shape) != tuple(shape):
-        out.append(Mismatch("obs_shape", str(tuple(shape)), str(tuple(fp.obs_shape)), cause))
-    if fp.obs_dtype != dtype:
-        out.append(Mismatch("obs_dtype", dtype, fp.obs_dtype, cause))
-    return out
-
-
 def _lingering(pids: Iterable[int], wait: float = 5.0) -> list[int]:
     """Pids (of ours) still running after ``wait`` seconds; zombies count as gone."""
 
@@ -153,6 +134,7 @@ def _lingering(pids: Iterable[int], wait: float = 5.0) -> list[int]:
 
 
 def _actor_config(actor_id: int, spec: EnvSpec, *, trajectory_endpoint: str, params_endpoint: str, seed: int, fingerprint_steps: int) -> ActorConfig:
+    """The one place this command builds an actor's configuration (the worker check and the __init__ probe)."""
     return ActorConfig(
         actor_id=actor_id,
         env=spec,
@@ -263,118 +245,9 @@ def check_workers(
         row.measured[actor_id] = fp
         row.pids[actor_id] = int(pid) if isinstance(pid, int) else -1
         row.mismatches += [(actor_id, m) for m in check_against_config(fp, cfg)]
-        row.mismatches += [(actor_id, m) for m in _obs_mismatches(expected, fp)]
+        row.mismatches += [(actor_id, m) for m in obs_mismatches(expected, fp)]
     row.seconds = time.monotonic() - started
     return row
-
-
-# ---------------------------------------------------------------------------
-# Check 2: the pickle round trip
-# ---------------------------------------------------------------------------
-
-
-def _resolve(entry_point: Any) -> type:
-    if not isinstance(entry_point, str):
-        return entry_point
-    module, _, name = entry_point.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def check_pickle_roundtrip(
-    env_id: str,
-    *,
-    env_class: type | None = None,
-    overrides: dict[str, Any] | None = None,
-    steps: int = 300,
-    seed: int = 0,
-) -> list[Mismatch]:
-    """Pickle the raw env (the registry's class and kwargs, or ``env_class``) in this process,
-    unpickle it, measure the copy and compare it with the configured settings and with the original.
-
-    The raw env has no TimeLimit (that wrapper is gymnasium.make's), so the
-    episode step limit is not compared here; the worker check covers it.
-    """
-    check_env_id(env_id)
-    spec = gym.registry[env_id]
-    kwargs = {**spec.kwargs, **(overrides or {})}
-    kwargs.pop("max_episode_steps", None)
-    if isinstance(kwargs.get("frameskip"), list):
-        kwargs["frameskip"] = tuple(kwargs["frameskip"])
-    cls = env_class or _resolve(spec.entry_point)
-    original = cls(**kwargs)
-    try:
-        try:
-            # A local round trip of an env built just above (the historical failure mode), never bytes from a socket.
-            clone = pickle.loads(pickle.dumps(original))
-        except Exception as e:  # noqa: BLE001 - any failure to pickle is the finding
-            return [Mismatch("pickle", "picklable", f"{type(e).__name__}: {e}", "the env cannot cross a process boundary by pickling; build it in the child from an EnvSpec")]
-        try:
-            fp_clone = measure_fingerprint(clone, steps=steps, seed=seed)
-            fp_orig = measure_fingerprint(original, steps=steps, seed=seed)
-        finally:
-            clone.close()
-    finally:
-        original.close()
-    cfg = configured_settings(env_id, overrides)
-    out = check_against_config(fp_clone, dataclasses.replace(cfg, max_episode_steps=None)) if cfg is not None else []
-    # Then anything else the copy does differently from the original (obs, action count, ...).
-    seen = {"num_actions" if m.field == "action_set" else m.field for m in out}
-    cause = "unpickling rebuilt the env with different settings than the original (its pickling drops constructor arguments)"
-    out += [Mismatch(m.field, m.configured, m.measured, cause) for m in compare_fingerprints(fp_orig, fp_clone) if m.field not in seen]
-    return out
-
-
-# ---------------------------------------------------------------------------
-# Check 3: no env object in the actor built in the parent
-# ---------------------------------------------------------------------------
-
-
-def _is_env(obj: Any) -> bool:
-    if isinstance(obj, (gym.Env, gym.vector.VectorEnv)):
-        return True
-    try:
-        import ale_py
-
-        return isinstance(obj, ale_py.ALEInterface)
-    except ImportError:  # pragma: no cover
-        return False
-
-
-def _walk(obj: Any, path: str, seen: set[int], depth: int) -> Iterable[tuple[str, Any]]:
-    if id(obj) in seen or depth > 8:
-        return
-    seen.add(id(obj))
-    if _is_env(obj):
-        yield path, obj
-        return
-    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
-        return
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _walk(getattr(obj, f.name, None), f"{path}.{f.name}", seen, depth + 1)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk(v, f"{path}[{k!r}]", seen, depth + 1)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for i, v in enumerate(obj):
-            yield from _walk(v, f"{path}[{i}]", seen, depth + 1)
-
-
-def check_actor_builds_no_env(actor: Any) -> list[str]:
-    """Flag every environment object held by a (not yet started) actor.
-
-    Walks the actor's ``__dict__`` and, recursively, its config through
-    dataclasses, dicts, lists, tuples and sets, looking for a ``gymnasium.Env``,
-    a vector env or an ALE interface: anything found was built in the parent
-    (in ``__init__``) and would be pickled into the child, which is how Pong
-    lost its frame skip.
-    """
-    seen: set[int] = set()
-    flags = []
-    for name, value in vars(actor).items():
-        for path, obj in _walk(value, f"{type(actor).__name__}.{name}", seen, 0):
-            flags.append(f"{path} is a {type(obj).__name__}: {ENV_IN_INIT}")
-    return flags
 
 
 def probe_actor_class(actor_class: type, spec: EnvSpec, *, start_method: str = "spawn") -> list[str]:
@@ -384,13 +257,14 @@ def probe_actor_class(actor_class: type, spec: EnvSpec, *, start_method: str = "
     try:
         return check_actor_builds_no_env(actor)
     finally:
-        for _, obj in _walk(vars(actor), "", set(), 0):
+        for _, obj in envs_held_by(actor):
             close = getattr(obj, "close", None)
             if callable(close):
                 try:
                     close()
                 except Exception:  # noqa: BLE001 - best effort cleanup of what the actor built
                     pass
+
 
 
 # ---------------------------------------------------------------------------
@@ -463,167 +337,6 @@ def print_table(rows: list[Row], *, file=None, rich: bool | None = None) -> None
         print("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip(), file=file)
     file.flush()
 
-
-# ---------------------------------------------------------------------------
-# The plot: configured settings vs a mis-specified twin
-# ---------------------------------------------------------------------------
-
-_POLICY: Any = None
-
-
-def _load_policy(checkpoint: str, obs_shape: tuple[int, ...], num_actions: int):
-    """The IMPALA network from a launch_impala checkpoint (CPU, eval mode)."""
-    import torch
-
-    from impala.checkpoint import load_checkpoint
-    from impala.models import build_model
-
-    path = os.path.join(checkpoint, "checkpoint.pt") if os.path.isdir(checkpoint) else checkpoint
-    state = load_checkpoint(path)
-    config = state["config"]
-    model = build_model(config["model"], obs_shape, num_actions, use_lstm=config["use_lstm"])
-    model.load_state_dict(state["trainer"]["model"])
-    model.eval()
-    torch.set_num_threads(1)
-    return model, config
-
-
-def _episode(task: tuple[str, dict[str, Any], int, int, str | None]) -> tuple[int, float, int]:
-    """Run one episode; returns (agent steps, return, emulator frames). Runs in a worker process."""
-    global _POLICY
-    env_id, kwargs, seed, max_steps, checkpoint = task
-    env = make_env(EnvSpec(env_id, kwargs=kwargs))
-    obs, _ = env.reset(seed=seed)
-    n = int(env.action_space.n)
-    ale = getattr(env.unwrapped, "ale", None)
-    rng = np.random.default_rng(seed)
-    model = core = generator = None
-    if checkpoint:
-        import torch
-
-        if _POLICY is None:
-            _POLICY = _load_policy(checkpoint, tuple(np.asarray(obs).shape), n)[0]
-        model = _POLICY
-        core = model.initial_state(1)
-        generator = torch.Generator().manual_seed(seed)
-    steps, total, first = 0, 0.0, True
-    try:
-        while True:
-            if model is None:
-                action = int(rng.integers(n))
-            else:
-                import torch
-
-                with torch.inference_mode():
-                    o = torch.from_numpy(np.asarray(obs)).unsqueeze(0).unsqueeze(0)
-                    f = torch.tensor([[first]])
-                    out, core = model(o, f, core or None)
-                    probs = torch.softmax(out.policy_logits[0, 0], dim=-1)
-                    action = int(torch.multinomial(probs, 1, generator=generator).item())
-            obs, reward, terminated, truncated, _ = env.step(action)
-            steps += 1
-            total += float(reward)
-            first = False
-            if terminated or truncated or (max_steps and steps >= max_steps):
-                break
-        frames = int(ale.getEpisodeFrameNumber()) if ale is not None else steps
-    finally:
-        env.close()
-    return steps, total, frames
-
-
-def _setting_label(prefix: str, cfg: ConfiguredSettings | None) -> str:
-    if cfg is None:
-        return prefix
-    fs = cfg.frameskip if isinstance(cfg.frameskip, int) else f"{cfg.frameskip[0]}-{cfg.frameskip[1] - 1}"
-    return f"{prefix} (frameskip {fs}, sticky {cfg.sticky:g})"
-
-
-def run_episodes(
-    env_id: str,
-    episodes: int,
-    *,
-    overrides: dict[str, Any] | None = None,
-    seed: int = 0,
-    max_steps: int = 0,
-    checkpoint: str | None = None,
-    jobs: int = 0,
-) -> dict[str, list[tuple[int, float, int]]]:
-    """Episodes under the configured settings and under the mis-specified twin, in parallel worker processes.
-
-    Episode i uses seed ``seed + i`` under both settings. Returns
-    ``{"configured": [...], "twin": [...]}`` of (steps, return, emulator frames).
-    """
-    import concurrent.futures
-
-    twin = {**(overrides or {}), **TWIN_OVERRIDES}
-    tasks = [(env_id, dict(overrides or {}), seed + i, max_steps, checkpoint) for i in range(episodes)]
-    tasks += [(env_id, twin, seed + i, max_steps, checkpoint) for i in range(episodes)]
-    jobs = jobs or min(len(tasks), os.cpu_count() or 1)
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-        results = list(ex.map(_episode, tasks))
-    return {"configured": results[:episodes], "twin": results[episodes:]}
-
-
-def plot_episodes(results: dict[str, list[tuple[int, float, int]]], out: str, *, env_id: str, overrides: dict[str, Any] | None = None, policy: str = "random policy", max_steps: int = 0) -> None:
-    """Steps per episode and episode return, configured vs twin, side by side (matplotlib, Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
-
-    cfg = configured_settings(env_id, overrides)
-    twin_cfg = configured_settings(env_id, {**(overrides or {}), **TWIN_OVERRIDES})
-    labels = [_setting_label("configured", cfg), _setting_label("mis-specified twin", twin_cfg)]
-    colors = ["tab:blue", "tab:orange"]
-    keys = ["configured", "twin"]
-    n = len(results["configured"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2))
-    panels = [
-        (0, "Episode length", "agent steps per episode (actions chosen)", "{:.0f}"),
-        (1, "Episode return", "episode return (points scored − conceded)", "{:.1f}"),
-    ]
-    rng = np.random.default_rng(0)
-    for idx, title, ylabel, fmt in panels:
-        ax = axes[idx]
-        data = [np.array([r[idx] for r in results[k]], dtype=float) for k in keys]
-        # Every episode is drawn as a point, so the box plot shows no separate outliers.
-        box = ax.boxplot(data, positions=[1, 2], widths=0.5, patch_artist=True, showmeans=True, showfliers=False,
-                         medianprops={"color": "black"},
-                         meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black"})
-        for patch, color in zip(box["boxes"], colors):
-            patch.set_facecolor(color)
-            patch.set_alpha(0.35)
-        for pos, (d, color) in enumerate(zip(data, colors), start=1):
-            ax.scatter(pos + rng.uniform(-0.12, 0.12, size=len(d)), d, color=color, s=22, zorder=3, edgecolor="black", linewidth=0.4)
-            ax.annotate(f"mean {fmt.format(d.mean())}", (pos, d.max()), xytext=(0, 8), textcoords="offset points", ha="center", fontsize=9)
-        ax.set_xticks([1, 2], ["configured", "mis-specified twin"])
-        if idx == 0:
-            # The game lasts about as long in emulator frames; the agent just makes more decisions in it.
-            frames = [np.mean([r[2] for r in results[k]]) for k in keys]
-            title += f"\n(mean emulator frames per episode: {frames[0]:.0f} vs {frames[1]:.0f})"
-        else:
-            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-        lo, hi = ax.get_ylim()
-        ax.set_ylim(lo, hi + 0.08 * (hi - lo))
-    cap = f", capped at {max_steps} steps" if max_steps else ""
-    fig.suptitle(f"{env_id}: configured settings vs a mis-specified twin ({policy}, {n} episodes each{cap})")
-    handles = [Patch(facecolor=c, alpha=0.5, edgecolor="black", label=l) for c, l in zip(colors, labels)]
-    handles += [
-        Line2D([], [], marker="o", color="gray", markeredgecolor="black", linestyle="", label="one episode"),
-        Line2D([], [], marker="D", color="white", markeredgecolor="black", linestyle="", label="mean (box: quartiles, line: median)"),
-    ]
-    fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False, fontsize=9)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------
@@ -701,37 +414,19 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], list[str], type]:
     if args.checkpoint and not args.plot:
         raise UsageError("--checkpoint is only used with --plot OUT.png")
     if args.checkpoint:
-        path = os.path.join(args.checkpoint, "checkpoint.pt") if os.path.isdir(args.checkpoint) else args.checkpoint
+        path = checkpoint_path(args.checkpoint)
         if not os.path.exists(path):
             raise UsageError(f"no checkpoint at {path}")
     actor_class = _load_actor_class(args.actor_class) if args.actor_class else Actor
     return env_ids, methods, actor_class
 
 
-def _check_checkpoint(checkpoint: str, env_id: str) -> str:
-    """Load the checkpoint here once so that a bad one is a clean error; returns a policy description."""
-    env = make_env(EnvSpec(env_id))
-    try:
-        obs, _ = env.reset(seed=0)
-        n = int(env.action_space.n)
-    finally:
-        env.close()
-    try:
-        _, config = _load_policy(checkpoint, tuple(np.asarray(obs).shape), n)
-    except Exception as e:  # noqa: BLE001 - any unusable checkpoint file is bad input, reported in one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"cannot use checkpoint {checkpoint!r} for {env_id}: {first}") from None
-    if config.get("env") not in (None, env_id):
-        print(f"frameskip_check: warning: the checkpoint was trained on {config.get('env')}, playing {env_id}", file=sys.stderr)
-    return f"policy from {os.path.basename(os.path.abspath(checkpoint))}"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         env_ids, methods, actor_class = _validate(args)
-        policy = _check_checkpoint(args.checkpoint, env_ids[0]) if args.checkpoint else "random policy"
-    except (UsageError, UnknownEnvError) as e:
+        policy = check_checkpoint(args.checkpoint, env_ids[0]) if args.checkpoint else "random policy"
+    except (UsageError, UnknownEnvError, CheckpointError) as e:
         print(f"frameskip_check: error: {e}", file=sys.stderr)
         return 2
 
@@ -750,14 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         results = run_episodes(env_ids[0], args.episodes, seed=args.seed, max_steps=args.max_steps_per_episode, checkpoint=args.checkpoint, jobs=args.jobs)
         plot_episodes(results, args.plot, env_id=env_ids[0], policy=policy, max_steps=args.max_steps_per_episode)
-        cfg = configured_settings(env_ids[0])
-        twin = configured_settings(env_ids[0], TWIN_OVERRIDES)
-        for key, label in (("configured", _setting_label("configured", cfg)), ("twin", _setting_label("mis-specified twin", twin))):
-            steps = np.array([r[0] for r in results[key]], dtype=float)
-            rets = np.array([r[1] for r in results[key]], dtype=float)
-            frames = np.array([r[2] for r in results[key]], dtype=float)
-            print(f"{label}: {len(steps)} episodes, steps/episode mean {steps.mean():.1f} (sd {steps.std():.1f}), "
-                  f"return mean {rets.mean():.2f} (sd {rets.std():.2f}), emulator frames/episode mean {frames.mean():.0f}")
+        for line in summary_lines(results, env_id=env_ids[0]):
+            print(line)
         print(f"wrote {args.plot}")
 
     problems = list(dict.fromkeys(p for r in rows for p in r.problems()))  # pickle/actor findings are per env id
