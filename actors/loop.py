@@ -20,9 +20,11 @@ import zmq
 
 from actors.agents import make_agent
 from impala import wire
-from impala.envs import EnvSpec, make_env
-from impala.envs.fingerprint import measure_fingerprint
+from impala.curve import make_client_socket
+from impala.envs import EnvSpec
+from impala.envs.probe import measure_env_fingerprint
 from impala.envs.vector import EpisodeTracker, GymVecEnv
+from impala.messages import AgentSpec
 from impala.metrics import log_this_one
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class ActorConfig:
     num_envs: envs stepped together with one batched forward pass.
     unroll_length: steps per env per unroll (T).
     trajectory_endpoint / params_endpoint: the learner's ZeroMQ endpoints.
-    agent: which agent adapter to use ("impala" or "ppo") and its settings.
+    agent: which agent adapter to run, with its settings (``impala.messages``).
     seed: base seed of this incarnation (restarts get a new one).
     fingerprint_steps: random steps used to measure the env fingerprint.
     """
@@ -50,7 +52,7 @@ class ActorConfig:
     unroll_length: int
     trajectory_endpoint: str
     params_endpoint: str
-    agent: dict[str, Any]
+    agent: AgentSpec
     seed: int = 0
     fingerprint_steps: int = 300
     send_hwm: int = 2
@@ -73,22 +75,12 @@ class LearnerGone(Exception):
 
 def build_vec_env(config: ActorConfig):
     if config.env.is_unity:
+        # here, not at the top: mlagents-envs (and its protobuf) is only needed for Unity builds
         from impala.envs.unity import UnityVecEnv
 
         kw = dict(config.env.kwargs)
         return UnityVecEnv(kw.pop("file_name"), worker_id=config.actor_id, seed=config.seed, **kw)
     return GymVecEnv(config.env, config.num_envs, seed=config.seed)
-
-
-def env_fingerprint(config: ActorConfig) -> dict[str, Any] | None:
-    """Measured in this process on a probe env built from the same spec."""
-    if config.env.is_unity:
-        return None
-    probe = make_env(config.env, seed=config.seed)
-    try:
-        return measure_fingerprint(probe, steps=config.fingerprint_steps, seed=config.seed).to_dict()
-    finally:
-        probe.close()
 
 
 class ActorLink:
@@ -104,8 +96,6 @@ class ActorLink:
         self.push = self.ctx.socket(zmq.PUSH)
         self.sub = self.ctx.socket(zmq.SUB)
         if config.curve is not None:
-            from impala.curve import make_client_socket
-
             make_client_socket(self.push, config.curve)
             make_client_socket(self.sub, config.curve)
         self.push.setsockopt(zmq.SNDHWM, config.send_hwm)
@@ -181,7 +171,8 @@ def run_actor(
     "no_weights" or "learner_gone".
     """
     stop_event = stop_event or threading.Event()
-    fingerprint = env_fingerprint(config)
+    # Measured here, on a probe env built from the same spec (Unity builds have none).
+    fingerprint = None if config.env.is_unity else measure_env_fingerprint(config.env, seed=config.seed, steps=config.fingerprint_steps).to_dict()
     envs = build_vec_env(config)
     link: ActorLink | None = None
     try:
@@ -247,7 +238,7 @@ def run_actor(
             link._alive()
             # On-policy adapters (PPO) may ask to wait for newer weights once they sent their share
             # of an update: an unroll collected meanwhile with the old weights would be dropped as stale.
-            wait_s = agent.params_wait_s(sent_with_version) if hasattr(agent, "params_wait_s") else 0.0
+            wait_s = agent.params_wait_s(sent_with_version)
             wait_until = time.monotonic() + wait_s
             while (newest is None or newest.version <= version) and time.monotonic() < wait_until and not stop_event.is_set():
                 link._alive()

@@ -1,15 +1,17 @@
-"""Supervise N actor processes: start, restart the dead with a new seed, stop all."""
+"""Run N actors: ``ActorPool`` (processes: start, restart the dead with a new seed, stop all) and
+``ThreadActors`` (the same actor loop in threads of this process), with one interface."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import multiprocessing
+import threading
 import time
 from typing import Callable
 
 from actors.actor import Actor
-from actors.loop import ActorConfig
+from actors.loop import LEARNER_GONE_EXIT, ActorConfig, run_actor
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,6 @@ class ActorPool:
 
     def supervise(self) -> list[int]:
         """Restart dead actors (after a backoff when they keep dying fast); returns the ids restarted."""
-        from actors.loop import LEARNER_GONE_EXIT
-
         restarted = []
         now = time.monotonic()
         for i, actor in enumerate(self.actors):
@@ -95,3 +95,49 @@ class ActorPool:
             if actor.is_alive():
                 actor.kill()
                 actor.join(timeout=1.0)
+
+
+class ThreadActors:
+    """Serial/debug mode (``--in-process``): the same actor loop in threads of this process.
+
+    A thread cannot be restarted like a process: an actor that fails fails the run (``supervise``).
+    """
+
+    def __init__(self, configs: list[ActorConfig]) -> None:
+        self.configs = list(configs)
+        self.stop_event = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.restarts = 0
+        self.errors: list[BaseException] = []
+        self.finished: set[int] = set()
+
+    def _target(self, i: int, config: ActorConfig) -> None:
+        try:
+            if run_actor(config, stop_event=self.stop_event) in ("learner_gone", "no_weights"):
+                self.finished.add(i)
+        except BaseException as e:  # surfaced by supervise()
+            self.errors.append(e)
+
+    def start(self) -> None:
+        self.threads = [
+            threading.Thread(target=self._target, args=(i, c), name=f"actor-{c.actor_id}", daemon=True) for i, c in enumerate(self.configs)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def supervise(self) -> list[int]:
+        if self.errors:
+            raise RuntimeError(f"in-process actor failed: {self.errors[0]!r}") from self.errors[0]
+        return []
+
+    def all_finished(self) -> bool:
+        return len(self.finished) == len(self.threads)
+
+    def pids(self) -> list[int]:
+        return []
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stop_event.set()
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))

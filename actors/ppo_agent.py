@@ -1,10 +1,7 @@
 """The PPO agent adapter: a Gaussian actor-critic copy in the actor, filling ``ppo_unroll_schema``.
 
-Built inside the actor's process by ``actors.agents.make_agent`` from plain
-settings (``PPOAgent.settings(...)`` makes them in the launcher)::
-
-    {"kind": "ppo", "config": dataclasses.asdict(PPOConfig), "obs_dim": D, "action_dim": A,
-     "action_low": [A floats], "action_high": [A floats], "unrolls_per_update": n, "params_wait_s": s}
+Built inside the actor's process by ``actors.agents.make_agent`` from a
+:class:`impala.messages.PPOAgentSpec` (the PPO trainer makes it in the learner).
 
 What it records per step (PPO_SEMANTICS.md #9, #10, #12):
 
@@ -20,65 +17,42 @@ What it records per step (PPO_SEMANTICS.md #9, #10, #12):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
+from impala.envs.probe import flat_obs_dim
 from impala.envs.vector import StepResult
+from impala.messages import PPOAgentSpec
 from impala.params import load_state_arrays, state_dict_schema
-from impala.ppo_config import PPOConfig
 from impala.ppo_policy import env_action, make_policy
 from impala.trajectory import ppo_unroll_schema
-
-
-def flat_obs_dim(obs_shape: tuple[int, ...]) -> int:
-    return int(np.prod(obs_shape)) if obs_shape else 1
-
 
 class PPOAgent:
     """Samples continuous actions from the broadcast policy; records what ``ppo_unroll_schema`` needs."""
 
-    @staticmethod
-    def settings(
-        config: PPOConfig, obs_dim: int, action_dim: int, action_low, action_high, *, unrolls_per_update: int = 0, params_wait_s: float = 0.0
-    ) -> dict[str, Any]:
-        """The picklable settings dict the launcher puts in ``ActorConfig.agent`` (see :meth:`params_wait_s`)."""
-        low = np.broadcast_to(np.asarray(action_low, np.float64), (action_dim,))
-        high = np.broadcast_to(np.asarray(action_high, np.float64), (action_dim,))
-        return {
-            "kind": "ppo",
-            "config": dataclasses.asdict(config),
-            "obs_dim": int(obs_dim),
-            "action_dim": int(action_dim),
-            "action_low": [float(x) for x in low],
-            "action_high": [float(x) for x in high],
-            "unrolls_per_update": int(unrolls_per_update),
-            "params_wait_s": float(params_wait_s),
-        }
-
-    def __init__(self, settings: Mapping[str, Any], *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int) -> None:
-        self.config = PPOConfig(**settings["config"])
+    def __init__(self, spec: PPOAgentSpec, *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int) -> None:
+        self.config = spec.config
         self.num_envs = int(envs.num_envs)
-        self.obs_dim = int(settings["obs_dim"])
-        self.action_dim = int(settings["action_dim"])
+        self.obs_dim = spec.obs_dim
+        self.action_dim = spec.action_dim
         got = flat_obs_dim(tuple(np.shape(first_obs)[1:]))
         if got != self.obs_dim:
             raise ValueError(f"PPOAgent: the env's observations have {got} values, the learner expects {self.obs_dim}")
         got_a = int(getattr(envs, "action_dim", 0) or np.prod(getattr(getattr(envs, "action_space", None), "shape", None) or (0,)))
         if got_a and got_a != self.action_dim:
             raise ValueError(f"PPOAgent: the env takes {got_a} action values, the learner expects {self.action_dim}")
-        self.action_low = np.asarray(settings["action_low"], np.float32)
-        self.action_high = np.asarray(settings["action_high"], np.float32)
+        self.action_low = np.asarray(spec.action_low, np.float32)
+        self.action_high = np.asarray(spec.action_high, np.float32)
         self.policy = make_policy(self.config, self.obs_dim, self.action_dim)
         self.policy.eval()
         self.schema = ppo_unroll_schema(unroll_length, self.obs_dim, self.action_dim)
         self.params_schema = state_dict_schema(self.policy)
         self.generator = torch.Generator().manual_seed(int(seed))
         self._zeros_obs = np.zeros((self.num_envs, self.obs_dim), np.float32)
-        self.unrolls_per_update = int(settings.get("unrolls_per_update", 0))
-        self.wait_s = float(settings.get("params_wait_s", 0.0))
+        self.unrolls_per_update = spec.unrolls_per_update
+        self.wait_s = spec.params_wait_s
 
     def load_params(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Weights, log-sigma and the normalizer buffers (ML-Agents stats or the vecnormalize snapshot)."""

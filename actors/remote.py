@@ -13,30 +13,31 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import multiprocessing
 import re
 import sys
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import zmq
 
 from actors.loop import ActorConfig
 from actors.pool import ActorPool
 from impala import wire
-from impala.envs import EnvSpec
+from impala.config import LOOPBACK, ConfigError, FlagParser, RunConfig, add_flags, check_fields, fail, flag_name, from_flags, need, option
+from impala.curve import client_keys, make_client_keys, make_client_socket
+from impala.messages import RunInfo
 from impala.metrics import log_this_one
 
 log = logging.getLogger("impala-actors")
 
 
-def fetch_run_info(params_endpoint: str, timeout_s: float, keys=None) -> dict:
-    """Wait for one weights message and return the run description it carries."""
+def fetch_run_info(params_endpoint: str, timeout_s: float, keys=None) -> RunInfo:
+    """Wait for one weights message and return the run description it carries (validated)."""
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     if keys is not None:
-        from impala.curve import make_client_socket
-
         make_client_socket(sub, keys)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.CONFLATE, 1)
@@ -52,14 +53,11 @@ def fetch_run_info(params_endpoint: str, timeout_s: float, keys=None) -> dict:
                     # No schema yet: only the header's form and sizes are checked here; the
                     # actor checks every later weights message against its own model.
                     msg = wire.decode_packed(frame, expect_kind="params")
-                except wire.WireError as e:
+                    return RunInfo.from_dict(msg.info.get("run"))
+                except (wire.WireError, ValueError) as e:
                     bad += 1
                     if log_this_one(bad):
                         log.error("bad weights message from %s (#%d): %s", params_endpoint, bad, str(e)[:300])
-                    continue
-                run = msg.info.get("run")
-                if isinstance(run, dict) and {"env", "agent", "unroll_length", "envs_per_worker"} <= set(run):
-                    return run
         raise TimeoutError(f"no weights from {params_endpoint} within {timeout_s:.0f}s: is the learner running and bound to a reachable address (--bind)?")
     finally:
         sub.close()
@@ -73,93 +71,104 @@ def parse_endpoint(text: str) -> tuple[str, str]:
     return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="impala-actors",
-        description="Run N actor processes on this machine, streaming to a learner elsewhere (trajectories to PORT, weights from PORT+1).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--learner", help="The learner's trajectory endpoint, tcp://HOST:PORT (its --port). Required unless --make-keys.")
-    p.add_argument("--workers", type=int, default=multiprocessing.cpu_count(), help="Actor processes to run here.")
-    p.add_argument("--first-id", type=int, default=1000, help="Actor id of the first actor here; give each machine its own range.")
-    p.add_argument("--seed", type=int, default=12345, help="Base seed for this machine's actors.")
-    p.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"], help="Multiprocessing start method.")
-    p.add_argument("--timeout", type=float, default=60.0, help="Seconds to wait for the learner's first weights.")
-    p.add_argument("--learner-timeout", type=float, default=60.0, help="An actor exits when no weights (sent every second) arrive for this long.")
-    p.add_argument("--max-seconds", type=float, default=0.0, help="Stop after this many seconds (0: run until Ctrl-C).")
-    p.add_argument("--curve", default="", help="CURVE keys directory holding the learner's server.key and this machine's client keypair.")
-    p.add_argument("--make-keys", action="store_true", help="With --curve: create this machine's client keypair and exit.")
-    p.add_argument(
-        "--insecure", action="store_true",
-        help="Allow a non-loopback learner without --curve. The learner's weights messages choose what these actors run "
+@dataclass(frozen=True)
+class RemoteOptions:
+    """impala-actors' own settings (the shared ones are RunConfig's: --workers, --seed, --curve, ...)."""
+
+    learner: Optional[str] = option(None, "The learner's trajectory endpoint, tcp://HOST:PORT (its --port). Required unless --make-keys.")
+    first_id: int = option(1000, "Actor id of the first actor here; give each machine its own range.")
+    timeout: float = option(60.0, "Seconds to wait for the learner's first weights.")
+    learner_timeout: float = option(60.0, "An actor exits when no weights (sent every second) arrive for this long.")
+    make_keys: bool = option(False, "With --curve: create this machine's client keypair and exit.")
+    insecure: bool = option(
+        False,
+        "Allow a non-loopback learner without --curve. The learner's weights messages choose what these actors run "
         "(env id and kwargs, a Unity build path), so only do this on a network you trust.",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        need(self.first_id >= 0, f"--first-id must be >= 0, got {self.first_id}")
+        for name in ("timeout", "learner_timeout"):
+            need(getattr(self, name) > 0, f"{flag_name(name)} must be a number of seconds > 0, got {getattr(self, name)}")
+
+
+SHARED = ("workers", "seed", "start_method", "max_seconds", "curve", "log_level")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = FlagParser(
+        prog="impala-actors",
+        description="Run N actor processes on this machine, streaming to a learner elsewhere (trajectories to PORT, weights from PORT+1). "
+        "What to run (env, agent, unroll length) comes from the learner.",
+    )
+    add_flags(p, RemoteOptions)
+    add_flags(
+        p, RunConfig, only=SHARED, defaults={"workers": multiprocessing.cpu_count(), "seed": 12345},
+        helps={
+            "workers": "Actor processes to run here.",
+            "seed": "Base seed for this machine's actors (actor i: seed + 1000 * i).",
+            "max_seconds": "Stop after this many seconds (0: run until Ctrl-C or the learner stops).",
+            "curve": "CURVE keys directory holding the learner's server.key and this machine's client keypair.",
+        },
     )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.make_keys:
-        if not args.curve:
-            print("impala-actors: error: --make-keys needs --curve DIR", file=sys.stderr)
-            return 2
-        from impala.curve import make_client_keys
-
-        public = make_client_keys(args.curve)
-        print(f"created {public}: copy it into the learner's CURVE directory under authorized/, and copy the learner's server.key to {args.curve}/")
+    try:
+        options = from_flags(RemoteOptions, args)
+        config = from_flags(RunConfig, args)
+    except ConfigError as e:
+        return fail("impala-actors", e)
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if options.make_keys:
+        if not config.curve:
+            return fail("impala-actors", "--make-keys needs --curve DIR")
+        try:
+            public = make_client_keys(config.curve)
+        except ConfigError as e:
+            return fail("impala-actors", e)
+        print(f"created {public}: copy it into the learner's CURVE directory under authorized/, and copy the learner's server.key to {config.curve}/")
         return 0
     try:
-        keys = None
-        if args.curve:
-            from impala.curve import client_keys
-
-            keys = client_keys(args.curve)
-        if not args.learner:
-            raise ValueError("--learner tcp://HOST:PORT is required")
-        if args.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {args.workers}")
-        for flag in ("timeout", "learner_timeout"):
-            value = getattr(args, flag)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds > 0, got {value}")
-        if not (math.isfinite(args.max_seconds) and args.max_seconds >= 0):
-            raise ValueError(f"--max-seconds must be >= 0 (0: run until Ctrl-C), got {args.max_seconds}")
-        if args.first_id < 0 or args.seed < 0:
-            raise ValueError(f"--first-id and --seed must be >= 0, got {args.first_id} and {args.seed}")
-        trajectory_endpoint, params_endpoint = parse_endpoint(args.learner)
+        keys = client_keys(config.curve) if config.curve else None
+        if not options.learner:
+            raise ConfigError("--learner tcp://HOST:PORT is required")
+        if config.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {config.workers}")
+        trajectory_endpoint, params_endpoint = parse_endpoint(options.learner)
         host = trajectory_endpoint.split("//", 1)[1].rsplit(":", 1)[0]
-        if keys is None and host not in ("127.0.0.1", "localhost") and not args.insecure:
-            raise ValueError(
-                f"{args.learner} is not on this machine and no --curve keys were given: whoever answers at that address "
+        if keys is None and host not in LOOPBACK and not options.insecure:
+            raise ConfigError(
+                f"{options.learner} is not on this machine and no --curve keys were given: whoever answers at that address "
                 "would choose what these actors run. Pass --curve DIR (see README, Security), or --insecure on a trusted network"
             )
-        run = fetch_run_info(params_endpoint, args.timeout, keys)
-        env = EnvSpec(run["env"]["id"], dict(run["env"]["kwargs"]), bool(run["env"]["preprocess"]))
+        run = fetch_run_info(params_endpoint, options.timeout, keys)
         configs = [
             ActorConfig(
-                actor_id=args.first_id + i,
-                env=env,
-                num_envs=int(run["envs_per_worker"]),
-                unroll_length=int(run["unroll_length"]),
+                actor_id=options.first_id + i,
+                env=run.env,
+                num_envs=run.envs_per_worker,
+                unroll_length=run.unroll_length,
                 trajectory_endpoint=trajectory_endpoint,
                 params_endpoint=params_endpoint,
-                agent=dict(run["agent"]),
-                seed=args.seed + 1000 * i,
+                agent=run.agent,
+                seed=config.seed + 1000 * i,
                 curve=keys,
-                learner_timeout_s=args.learner_timeout,
+                learner_timeout_s=options.learner_timeout,
             )
-            for i in range(args.workers)
+            for i in range(config.workers)
         ]
-        pool = ActorPool(configs, start_method=args.start_method)
-    except (ValueError, TimeoutError, FileNotFoundError) as e:
-        print(f"impala-actors: error: {e}", file=sys.stderr)
-        return 2
-    log.info("running %d actors for %s on %s", args.workers, env.id, trajectory_endpoint)
+        pool = ActorPool(configs, start_method=config.start_method)
+    except (ValueError, TimeoutError, FileNotFoundError) as e:  # ConfigError and CurveError are ValueErrors
+        return fail("impala-actors", e)
+    log.info("running %d actors for %s on %s", config.workers, run.env.id, trajectory_endpoint)
     pool.start()
     start = time.monotonic()
     try:
-        while not args.max_seconds or time.monotonic() - start < args.max_seconds:
+        while not config.max_seconds or time.monotonic() - start < config.max_seconds:
             pool.supervise()
             if pool.all_finished():
                 log.info("the learner is gone; stopping")

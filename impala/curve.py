@@ -67,18 +67,24 @@ def _ensure_pair(directory: str, name: str) -> tuple[str, str]:
 
 def prepare_server(directory: str) -> ClientKeys:
     """Create missing keys; authorize the learner's own local actors. Returns their client keys."""
-    server_public, _ = _ensure_pair(directory, "server")
-    local_public, local_secret = _ensure_pair(directory, "local")
-    authorized = os.path.join(directory, "authorized")
-    with _private_files():
-        os.makedirs(authorized, exist_ok=True)
-    shutil.copy(local_public, os.path.join(authorized, "local.key"))
+    try:
+        server_public, _ = _ensure_pair(directory, "server")
+        local_public, local_secret = _ensure_pair(directory, "local")
+        authorized = os.path.join(directory, "authorized")
+        with _private_files():
+            os.makedirs(authorized, exist_ok=True)
+        shutil.copy(local_public, os.path.join(authorized, "local.key"))
+    except OSError as e:
+        raise ConfigError(f"--curve {directory}: cannot create its keys ({e.strerror or e})") from None
     return ClientKeys(server_public, local_secret)
 
 
 def make_client_keys(directory: str) -> str:
     """Create ``DIR/client.key(_secret)``; returns the public key file to authorize on the learner."""
-    public, _ = _ensure_pair(directory, "client")
+    try:
+        public, _ = _ensure_pair(directory, "client")
+    except OSError as e:
+        raise ConfigError(f"--curve {directory}: cannot create a keypair there ({e.strerror or e})") from None
     return public
 
 

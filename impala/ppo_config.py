@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import types
-import typing
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
@@ -30,11 +27,8 @@ from impala import ppo
 SEMANTICS = ("mlagents", "sb3")
 
 
-from impala.config import ConfigError  # noqa: E402 - one error type for every config problem
-
-
-def _f(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
+from impala.config import ConfigError, add_flags, check_fields, given_flags  # noqa: E402 - one config mechanism
+from impala.config import option as _f  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -142,8 +136,7 @@ class PPOConfig:
     seed: int = _f(0, "Seed for network init and minibatch shuffling.")
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_field(f, getattr(self, f.name))
+        check_fields(self, label=lambda name: f"{name}:")
         if self.value_loss == "sb3_clipped" and self.clip_range_vf is None:
             raise ConfigError("clip_range_vf: required when value_loss='sb3_clipped' (e.g. clip_range_vf=0.2)")
         if self.value_loss != "sb3_clipped" and self.clip_range_vf is not None:
@@ -202,7 +195,7 @@ class PPOConfig:
 
     @property
     def field_docs(self) -> dict[str, str]:
-        return {f.name: f.metadata["doc"] for f in dataclasses.fields(self)}
+        return {f.name: f.metadata["help"] for f in dataclasses.fields(self)}
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -255,48 +248,10 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(PPOConfig)]
 
 
-_HINTS = typing.get_type_hints(PPOConfig)
-
-
-def _describe(name: str) -> tuple[tuple[Any, ...] | None, type | None, bool]:
-    """(Literal choices or None, base type, whether None is allowed) of a field."""
-    tp = _HINTS[name]
-    optional = False
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        optional = type(None) in args
-        rest = [a for a in args if a is not type(None)]
-        tp = rest[0]
-    if typing.get_origin(tp) is Literal:
-        return typing.get_args(tp), None, optional
-    return None, tp, optional
-
-
-def _check_field(f: dataclasses.Field, value: Any) -> None:
-    choices, base, optional = _describe(f.name)
-    if value is None:
-        if optional:
-            return
-        raise ConfigError(f"{f.name}: must not be None")
-    if choices is not None:
-        if value not in choices:
-            raise ConfigError(f"{f.name}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
-        return
-    if base is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{f.name}: must be true or false, got {value!r}")
-    elif base is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{f.name}: must be an integer, got {value!r}")
-    elif base is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{f.name}: must be a finite number, got {value!r}")
-
-
 def _append_field_docs() -> None:
     lines = ["", "    Fields:"]
     for f in dataclasses.fields(PPOConfig):
-        lines.append(f"      {f.name}: {f.metadata['doc']}")
+        lines.append(f"      {f.name}: {f.metadata['help']}")
     PPOConfig.__doc__ = (PPOConfig.__doc__ or "") + "\n".join(lines) + "\n"
 
 
@@ -536,60 +491,33 @@ _YAML_PATHS = {
 _DEST = "ppo__"
 
 
-def _parse_bool(text: str) -> bool:
-    t = text.strip().lower()
-    if t in ("1", "true", "yes", "on"):
-        return True
-    if t in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--semantics``, ``--trainer-config``, ``--behavior`` and one flag per option
+    (``impala.config.add_flags``: ``--x/--no-x`` for booleans, ``none`` unsets an optional option).
 
-
-def _optional(kind: type):
-    def parse(text: str):
-        if text.strip().lower() in ("none", "null", ""):
-            return None
-        return kind(text)
-
-    parse.__name__ = f"optional_{kind.__name__}"
-    return parse
-
-
-def config_to_argparse(parser: argparse.ArgumentParser, prefix: str = "") -> argparse.ArgumentParser:
-    """Add ``--{prefix}semantics``, ``--{prefix}trainer-config``, ``--{prefix}behavior`` and one flag per option.
-
-    Flags are ``--{prefix}<field-with-dashes>`` (e.g. ``--advantage-norm``);
-    pass ``prefix="ppo-"`` if the launcher has flags of its own with the same
-    names (``--seed``). Flags not given keep the preset/file value; ``none`` sets an optional option to None.
+    Flags not given keep the preset/file value (they leave no attribute), so the layering is
+    preset < trainer YAML < explicit flags. ``seed`` has no flag here: launchers take it from
+    their run settings (``--seed``).
     """
     g = parser.add_argument_group("PPO options (docs/PPO_SEMANTICS.md)")
-    g.add_argument(f"--{prefix}semantics", dest=f"{_DEST}semantics", choices=SEMANTICS, default="mlagents",
+    g.add_argument("--semantics", dest=f"{_DEST}semantics", choices=SEMANTICS, default="mlagents",
                    help="Preset every option to ML-Agents (left column) or SB3 (right column) semantics.")
-    g.add_argument(f"--{prefix}trainer-config", dest=f"{_DEST}trainer_config", default=None,
+    g.add_argument("--trainer-config", "--mlagents-config", dest=f"{_DEST}trainer_config", default=None, metavar="FILE.yaml",
                    help="ML-Agents trainer YAML (e.g. configs/Crawler.yaml); its values override the preset.")
-    g.add_argument(f"--{prefix}behavior", dest=f"{_DEST}behavior", default=None,
+    g.add_argument("--behavior", dest=f"{_DEST}behavior", default=None,
                    help="Behavior name inside --trainer-config (needed if the file has several).")
-    for f in dataclasses.fields(PPOConfig):
-        choices, base, optional = _describe(f.name)
-        flag = f"--{prefix}{f.name.replace('_', '-')}"
-        kw: dict[str, Any] = {"dest": f"{_DEST}{f.name}", "default": argparse.SUPPRESS, "help": f.metadata["doc"]}
-        if choices is not None:
-            kw["choices"] = list(choices)
-        elif base is bool:
-            kw["type"], kw["metavar"] = _parse_bool, "{true,false}"
-        else:
-            kw["type"] = _optional(base) if optional else base
-        g.add_argument(flag, **kw)
+    add_flags(g, PPOConfig, dest_prefix=_DEST, skip=("seed",), given_only=True)
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> PPOConfig:
-    """Build the PPOConfig from parsed args: preset (or trainer YAML), then the flags that were given."""
+def config_from_args(args: argparse.Namespace, *, default_trainer_config: str | None = None, **overrides: Any) -> PPOConfig:
+    """Build the PPOConfig from parsed args: preset (or trainer YAML: ``--trainer-config``, else
+    ``default_trainer_config``), then the flags that were given, then ``overrides`` (a launcher's
+    own settings such as ``seed``)."""
     ns = vars(args)
-    # Field flags default to SUPPRESS, so only flags actually given are present (an explicit "none" included).
-    given = {f.name: ns[f"{_DEST}{f.name}"] for f in dataclasses.fields(PPOConfig) if f"{_DEST}{f.name}" in ns}
+    given = {**given_flags(PPOConfig, args, dest_prefix=_DEST), **overrides}
     semantics = ns.get(f"{_DEST}semantics") or "mlagents"
-    path = ns.get(f"{_DEST}trainer_config")
+    path = ns.get(f"{_DEST}trainer_config") or default_trainer_config
     if path:
         return from_mlagents_yaml(path, ns.get(f"{_DEST}behavior"), semantics, **given)
     return PPOConfig.preset(semantics, **given)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import multiprocessing
 import os
 import pickle
@@ -44,10 +45,12 @@ from actors.actor import Actor
 from actors.loop import ActorConfig
 from actors.pool import ActorPool
 from impala.checkpoint import CheckpointError
+from impala.config import FlagParser
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip, envs_held_by, obs_mismatches
 from impala.envs.fingerprint import ConfiguredSettings, EnvFingerprint, Mismatch, check_against_config, configured_settings
 from impala.envs.probe import expected_observation
+from impala.messages import ImpalaAgentSpec
 from impala.trajectory import impala_unroll_schema
 from learner.frameskip_plot import check_checkpoint, checkpoint_path, plot_episodes, run_episodes, summary_lines
 from learner.server import TrajectoryServer
@@ -143,7 +146,7 @@ def _actor_config(actor_id: int, spec: EnvSpec, *, trajectory_endpoint: str, par
         trajectory_endpoint=trajectory_endpoint,
         params_endpoint=params_endpoint,
         # What launch_impala's ImpalaTrainer sends: the child builds the same agent.
-        agent={"kind": "impala", "model": "auto", "use_lstm": False},
+        agent=ImpalaAgentSpec(model="auto", use_lstm=False),
         seed=seed,
         fingerprint_steps=fingerprint_steps,
         # The actors wait for parameters that never come; we stop them, this is the safety net.
@@ -345,7 +348,7 @@ def print_table(rows: list[Row], *, file=None, rich: bool | None = None) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="frameskip_check",
         description=(
             "Regression check for SEEDS.md part 1: start real actor processes (TrajectoryServer + ActorPool, as launch_impala "
@@ -355,21 +358,21 @@ def build_parser() -> argparse.ArgumentParser:
             "Exit 0: all OK; 1: a mismatch; 2: bad input."
         ),
     )
-    parser.add_argument("env_ids", nargs="*", metavar="ENV_ID", help=f"env ids to check (default: {' '.join(DEFAULT_ENV_IDS)})")
+    parser.add_argument("env_ids", nargs="*", default=[], metavar="ENV_ID", help=f"env ids to check; none here and no --env: {' '.join(DEFAULT_ENV_IDS)}")
     parser.add_argument("--env", action="append", default=[], metavar="ENV_ID", help="an env id to check (repeatable; adds to the positional ids)")
     parser.add_argument("--start-method", action="append", default=[], metavar="METHOD",
-                        help="multiprocessing start method (repeatable); default: every one available here")
-    parser.add_argument("--workers", type=int, default=2, help="actor processes per (env id x start method) (default: 2)")
-    parser.add_argument("--fingerprint-steps", type=int, default=300, help="random agent steps each worker measures (default: 300)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the workers' hellos (default: 120)")
+                        help="multiprocessing start method (repeatable; none given: every one available here)")
+    parser.add_argument("--workers", type=int, default=2, help="actor processes per (env id x start method)")
+    parser.add_argument("--fingerprint-steps", type=int, default=300, help="random agent steps each worker measures")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the workers' hellos")
     parser.add_argument("--actor-class", default=None, metavar="MODULE:CLASS",
                         help="an Actor subclass to check instead of actors.actor:Actor (must be importable in the children)")
-    parser.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="base seed")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="also run episodes under the configured settings of the first env id and under a mis-specified "
                              "twin (frameskip (2,5), sticky 0.25) and plot steps per episode and return")
     parser.add_argument("--plot-only", action="store_true", help="with --plot: skip the worker checks")
-    parser.add_argument("--episodes", type=int, default=10, help="episodes per setting for --plot (default: 10)")
+    parser.add_argument("--episodes", type=int, default=10, help="episodes per setting for --plot")
     parser.add_argument("--max-steps-per-episode", type=int, default=0, help="cap each --plot episode at this many agent steps (0: no cap)")
     parser.add_argument("--checkpoint", default=None, metavar="PATH",
                         help="with --plot: sample actions from a launch_impala checkpoint.pt (or its logdir) instead of a random policy")
@@ -409,6 +412,14 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], list[str], type]:
         raise UsageError(f"--max-steps-per-episode must be >= 0, got {args.max_steps_per_episode}")
     if args.jobs < 0:
         raise UsageError(f"--jobs must be >= 0, got {args.jobs}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.plot:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise UsageError(f"--plot {args.plot}: cannot write into {folder}")
     if args.plot_only and not args.plot:
         raise UsageError("--plot-only needs --plot OUT.png")
     if args.checkpoint and not args.plot:

@@ -23,6 +23,7 @@ from impala.checkpoint import CheckpointError, load_checkpoint
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import ConfiguredSettings, configured_settings
 from impala.envs.vector import GymVecEnv
+from impala.messages import ImpalaAgentSpec
 
 TWIN_OVERRIDES: dict[str, Any] = {"frameskip": (2, 5), "repeat_action_probability": 0.25}
 
@@ -47,7 +48,7 @@ def load_impala_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.T
 
 def impala_agent(config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor], *, envs: Any, first_obs: np.ndarray, seed: int):
     """The actor's IMPALA agent adapter for ``envs``, holding the checkpoint's weights (one env step per unroll)."""
-    settings = {"kind": "impala", "model": config["model"], "use_lstm": config["use_lstm"]}
+    settings = ImpalaAgentSpec(model=config["model"], use_lstm=config["use_lstm"])
     agent = make_agent(settings, envs=envs, first_obs=first_obs, unroll_length=1, seed=seed)
     agent.load_params({k: v.detach().cpu().numpy() for k, v in state_dict.items()})
     return agent

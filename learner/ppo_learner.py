@@ -17,15 +17,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Hashable, NamedTuple
+import math
+from typing import Any, Hashable, Mapping, NamedTuple
 
 import numpy as np
 import torch
 
-from impala import ppo
+from impala import ppo, wire
+from impala.checkpoint import CheckpointError
+from impala.config import ConfigError, RunConfig, resolve_device
+from impala.envs.probe import EnvInfo
+from impala.messages import PPOAgentSpec
 from impala.normalizers import RewardNormalizer, RunningMeanStd
 from impala.ppo_config import PPOConfig
-from impala.ppo_policy import ActorCritic, env_action, make_policy
+from impala.params import state_dict_arrays
+from impala.ppo_policy import env_action, make_policy
+from impala.trajectory import ppo_unroll_schema
 
 
 class TrajectoryPiece(NamedTuple):
@@ -382,3 +389,155 @@ class PPOLearner:
         self.rng.bit_generator.state = state["rng"]
         # The policy's obs snapshot came back with its state_dict; the live obs_rms may be ahead of it.
         self.buffer.clear()
+
+
+# --------------------------------------------------------------------------- the runtime's adapter
+
+MAX_UNROLL = 1000  # longer unrolls only delay the learner; ML-Agents' Crawler time_horizon is 1000
+
+# PPOLearner.update() key -> logged key (CleanRL's grouping).
+METRIC_KEYS = {
+    "policy_loss": "losses/policy_loss",
+    "value_loss": "losses/value_loss",
+    "entropy": "losses/entropy",
+    "loss": "losses/total",
+    "approx_kl": "losses/approx_kl",
+    "clip_fraction": "losses/clip_fraction",
+    "explained_variance": "losses/explained_variance",
+    "grad_norm": "losses/grad_norm",
+    "learning_rate": "charts/learning_rate",
+    "epsilon": "charts/epsilon",
+    "beta": "charts/beta",
+    "log_sigma_mean": "charts/log_sigma_mean",
+    "buffer_steps": "charts/buffer_steps",
+    "n_minibatches": "charts/n_minibatches",
+    "early_stop": "charts/early_stop",
+    "total_steps": "charts/agent_steps_trained",
+    "update_count": "charts/updates",
+}
+
+
+def choose_unroll_length(config: PPOConfig, requested: int) -> tuple[int, str | None]:
+    """T = requested, or min(time_horizon, MAX_UNROLL); for SB3's buffer_full, a divisor of buffer_size."""
+    T = requested or min(config.time_horizon, MAX_UNROLL)
+    if config.update_trigger != "buffer_full" or config.buffer_size % T == 0:
+        return T, None
+    divisor = max(d for d in range(1, T + 1) if config.buffer_size % d == 0)
+    note = (
+        f"unroll length {T} does not divide buffer_size {config.buffer_size} (update_trigger=buffer_full); "
+        f"using {divisor} so that every update holds exactly buffer_size steps"
+    )
+    return divisor, note
+
+
+def unrolls_per_update(config: PPOConfig, unroll_length: int, n_envs: int) -> int:
+    """Rounds of unrolls (one per env of every actor) that fill one update's buffer."""
+    needed = config.buffer_size + (1 if config.update_trigger == "over_buffer_size" else 0)
+    return math.ceil(needed / (unroll_length * n_envs))
+
+
+def piece_from_unroll(arrays: Mapping[str, np.ndarray], source: Any = 0) -> TrajectoryPiece:
+    """One ``ppo_unroll_schema`` unroll -> a TrajectoryPiece.
+
+    ``next_obs[t]`` is ``final_obs[t]`` where the episode ended at t (terminated or
+    truncated) and ``obs[t + 1]`` otherwise; the last row bootstraps the cut.
+    """
+    obs = arrays["obs"]
+    ended = arrays["terminated"] | arrays["truncated"]
+    next_obs = np.where(ended[:, None], arrays["final_obs"], obs[1:])
+    return TrajectoryPiece(
+        obs=obs[:-1],
+        actions=arrays["actions"],
+        log_probs=arrays["log_probs"],
+        rewards=arrays["rewards"],
+        terminated=arrays["terminated"],
+        truncated=arrays["truncated"],
+        next_obs=next_obs,
+        values=None,
+        source=source,
+    )
+
+
+def _to_torch(x: Any) -> Any:
+    """Numpy -> tensors (recursively): checkpoints load with ``weights_only=True``, which refuses numpy arrays."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.array(x))
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, dict):
+        return {k: _to_torch(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_to_torch(v) for v in x]
+    return x
+
+
+class PPOTrainer:
+    """The runtime's Trainer for PPO: unrolls -> TrajectoryPieces -> PPOLearner."""
+
+    def __init__(self, config: PPOConfig, run: RunConfig, env: EnvInfo, *, params_wait_s: float = 0.0) -> None:
+        """``run`` as resolved by the launcher: ``unroll_length`` is T, ``envs_per_worker`` the envs
+        (Unity: agents) per actor. On-policy (``max_policy_lag`` 0), each local actor waits for new
+        weights once it sent its share of an update (``unrolls_per_update``), for at most ``params_wait_s``."""
+        env.require_continuous_vector("launch_ppo")
+        T = run.unroll_length
+        if T < 1:
+            raise ConfigError("the PPO trainer needs a resolved --unroll-length (see choose_unroll_length)")
+        self.config = config
+        self.learner = PPOLearner(config, env.obs_dim, env.action_dim, env.action_low, env.action_high, resolve_device(run.device))
+        self.schema = ppo_unroll_schema(T, env.obs_dim, env.action_dim)
+        self.n_envs = max(run.workers, 1) * run.envs_per_worker
+        on_policy = run.max_policy_lag == 0
+        self.agent = PPOAgentSpec(
+            config, env.obs_dim, env.action_dim, tuple(map(float, env.action_low)), tuple(map(float, env.action_high)),
+            unrolls_per_update(config, T, self.n_envs) if on_policy else 0, params_wait_s,
+        )
+        self.frames_per_step = 1.0  # gym control tasks and Unity: one frame per agent step
+        self.max_abs_value = run.max_abs_value
+        self.queue_size = run.queue_size or max(16, 2 * self.n_envs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.learner.device
+
+    def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        """Finite but huge floats (a peer's, or a diverging env's) are dropped on receipt."""
+        return wire.check_bounded(arrays, self.max_abs_value)
+
+    def ingest(self, msg: wire.Message, version: int) -> bool:
+        """False when the unroll held NaN/inf: counted (``transport/rejected_nan``), never trained on."""
+        # (actor, env index) keys SB3's per-env discounted return (reward normalization, #12).
+        env = msg.info.get("env", 0)
+        source = (msg.actor, env if isinstance(env, int) else 0)
+        return self.learner.ingest(piece_from_unroll(msg.arrays, source))
+
+    @property
+    def rejected_nan(self) -> int:
+        return self.learner.rejected_batches
+
+    def ready(self) -> bool:
+        return self.learner.ready()
+
+    def update(self, frames_done: int) -> dict[str, float]:
+        raw = self.learner.update()
+        out = {METRIC_KEYS.get(k, f"charts/{k}"): float(v) for k, v in raw.items() if k != "rejected_batches"}
+        out["transport/rejected_nan"] = float(self.rejected_nan)
+        return out
+
+    def params(self) -> dict[str, np.ndarray]:
+        # Weights, log-sigma and the normalizer buffers: actors act with exactly these statistics.
+        return state_dict_arrays(self.learner.policy)
+
+    def state_dict(self) -> dict[str, Any]:
+        return _to_torch(self.learner.state_dict())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = dict(state.get("policy", {}))
+        mine = self.learner.policy.state_dict()
+        for name, tensor in mine.items():
+            if name not in saved or tuple(saved[name].shape) != tuple(tensor.shape):
+                got = "missing" if name not in saved else tuple(saved[name].shape)
+                raise CheckpointError(
+                    f"the checkpoint's network differs from this run's ({name}: checkpoint {got}, now {tuple(tensor.shape)}); "
+                    "resume with the same env and network options, or use a new --logdir"
+                )
+        self.learner.load_state_dict(dict(state))

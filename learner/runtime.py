@@ -1,7 +1,7 @@
 """The one place that wires the topology: actors -> transport -> batcher -> learner -> params.
 
-``run(trainer, ...)`` is shared by both learners. A *trainer* is the
-learner-specific part: its trajectory schema, the agent settings actors need,
+``run(trainer, config, plan)`` is shared by both learners. A *trainer* is the
+learner-specific part: its trajectory schema, the agent spec actors run,
 how it ingests a validated unroll, when it is ready to update, and the update
 itself. Everything else (sockets, actor supervision, the fingerprint guard,
 metrics, checkpoints, shutdown) lives here once.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import secrets
 import signal
 import threading
@@ -24,79 +23,65 @@ import numpy as np
 
 from actors.actor import Actor
 from actors.loop import ActorConfig
-from actors.pool import ActorPool
+from actors.pool import ActorPool, ThreadActors
 from impala import wire
 from impala.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from impala.config import ConfigError
-from impala.envs import EnvSpec
+from impala.config import ConfigError, RunConfig
+from impala.envs import UnknownEnvError
+from impala.curve import prepare_server
 from impala.envs.fingerprint import EnvFingerprint, FingerprintMismatchError, compare_fingerprints
+from impala.envs.probe import EnvInfo
+from impala.messages import AgentSpec, RunInfo
 from impala.metrics import MetricsLogger
 from impala.trajectory import TrajectorySchema
-from learner.server import TrajectoryServer
+from learner.server import PortInUseError, TrajectoryServer
 
 log = logging.getLogger(__name__)
 
+# Bad input a user can fix, found while a run starts: each is reported as one line, exit 2.
+START_ERRORS = (ConfigError, CheckpointError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError, TimeoutError)
+
 
 class Trainer(Protocol):
-    schema: TrajectorySchema
-    agent_settings: dict[str, Any]
-    frames_per_step: float
+    """The learner-specific part of a run (``vtrace_learner.ImpalaTrainer``, ``ppo_learner.PPOTrainer``)."""
 
-    def ingest(self, msg: wire.Message, version: int) -> None: ...
+    schema: TrajectorySchema  # what every unroll must hold
+    agent: AgentSpec  # what the actors run
+    frames_per_step: float  # env frames per agent step
+    queue_size: int  # unrolls the server buffers
+    device: Any
+
+    def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None: ...
+    def ingest(self, msg: wire.Message, version: int) -> Any: ...
     def ready(self) -> bool: ...
-    def update(self, frames_done: int) -> dict[str, float]: ...
+    def update(self, frames_done: int) -> dict[str, float]: ...  # ``losses/`` and ``charts/`` keys
     def params(self) -> dict[str, np.ndarray]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-@dataclass
-class RunSettings:
-    """The process-level settings shared by both launchers."""
+@dataclass(frozen=True)
+class RunPlan:
+    """What a launcher resolved for this run beyond its :class:`RunConfig` flags."""
 
-    env: EnvSpec
-    workers: int
-    envs_per_worker: int
-    unroll_length: int
-    total_frames: int
-    logdir: str
-    seed: int = 0
-    bind: str = "127.0.0.1"
-    port: int = 0
-    start_method: str = "spawn"
-    queue_size: int = 64
-    checkpoint_minutes: float = 10.0
-    resume: bool = False
-    progress: bool = True
-    log_interval: float = 5.0
-    max_seconds: float = 0.0
-    stop_at_return: float | None = None  # stop once the full 100-episode mean return reaches it
-    max_policy_lag: int | None = None  # None keeps all (V-trace corrects); 0 = on-policy only (PPO)
-    title: str = "impala"
-    config_record: dict[str, Any] = field(default_factory=dict)
-    reference_fingerprint: EnvFingerprint | None = None
+    env: EnvInfo  # the probed env: its spec goes to the actors, its fingerprint is the reference
+    title: str
+    config_record: dict[str, Any] = field(default_factory=dict)  # stored in every checkpoint
     hello_timeout: float = 180.0
-    spawn_actors: bool = True
     actor_class: type = Actor  # an Actor subclass to start instead (custom envs or instrumentation)
-    curve_dir: str | None = None  # CURVE keys directory: authenticate and encrypt actor traffic
-    insecure_bind: bool = False  # allow a non-loopback bind without CURVE
-    in_process: bool = False  # serial mode: actors run as threads of this process (same code, same sockets)
-
-    @property
-    def checkpoint_path(self) -> str:
-        return os.path.join(self.logdir, "checkpoint.pt")
 
 
 @dataclass
 class RunResult:
     env_frames: int
+    agent_steps: int
     updates: int
     mean_return: float | None
     dropped: dict[str, int]
     restarts: int
     interrupted: bool
     checkpoint: str
-    reached_return: bool = False  # stopped early at settings.stop_at_return
+    reached_return: bool = False  # stopped early at --stop-at-return
 
 
 class _Stop:
@@ -123,58 +108,33 @@ class _Stop:
             signal.signal(sig, old)
 
 
-class ThreadActors:
-    """Serial/debug mode: the same actor loop in threads of the learner process."""
-
-    def __init__(self, configs: list[ActorConfig]) -> None:
-        self.configs = configs
-        self.stop_event = threading.Event()
-        self.threads: list[threading.Thread] = []
-        self.restarts = 0
-        self.errors: list[BaseException] = []
-
-    def _target(self, config: ActorConfig) -> None:
-        from actors.loop import run_actor
-
-        try:
-            run_actor(config, stop_event=self.stop_event)
-        except BaseException as e:  # surfaced by supervise(): a thread cannot be restarted like a process
-            self.errors.append(e)
-
-    def start(self) -> None:
-        self.threads = [threading.Thread(target=self._target, args=(c,), name=f"actor-{c.actor_id}", daemon=True) for c in self.configs]
-        for t in self.threads:
-            t.start()
-
-    def supervise(self) -> list[int]:
-        if self.errors:
-            raise RuntimeError(f"in-process actor failed: {self.errors[0]!r}") from self.errors[0]
-        return []
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.stop_event.set()
-        deadline = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def run(trainer: Trainer, settings: RunSettings) -> RunResult:
-    """Train until ``total_frames``, ``max_seconds`` or a signal. Returns a summary."""
-    env_frames = 0
+def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
+    """Train until the step budget (``total_frames`` / ``total_steps``), ``max_seconds``, ``stop_at_return``
+    or a signal. Returns a summary."""
+    if config.total_frames is None and config.total_steps is None:
+        raise ConfigError("the run needs a budget: --total-frames or --total-steps")
+    env_frames = agent_steps = 0
     version = 0
-    if settings.resume:
-        state = load_checkpoint(settings.checkpoint_path, keys=("trainer", "env_frames", "version"))
+    if config.resume:
+        state = load_checkpoint(config.checkpoint_path, keys=("trainer", "env_frames", "version"))
         try:
             trainer.load_state_dict(state["trainer"])
             env_frames = int(state["env_frames"])
+            # checkpoints before agent steps were counted apart: derive them from the frames
+            agent_steps = int(state.get("agent_steps", round(env_frames / trainer.frames_per_step)))
             version = int(state["version"])
         except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"checkpoint {settings.checkpoint_path} does not fit this run (another env or network?): {first}") from None
-        log.info("resumed from %s at %d env frames, policy version %d", settings.checkpoint_path, env_frames, version)
+            raise CheckpointError(f"checkpoint {config.checkpoint_path} does not fit this run (another env or network?): {first}") from None
+        log.info("resumed from %s at %d env frames, policy version %d", config.checkpoint_path, env_frames, version)
     start_version = version
 
-    reference = settings.reference_fingerprint
+    def budget_spent(frames: int, steps: int) -> bool:
+        return (config.total_frames is not None and frames >= config.total_frames) or (
+            config.total_steps is not None and steps >= config.total_steps
+        )
+
+    reference = plan.env.fingerprint
     # Ids below --workers belong to this learner's own actors. A peer that merely reaches the port
     # could send a hello as actor 0; only the actors spawned here know this run's token.
     local_token = secrets.token_hex(16)
@@ -182,7 +142,7 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
     local_refusals: dict[int, str] = {}  # verified local actors whose env differs: stop the run
 
     def on_hello(actor: int, info: Mapping[str, Any]) -> str | None:
-        local = settings.spawn_actors and 0 <= actor < settings.workers
+        local = 0 <= actor < config.workers
         if local:
             token = info.get("local_token")
             if not (isinstance(token, str) and hmac.compare_digest(token, local_token)):
@@ -208,45 +168,32 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
         problems = compare_fingerprints(reference, theirs)
         return "; ".join(str(p) for p in problems) or None
 
-    client_keys = None
-    if settings.curve_dir:
-        from impala.curve import prepare_server
-
-        client_keys = prepare_server(settings.curve_dir)
-    elif settings.bind not in ("127.0.0.1", "localhost", "::1") and not settings.insecure_bind:
-        raise ConfigError(
-            f"--bind {settings.bind} without --curve would let anyone who can reach the port send trajectories and read "
-            "weights; pass --curve DIR (see README, Security), or --insecure-bind on a network you trust"
-        )
+    # RunConfig already refused a public bind without --curve or --insecure-bind.
+    client_keys = prepare_server(config.curve) if config.curve else None
     server = TrajectoryServer(
-        trainer.schema, bind=settings.bind, port=settings.port, queue_size=settings.queue_size, on_hello=on_hello, curve_dir=settings.curve_dir,
-        validate=getattr(trainer, "validate", None), protected_ids=verified_local, local_token=local_token,
+        trainer.schema, bind=config.bind, port=config.port, queue_size=config.queue_size or trainer.queue_size, on_hello=on_hello,
+        curve_dir=config.curve or None, validate=trainer.validate, protected_ids=verified_local, local_token=local_token,
     )
     # Remote actors (impala-actors) learn what to run from this, sent with every weights message.
-    server.run_info = {
-        "run_id": uuid.uuid4().hex,  # a new learner process: remote actors say hello again
-        "env": {"id": settings.env.id, "kwargs": settings.env.kwargs, "preprocess": settings.env.preprocess},
-        "agent": trainer.agent_settings,
-        "unroll_length": settings.unroll_length,
-        "envs_per_worker": settings.envs_per_worker,
-    }
+    run_info = RunInfo(uuid.uuid4().hex, plan.env.spec, trainer.agent, config.unroll_length, config.envs_per_worker)
+    server.run_info = run_info.to_dict()  # a new run_id (a new learner process): remote actors say hello again
     configs = [
         ActorConfig(
             actor_id=i,
-            env=settings.env,
-            num_envs=settings.envs_per_worker,
-            unroll_length=settings.unroll_length,
+            env=run_info.env,
+            num_envs=run_info.envs_per_worker,
+            unroll_length=run_info.unroll_length,
             trajectory_endpoint=server.trajectory_endpoint,
             params_endpoint=server.params_endpoint,
-            agent=trainer.agent_settings,
-            seed=settings.seed + 1000 * i,
+            agent=run_info.agent,
+            seed=config.seed + 1000 * i,
             curve=client_keys,
             local_token=local_token,
         )
-        for i in range(settings.workers)
+        for i in range(config.workers)
     ]
-    pool = ThreadActors(configs) if settings.in_process else ActorPool(configs, start_method=settings.start_method, actor_class=settings.actor_class)
-    logger = MetricsLogger(settings.logdir, progress=settings.progress, title=settings.title)
+    pool = ThreadActors(configs) if config.in_process else ActorPool(configs, start_method=config.start_method, actor_class=plan.actor_class)
+    logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title)
     interrupted = reached_return = False
     start = time.monotonic()
     last_ckpt = time.monotonic()
@@ -258,8 +205,11 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
     def checkpoint() -> None:
         try:
             save_checkpoint(
-                settings.checkpoint_path,
-                {"trainer": trainer.state_dict(), "env_frames": env_frames, "version": version, "config": settings.config_record},
+                config.checkpoint_path,
+                {"trainer": trainer.state_dict(), "env_frames": env_frames, "agent_steps": agent_steps, "version": version,
+                 # what the checkpoint is, for tools that play it (impala-eval): the actors' own env and agent specs
+                 "kind": trainer.agent.kind, "env": run_info.env.to_dict(), "agent": run_info.agent.to_dict(),
+                 "config": plan.config_record},
             )
         except CheckpointError as e:  # diverged weights: keep the last good checkpoint
             log.error("%s; the previous checkpoint is kept", e)
@@ -275,9 +225,9 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
 
     try:
         server.start()
-        if settings.spawn_actors:
+        if config.workers:
             pool.start()
-            log.info("started %d actors (%s) -> %s", settings.workers, "threads" if settings.in_process else settings.start_method, server.trajectory_endpoint)
+            log.info("started %d actors (%s) -> %s", config.workers, "threads" if config.in_process else config.start_method, server.trajectory_endpoint)
 
             # Every local actor must pass the fingerprint guard before any weights go out. Actors
             # send no unroll before they have weights, so no hello can queue behind unrolls here.
@@ -286,51 +236,53 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
                 pool.supervise()
 
             # count only hellos that proved to be from our actors: a forged one must not end the wait
-            server.wait_for_hellos(settings.workers, settings.hello_timeout, check=during_wait, ids=verified_local)
+            server.wait_for_hellos(config.workers, plan.hello_timeout, check=during_wait, ids=verified_local)
             check_refusals()
         server.publish(version, trainer.params())
         with _Stop() as stop:
-            while env_frames < settings.total_frames and not stop.event.is_set():
-                if settings.max_seconds and time.monotonic() - start > settings.max_seconds:
+            while not budget_spent(env_frames, agent_steps) and not stop.event.is_set():
+                if config.max_seconds and time.monotonic() - start > config.max_seconds:
                     break
                 check_refusals()
                 if not server.healthy():
                     raise RuntimeError("the learner's receive thread died; see the log above")
-                if settings.spawn_actors:
+                if config.workers:
                     pool.supervise()
                 msg = server.get(timeout=0.1)
                 if msg is None:
                     continue
                 lag = version - msg.version
-                if settings.max_policy_lag is not None and lag > settings.max_policy_lag:
+                if config.max_policy_lag is not None and lag > config.max_policy_lag:
                     server.count_stale()
                     continue
                 lags.append(lag)
                 trainer.ingest(msg, version)
-                env_frames += int(round(settings.unroll_length * trainer.frames_per_step))
+                agent_steps += config.unroll_length
+                env_frames += int(round(config.unroll_length * trainer.frames_per_step))
                 if not trainer.ready():
                     continue
                 metrics = trainer.update(env_frames)
                 version += 1
                 server.publish(version, trainer.params())
                 now = time.monotonic()
-                if now - last_log >= settings.log_interval:
+                if now - last_log >= config.log_interval:
                     row = dict(metrics)
                     row.update(server.stats())
                     row["charts/env_frames"] = env_frames
+                    row["charts/agent_steps"] = agent_steps
                     row["charts/fps"] = (env_frames - frames_at_last_log) / (now - last_log)
                     row["charts/policy_lag"] = float(np.mean(lags)) if lags else 0.0
                     row["charts/policy_version"] = version
                     row["charts/actor_restarts"] = pool.restarts
                     logger.log(env_frames, row)
                     frames_at_last_log, last_log, lags = env_frames, now, []
-                if now - last_ckpt >= settings.checkpoint_minutes * 60:
+                if now - last_ckpt >= config.checkpoint_minutes * 60:
                     checkpoint()
                     last_ckpt = now
-                if settings.stop_at_return is not None:
+                if config.stop_at_return is not None:
                     mean = server.full_window_mean_return()
-                    if mean is not None and mean >= settings.stop_at_return:
-                        log.info("mean return of the last 100 episodes %.2f reached --stop-at-return %g", mean, settings.stop_at_return)
+                    if mean is not None and mean >= config.stop_at_return:
+                        log.info("mean return of the last 100 episodes %.2f reached --stop-at-return %g", mean, config.stop_at_return)
                         reached_return = True
                         break
             interrupted = stop.event.is_set()
@@ -347,11 +299,12 @@ def run(trainer: Trainer, settings: RunSettings) -> RunResult:
     stats = server.stats()
     return RunResult(
         env_frames=env_frames,
+        agent_steps=agent_steps,
         updates=version,
         mean_return=stats.get("charts/mean_return_100"),
         dropped={k: int(v) for k, v in server.dropped.items()},
         restarts=pool.restarts,
         interrupted=interrupted,
-        checkpoint=settings.checkpoint_path,
+        checkpoint=config.checkpoint_path,
         reached_return=reached_return,
     )

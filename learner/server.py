@@ -24,6 +24,7 @@ import numpy as np
 import zmq
 
 from impala import wire
+from impala.curve import make_server_socket, start_authenticator
 from impala.envs.fingerprint import EnvFingerprint
 from impala.metrics import log_this_one
 from impala.trajectory import TrajectorySchema
@@ -112,8 +113,6 @@ class TrajectoryServer:
         self.pub.setsockopt(zmq.SNDHWM, 2)
         self.pub.setsockopt(zmq.LINGER, 0)
         if curve_dir:
-            from impala.curve import make_server_socket, start_authenticator
-
             self.auth = start_authenticator(self.ctx, curve_dir)
             make_server_socket(self.pull, curve_dir)
             make_server_socket(self.pub, curve_dir)

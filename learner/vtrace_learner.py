@@ -1,4 +1,5 @@
-"""The IMPALA learner's compute: ``step(batch) -> metrics``. No I/O, no sockets, no threads.
+"""The IMPALA learner: its compute (``VTraceLearner``: ``step(batch) -> metrics``; no I/O, no
+sockets, no threads) and its adapter to the runtime (``ImpalaTrainer``).
 
 One update: forward the network over ``[T+1, B]`` observations, V-trace from
 the behaviour and target logits, the (PopArt-)IMPALA loss, RMSProp with a
@@ -10,26 +11,22 @@ outputs are preserved).
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from impala.config import ConfigError, ImpalaConfig
-from impala.models import ImpalaNet
+from impala import wire
+from impala.config import ConfigError, ImpalaConfig, RunConfig, resolve_device
+from impala.envs.probe import EnvInfo
+from impala.messages import ImpalaAgentSpec
+from impala.models import ImpalaNet, build_model
+from impala.params import state_dict_arrays
 from impala.popart import impala_loss, popart_impala_loss
-from impala.trajectory import TrajectorySchema, stack_time_major
+from impala.trajectory import TrajectorySchema, impala_unroll_schema, stack_time_major
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name} was requested but CUDA is not available; use --device cpu or auto")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
+log = logging.getLogger(__name__)
 
 
 def make_optimizer(model: torch.nn.Module, config: ImpalaConfig) -> torch.optim.Optimizer:
@@ -88,8 +85,10 @@ class VTraceLearner:
 
     HEALTH_EVERY = 10
 
-    def __init__(self, model: ImpalaNet, config: ImpalaConfig, device: torch.device) -> None:
+    def __init__(self, model: ImpalaNet, config: ImpalaConfig, device: torch.device, *, total_frames: int, seed: int = 0) -> None:
+        """``total_frames``: the run's length in env frames, over which the learning rate decays to 0."""
         self.config = config
+        self.total_frames = total_frames
         self.device = device
         self.model = model.to(device)
         if hasattr(self.model.torso, "to_channels_last"):
@@ -100,14 +99,14 @@ class VTraceLearner:
         self.updates = 0
         self.skipped_updates = 0  # steps dropped because their loss or gradient was not finite
         self._health: dict[str, float] = {}
-        self._shuffle = torch.Generator().manual_seed(config.seed)
+        self._shuffle = torch.Generator().manual_seed(seed)
         self._staging: dict[str, torch.Tensor] | None = None
         self._staging_b = 0
 
     def learning_rate(self, frames_done: int) -> float:
         if not self.config.lr_decay:
             return self.config.learning_rate
-        return self.config.learning_rate * max(0.0, 1.0 - frames_done / self.config.total_frames)
+        return self.config.learning_rate * max(0.0, 1.0 - frames_done / self.total_frames)
 
     def stage(self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema) -> dict[str, torch.Tensor]:
         """Stack B unrolls time-major straight into staging buffers and move them to the device.
@@ -254,3 +253,73 @@ class VTraceLearner:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.updates = int(state["updates"])
+
+
+class ImpalaTrainer:
+    """The runtime's Trainer for IMPALA: collects B unrolls, stacks them time-major, runs one V-trace update."""
+
+    def __init__(self, config: ImpalaConfig, run: RunConfig, env: EnvInfo) -> None:
+        env.require_discrete("launch_impala")
+        self.config = config
+        self.max_abs_value = run.max_abs_value
+        self.frames_per_step = env.frames_per_step
+        total_frames = run.total_frames or int((run.total_steps or 0) * env.frames_per_step)
+        if not total_frames:
+            raise ConfigError("IMPALA needs a run length (--total-frames or --total-steps) for its learning-rate schedule")
+        torch.manual_seed(run.seed)  # the network's initialization is part of the run's seed
+        try:
+            model = build_model(config.model, env.obs_shape, env.num_actions, use_lstm=config.use_lstm, init=config.init, beta=config.popart_beta)
+        except ValueError as e:  # the model kind does not fit this env's observations
+            raise ConfigError(f"--model {config.model}: {e}") from None
+        self.learner = VTraceLearner(model, config, resolve_device(run.device), total_frames=total_frames, seed=run.seed)
+        core = model.core.hidden_size if config.use_lstm else 0
+        self.schema = impala_unroll_schema(run.unroll_length, env.obs_shape, env.obs_dtype, env.num_actions, core)
+        self.agent = ImpalaAgentSpec(config.model, config.use_lstm, config.popart_beta)
+        self._pending: list[Mapping[str, np.ndarray]] = []
+        self._sources: list[int] = []  # actor id of each pending unroll, to name them if a batch is bad
+
+    @property
+    def device(self) -> torch.device:
+        return self.learner.device
+
+    @property
+    def queue_size(self) -> int:
+        """One batch waits while the learner updates; every unroll buffered beyond that only adds policy lag."""
+        return self.config.batch_size
+
+    def ingest(self, msg: wire.Message, version: int) -> None:
+        self._pending.append(msg.arrays)
+        self._sources.append(msg.actor)
+
+    def ready(self) -> bool:
+        return len(self._pending) >= self.config.batch_size
+
+    def update(self, frames_done: int) -> dict[str, float]:
+        B = self.config.batch_size
+        batch = self.learner.stage(self._pending[:B], self.schema)
+        sources = sorted(set(self._sources[:B]))
+        del self._pending[:B], self._sources[:B]
+        skipped_before = self.learner.skipped_updates
+        metrics = self.learner.train(batch, frames_done=frames_done)
+        if self.learner.skipped_updates > skipped_before:
+            log.warning("skipped %d update step(s) with a non-finite loss or gradient; the batch came from actors %s",
+                        self.learner.skipped_updates - skipped_before, sources)
+        return metrics
+
+    def params(self) -> dict[str, np.ndarray]:
+        return state_dict_arrays(self.learner.model)
+
+    def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        """Values the schema cannot express: actions must index the policy's logits, and float
+        arrays stay within --max-abs-value (uint8 frames are bounded by their dtype)."""
+        actions = arrays["actions"]
+        n = arrays["behaviour_logits"].shape[-1]
+        if actions.size and (actions.min() < 0 or actions.max() >= n):
+            return f"actions outside [0, {n})"
+        return wire.check_bounded(arrays, self.max_abs_value, ("obs", "behaviour_logits", "rewards"))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.learner.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.learner.load_state_dict(state)

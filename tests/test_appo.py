@@ -8,10 +8,15 @@ import pytest
 import torch
 
 from impala import popart
-from impala.config import ConfigError, ImpalaConfig
+from impala.config import ConfigError, ImpalaConfig, RunConfig
+from impala.envs import EnvSpec
+from impala.envs.probe import EnvInfo
 from impala.models import build_model
 from learner.vtrace_learner import VTraceLearner
 
+
+# CartPole's spaces, as probe_env reports them (built here without stepping an env).
+CARTPOLE = EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num_actions=2)
 
 def test_clipped_surrogate_matches_the_ppo_formula_and_its_gradient():
     g = torch.Generator().manual_seed(0)
@@ -93,12 +98,10 @@ def test_epochs_and_clip_are_validated():
 
 
 def test_each_epoch_is_an_optimizer_step_on_the_same_batch():
-    from learner.launch_impala import ImpalaTrainer
+    from learner.vtrace_learner import ImpalaTrainer
 
-    torch.manual_seed(0)
-    config = ImpalaConfig(env="CartPole-v1", unroll_length=5, batch_size=2, minibatches=1, epochs=3, pg_clip=0.2, device="cpu",
-                          loss_reduction="mean", optimizer="adam")
-    trainer = ImpalaTrainer(config, (4,), "float32", 2, 1.0)
+    config = ImpalaConfig(batch_size=2, minibatches=1, epochs=3, pg_clip=0.2, loss_reduction="mean", optimizer="adam")
+    trainer = ImpalaTrainer(config, RunConfig(env="CartPole-v1", unroll_length=5, total_frames=1000, device="cpu"), CARTPOLE)
     g = np.random.default_rng(0)
     for _ in range(2):
         trainer._pending.append({
@@ -114,9 +117,8 @@ def test_each_epoch_is_an_optimizer_step_on_the_same_batch():
 
 def test_minibatches_split_whole_unrolls_and_cover_the_batch_each_epoch():
     torch.manual_seed(0)
-    config = ImpalaConfig(env="CartPole-v1", unroll_length=5, batch_size=4, epochs=2, minibatches=2, device="cpu",
-                          loss_reduction="mean", optimizer="adam")
-    learner = VTraceLearner(build_model("mlp", (4,), 2), config, torch.device("cpu"))
+    config = ImpalaConfig(batch_size=4, epochs=2, minibatches=2, loss_reduction="mean", optimizer="adam")
+    learner = VTraceLearner(build_model("mlp", (4,), 2), config, torch.device("cpu"), total_frames=1000)
     g = torch.Generator().manual_seed(1)
     batch = {
         "obs": torch.randn(6, 4, 4, generator=g), "first": torch.zeros(6, 4, dtype=torch.bool),

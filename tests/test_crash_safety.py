@@ -17,11 +17,14 @@ T, B = 5, 4
 
 
 def _learner():
-    from learner.launch_impala import ImpalaTrainer
+    from impala.config import RunConfig
+    from impala.envs import EnvSpec
+    from impala.envs.probe import EnvInfo
+    from learner.vtrace_learner import ImpalaTrainer
 
-    torch.manual_seed(0)
-    config = ImpalaConfig(env="CartPole-v1", unroll_length=T, batch_size=B, minibatches=1, epochs=1, device="cpu")
-    return ImpalaTrainer(config, (4,), "float32", 2, 1.0)
+    config = ImpalaConfig(batch_size=B, minibatches=1, epochs=1)
+    cartpole = EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num_actions=2)
+    return ImpalaTrainer(config, RunConfig(env="CartPole-v1", unroll_length=T, total_frames=1000, device="cpu"), cartpole)
 
 
 def _unroll(rng, obs_scale=1.0):
@@ -175,9 +178,7 @@ def test_huge_float_values_are_dropped_on_receipt():
         bad[name] = (bad[name] * 0 + scale).astype(np.float32)
         problem = trainer.validate(bad)
         assert problem is not None and name in problem and "--max-abs-value" in problem
-    import dataclasses
-
-    trainer.config = dataclasses.replace(trainer.config, max_abs_value=1e30)  # the bound is the user's to set
+    trainer.max_abs_value = 1e30  # the bound is the user's to set (--max-abs-value)
     bad = _unroll(rng)
     bad["obs"][:] = 1e25
     assert trainer.validate(bad) is None

@@ -112,36 +112,34 @@ def test_actor_that_builds_its_env_in_init_is_flagged_and_the_real_actor_is_not(
     finally:
         legacy.env.close()
     assert check_actor_builds_no_env(Actor(config)) == []
-    # An env hidden inside the config (a dict in a dataclass) is found too.
+    # An env hidden inside the config (a list in a dict in a dataclass in a dataclass) is found too.
     env = make_env(EnvSpec("PongDeterministic-v4"))
     try:
-        hidden = Actor(dataclasses.replace(config, agent={**config.agent, "envs": [env]}))
+        hidden = Actor(dataclasses.replace(config, env=dataclasses.replace(config.env, kwargs={"envs": [env]})))
         flags = check_actor_builds_no_env(hidden)
-        assert len(flags) == 1 and "config.agent['envs'][0]" in flags[0], flags
+        assert len(flags) == 1 and "config.env.kwargs['envs'][0]" in flags[0], flags
     finally:
         env.close()
 
 
 # 4 -------------------------------------------------------------------------
 def test_runtime_refuses_to_train_when_one_actor_fingerprint_differs(tmp_path):
-    from impala.config import ImpalaConfig
-    from learner.launch_impala import ImpalaTrainer, frames_per_agent_step, probe_env
-    from learner.runtime import FingerprintMismatchError, RunSettings, run
+    from impala.config import ImpalaConfig, RunConfig
+    from impala.envs.fingerprint import FingerprintMismatchError
+    from impala.envs.probe import probe_env
+    from learner.runtime import RunPlan, run
+    from learner.vtrace_learner import ImpalaTrainer
 
-    config = ImpalaConfig(env="PongDeterministic-v4", workers=2, envs_per_worker=1, unroll_length=20, batch_size=2, minibatches=1,
-                          total_frames=100_000, device="cpu", logdir=str(tmp_path), progress=False)
-    spec = EnvSpec(config.env)
-    fp, obs_shape, obs_dtype, num_actions = probe_env(spec, config.seed)
-    trainer = ImpalaTrainer(config, obs_shape, obs_dtype, num_actions, frames_per_agent_step(fp))
-    settings = RunSettings(env=spec, workers=2, envs_per_worker=1, unroll_length=20, total_frames=config.total_frames,
-                           logdir=str(tmp_path), start_method="spawn", progress=False, reference_fingerprint=fp,
-                           actor_class=SwapEnvActor, hello_timeout=120)
+    config = RunConfig(env="PongDeterministic-v4", workers=2, envs_per_worker=1, unroll_length=20, total_frames=100_000,
+                       device="cpu", logdir=str(tmp_path), start_method="spawn", progress=False)
+    env = probe_env(EnvSpec(config.env), seed=config.seed)
+    trainer = ImpalaTrainer(ImpalaConfig(batch_size=2, minibatches=1), config, env)
     with pytest.raises(FingerprintMismatchError) as info:
-        run(trainer, settings)
+        run(trainer, config, RunPlan(env, "test", actor_class=SwapEnvActor, hello_timeout=120))
     msg = str(info.value)
     assert "actor 1" in msg and "frameskip: configured 4, measured 3" in msg, msg
     assert trainer.learner.updates == 0
-    assert not os.path.exists(settings.checkpoint_path)
+    assert not os.path.exists(config.checkpoint_path)
     assert own_children() == []
 
 

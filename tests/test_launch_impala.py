@@ -146,15 +146,15 @@ def test_help_documents_every_option():
 
 
 def test_env_kwargs_override_is_applied_and_validated(tmp_path):
-    from impala.config import ConfigError, ImpalaConfig
-    from learner.launch_impala import probe_env
+    from impala.config import ConfigError, RunConfig
     from impala.envs import EnvSpec
+    from impala.envs.probe import probe_env
 
-    cfg = ImpalaConfig(env="PongNoFrameskip-v4", env_kwargs='{"frameskip": 4}', logdir=str(tmp_path))
-    fp, *_ = probe_env(EnvSpec(cfg.env, cfg.env_overrides), 0)
+    cfg = RunConfig(env="PongNoFrameskip-v4", env_kwargs='{"frameskip": 4}', logdir=str(tmp_path))
+    fp = probe_env(EnvSpec(cfg.env, cfg.env_overrides)).fingerprint
     assert (fp.frameskip_min, fp.frameskip_max) == (4, 4)  # measured, not read back from the config
     with pytest.raises(ConfigError, match="--env-kwargs"):
-        ImpalaConfig(env_kwargs="[1, 2]")
+        RunConfig(env_kwargs="[1, 2]")
     out = run(["launch_impala", "--env-kwargs", "{bad"], timeout=60)
     assert out.returncode == 2 and "--env-kwargs is not valid JSON" in out.stderr and "Traceback" not in out.stderr
 
@@ -240,23 +240,24 @@ FREE_TEXT = {"env", "logdir", "bind", "curve"}
 ANY_NUMBER = {"stop_at_return"}
 
 
-def test_every_numeric_and_choice_field_rejects_bad_values():
-    """Walk every ImpalaConfig field (each is a launch_impala flag) with values that cannot work."""
+@pytest.mark.parametrize("cls_name", ["RunConfig", "ImpalaConfig"])
+def test_every_numeric_and_choice_field_rejects_bad_values(cls_name):
+    """Walk every RunConfig and ImpalaConfig field (each is a launch_impala flag) with values that cannot work."""
     import dataclasses
     import math
-    from typing import get_type_hints
 
-    from impala.config import ConfigError, ImpalaConfig, _value_type
+    import impala.config
+    from impala.config import ConfigError, field_kind
 
-    hints = get_type_hints(ImpalaConfig)
+    cls = getattr(impala.config, cls_name)
     accepted = []
-    for f in dataclasses.fields(ImpalaConfig):
-        kind = _value_type(hints[f.name])
+    for f in dataclasses.fields(cls):
+        choices, kind, _ = field_kind(cls, f.name)
         bad = {float: [math.nan, math.inf, -math.inf] + ([] if f.name in ANY_NUMBER else [-1.0]), int: [-1],
                str: [] if f.name in FREE_TEXT else ["BOGUS"], bool: []}[kind]
         for value in bad:
             try:
-                ImpalaConfig(**{f.name: value})
+                cls(**{f.name: value})
                 accepted.append((f.name, value))
             except ConfigError:
                 pass

@@ -30,9 +30,13 @@ from fake_unity import write_fake_build  # noqa: E402
 
 from actors.ppo_agent import PPOAgent  # noqa: E402
 from impala import wire  # noqa: E402
+from impala.config import RunConfig  # noqa: E402
+from impala.envs import EnvSpec  # noqa: E402
+from impala.envs.probe import EnvInfo  # noqa: E402
 from impala.envs.vector import StepResult  # noqa: E402
+from impala.messages import PPOAgentSpec  # noqa: E402
 from impala.ppo_config import PPOConfig  # noqa: E402
-from learner.launch_ppo import PPOTrainer, choose_unroll_length, piece_from_unroll  # noqa: E402
+from learner.ppo_learner import PPOTrainer, choose_unroll_length, piece_from_unroll  # noqa: E402
 
 LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
 
@@ -156,7 +160,7 @@ def test_single_process_mode(tmp_path):
     records = tmp_path / "records"
     build = recording_build(tmp_path / "FakeCrawler.x86_64", records)
     logdir = tmp_path / "run"
-    out = launch("--unity-build", str(build), "--workers", "0", "--unity-base-port", str(base), "--logdir", str(logdir),
+    out = launch("--unity-build", str(build), "--workers", "1", "--in-process", "--unity-base-port", str(base), "--logdir", str(logdir),
                  "--total-steps", "600", *tiny())
     assert out.returncode == 0, out.stderr[-3000:]
     assert "started 1 actors (threads)" in out.stderr
@@ -236,6 +240,13 @@ def _unroll(T: int, D: int, A: int, rng) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _trainer(cfg: PPOConfig, unroll_length: int = 8, **run: object) -> PPOTrainer:
+    """A trainer for 3-value observations and 2 actions in [-1, 1] (the spaces a probe would report)."""
+    ones = np.ones(2, np.float32)
+    env = EnvInfo(EnvSpec("Pendulum-v1"), (3,), "float32", "Box", "Box", action_low=-ones, action_high=ones)
+    return PPOTrainer(cfg, RunConfig(env="Pendulum-v1", unroll_length=unroll_length, device="cpu", **run), env)
+
+
 def _message(trainer: PPOTrainer, arrays: dict[str, np.ndarray]) -> wire.Message:
     """Through the real codec, as the server receives it."""
     frames = wire.encode("unroll", actor=1, version=0, arrays=arrays, info={"env": 2})
@@ -253,7 +264,7 @@ def test_piece_from_unroll_bootstraps_from_final_obs():
 
 def test_nan_unroll_rejected_and_counted():
     cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=8)
-    trainer = PPOTrainer(cfg, 3, 2, -np.ones(2), np.ones(2), unroll_length=8)
+    trainer = _trainer(cfg)
     rng = np.random.default_rng(1)
     good = _unroll(8, 3, 2, rng)
     bad = _unroll(8, 3, 2, rng)
@@ -272,7 +283,7 @@ def test_nan_unroll_rejected_and_counted():
 
 def test_huge_finite_unrolls_are_dropped_on_receipt():
     cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=8)
-    trainer = PPOTrainer(cfg, 3, 2, -np.ones(2), np.ones(2), unroll_length=8)
+    trainer = _trainer(cfg)
     rng = np.random.default_rng(2)
     assert trainer.validate(_unroll(8, 3, 2, rng)) is None
     for name in ("obs", "rewards", "log_probs", "final_obs"):
@@ -280,7 +291,7 @@ def test_huge_finite_unrolls_are_dropped_on_receipt():
         bad[name] = np.full_like(bad[name], 1e25)
         problem = trainer.validate(bad)
         assert problem is not None and problem.startswith(name) and "--max-abs-value" in problem
-    loose = PPOTrainer(cfg, 3, 2, -np.ones(2), np.ones(2), unroll_length=8, max_abs_value=1e30)
+    loose = _trainer(cfg, max_abs_value=1e30)
     bad = _unroll(8, 3, 2, rng)
     bad["obs"][:] = 1e25
     assert loose.validate(bad) is None
@@ -304,7 +315,7 @@ class _Envs:
 def test_agent_clips_env_actions_and_records_raw(semantics):
     cfg = PPOConfig.preset(semantics, hidden_units=8, num_layers=1, buffer_size=64, batch_size=8)
     low, high = np.array([-0.5, -2.0]), np.array([0.5, 2.0])
-    settings = PPOAgent.settings(cfg, 4, 2, low, high)
+    settings = PPOAgentSpec(cfg, 4, 2, tuple(low), tuple(high))
     obs = np.random.default_rng(0).normal(size=(3, 4))  # float64, as MuJoCo returns
     agent = PPOAgent(settings, envs=_Envs(), first_obs=obs, unroll_length=5, seed=0)
     agent.policy.log_sigma.data.fill_(1.5)  # wide enough that clipping happens
@@ -338,7 +349,7 @@ RUN_BAD_VALUES = [
 def test_bad_run_values_are_one_line_errors(argv, message, capsys, tmp_path):
     from learner.launch_ppo import main
 
-    assert main(["--env", "Pendulum-v1", "--workers", "0", "--logdir", str(tmp_path), *argv]) == 2
+    assert main(["--env", "Pendulum-v1", "--workers", "1", "--in-process", "--logdir", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("launch_ppo: error: ") and message in err[0], err
 

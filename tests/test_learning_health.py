@@ -85,8 +85,8 @@ def test_step_fraction_matches_the_optimizer_state(kind):
 
 def test_learner_reports_health_every_update():
     torch.manual_seed(0)
-    config = ImpalaConfig(unroll_length=5, batch_size=3, minibatches=1, device="cpu", loss_reduction="mean", optimizer="adam")
-    learner = VTraceLearner(build_model("shallow", (4, 84, 84), 6), config, torch.device("cpu"))
+    config = ImpalaConfig(batch_size=3, minibatches=1, loss_reduction="mean", optimizer="adam")
+    learner = VTraceLearner(build_model("shallow", (4, 84, 84), 6), config, torch.device("cpu"), total_frames=1000)
     g = torch.Generator().manual_seed(1)
     batch = {
         "obs": torch.randint(0, 256, (6, 3, 4, 84, 84), generator=g, dtype=torch.uint8),

@@ -81,7 +81,7 @@ def test_live_fuzz_against_a_running_learner(tmp_path):
     try:
         metrics = tmp_path / "metrics.csv"
         assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 90), "the run never started"
-        run_id = fetch_run_info(f"tcp://127.0.0.1:{port + 1}", 30)["run_id"]
+        run_id = fetch_run_info(f"tcp://127.0.0.1:{port + 1}", 30).run_id
         time.sleep(1.0)  # let the PUSH connection finish its handshake before the flood
         rss_start = _rss_kib(learner.pid)
         t0 = time.monotonic()

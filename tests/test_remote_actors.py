@@ -99,10 +99,11 @@ def test_remote_learner_without_curve_is_refused_before_connecting():
 
 def test_bad_values_are_one_line_errors_before_connecting():
     cases = [
-        (["--timeout", "nan"], "--timeout must be a finite number of seconds > 0"),
-        (["--learner-timeout", "-1"], "--learner-timeout must be a finite number of seconds > 0"),
+        (["--timeout", "nan"], "--timeout must be a finite number"),
+        (["--learner-timeout", "-1"], "--learner-timeout must be a number of seconds > 0"),
         (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
-        (["--first-id", "-1"], "--first-id and --seed must be >= 0"),
+        (["--first-id", "-1"], "--first-id must be >= 0"),
+        (["--seed", "-1"], "--seed must be >= 0"),
         (["--workers", "0"], "--workers must be >= 1"),
     ]
     for argv, message in cases:

@@ -4,22 +4,22 @@ import math
 
 import pytest
 
-from impala.config import ImpalaConfig
+from impala.config import ImpalaConfig, RunConfig
 from impala.envs import EnvSpec
-from learner.launch_impala import ImpalaTrainer, frames_per_agent_step, probe_env
-from learner.runtime import RunSettings, run
+from impala.envs.probe import probe_env
+from learner.runtime import RunPlan, run
+from learner.vtrace_learner import ImpalaTrainer
 
 
 @pytest.mark.parametrize("use_lstm", [False, True])
 def test_in_process_run_trains_with_and_without_lstm(tmp_path, use_lstm):
-    cfg = ImpalaConfig(env="CartPole-v1", workers=1, envs_per_worker=3, unroll_length=10, batch_size=4,
-                       use_lstm=use_lstm, total_frames=2400, logdir=str(tmp_path), progress=False)
-    spec = EnvSpec(cfg.env)
-    fp, obs_shape, obs_dtype, num_actions = probe_env(spec, 0)
-    trainer = ImpalaTrainer(cfg, obs_shape, obs_dtype, num_actions, frames_per_agent_step(fp))
+    cfg = ImpalaConfig(batch_size=4, use_lstm=use_lstm)
+    run_config = RunConfig(env="CartPole-v1", workers=1, envs_per_worker=3, unroll_length=10, total_frames=2400,
+                           logdir=str(tmp_path), progress=False, in_process=True, device="cpu")
+    env = probe_env(EnvSpec(run_config.env))
+    trainer = ImpalaTrainer(cfg, run_config, env)
     assert ("core_state" in trainer.schema.names) == use_lstm
-    result = run(trainer, RunSettings(env=spec, workers=1, envs_per_worker=3, unroll_length=10, total_frames=2400,
-                                      logdir=str(tmp_path), progress=False, in_process=True, reference_fingerprint=fp))
+    result = run(trainer, run_config, RunPlan(env, "test"))
     assert result.env_frames >= 2400
     assert result.updates >= 2400 // (10 * 4)
     assert result.dropped == {}
@@ -35,7 +35,7 @@ def test_staging_buffers_match_a_fresh_stack_and_are_reused(tmp_path):
     from learner.vtrace_learner import VTraceLearner
 
     schema = impala_unroll_schema(5, (4,), "float32", 2, core_state_size=3)
-    learner = VTraceLearner(build_model("mlp", (4,), 2), ImpalaConfig(env="CartPole-v1", logdir=str(tmp_path)), __import__("torch").device("cpu"))
+    learner = VTraceLearner(build_model("mlp", (4,), 2), ImpalaConfig(), __import__("torch").device("cpu"), total_frames=1000)
     rng = np.random.default_rng(0)
     for _ in range(2):  # the second batch overwrites the first batch's buffers
         unrolls = []

@@ -260,6 +260,7 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
 
     from actors.loop import ActorConfig, run_actor
     from impala.envs import EnvSpec
+    from impala.messages import ImpalaAgentSpec
     from impala.models import build_model
     from impala.params import state_dict_arrays
     from impala.trajectory import impala_unroll_schema
@@ -270,7 +271,7 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
     stop = threading.Event()
     config = ActorConfig(actor_id=3, env=EnvSpec("CartPole-v1"), num_envs=1, unroll_length=4,
                          trajectory_endpoint=srv.trajectory_endpoint, params_endpoint=srv.params_endpoint,
-                         agent={"kind": "impala", "model": "mlp", "use_lstm": False}, learner_timeout_s=30)
+                         agent=ImpalaAgentSpec("mlp"), learner_timeout_s=30)
     actor = threading.Thread(target=run_actor, args=(config,), kwargs={"stop_event": stop}, daemon=True)
     try:
         params = state_dict_arrays(build_model("mlp", (4,), 2))

@@ -44,6 +44,20 @@ class EnvSpec:
         if not self.is_unity:
             check_env_id(self.id)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the wire (JSON-like); kwargs must be JSON values."""
+        return {"id": self.id, "kwargs": dict(self.kwargs), "preprocess": self.preprocess}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "EnvSpec":
+        """Validate a peer's env description; ``ValueError`` (``UnknownEnvError`` for an unknown id) says what is wrong."""
+        if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not isinstance(d.get("kwargs", {}), dict):
+            raise ValueError(f"env spec must be {{'id': str, 'kwargs': dict, 'preprocess': bool}}, got {d!r:.200}")
+        preprocess = d.get("preprocess", True)
+        if not isinstance(preprocess, bool):
+            raise ValueError(f"env spec: preprocess must be true or false, got {preprocess!r}")
+        return cls(d["id"], dict(d.get("kwargs", {})), preprocess)
+
     @property
     def is_unity(self) -> bool:
         """``unity:<name>`` specs describe a Unity build (kwargs hold ``file_name`` etc.)."""

@@ -103,6 +103,15 @@ def expected_observation(spec: EnvSpec) -> tuple[tuple[int, ...], str]:
         env.close()
 
 
+def measure_env_fingerprint(spec: EnvSpec, *, seed: int = 0, steps: int = 300) -> EnvFingerprint:
+    """The fingerprint of a fresh env built from ``spec`` (what an actor reports in its hello)."""
+    env = build_env(spec, seed=seed)
+    try:
+        return measure_fingerprint(env, steps=steps, seed=seed)
+    finally:
+        env.close()
+
+
 def probe_env(spec: EnvSpec, *, seed: int = 0, check_config: bool = True) -> EnvInfo:
     """Build one gymnasium env here, measure its fingerprint and spaces, close it.
 
@@ -143,7 +152,7 @@ def probe_unity(build: str, *, worker_id: int, base_port: int, timeout: int, beh
 
     Fails fast, in this process, with UnityVecEnv's message (it names the path and the port).
     """
-    from impala.envs.unity import UnityVecEnv
+    from impala.envs.unity import UnityVecEnv  # here: mlagents-envs is only needed for Unity builds
 
     with UnityVecEnv(build, worker_id=worker_id, base_port=base_port, seed=seed, timeout_wait=timeout, behavior_name=behavior) as env:
         obs_dim, action_dim, k, name = env.obs_dim, env.action_dim, env.num_envs, env.behavior_name

@@ -1,0 +1,146 @@
+"""Typed contracts for what travels between processes as plain data.
+
+An actor needs to know which agent adapter to run and with what settings
+(:class:`ImpalaAgentSpec`, :class:`PPOAgentSpec`); a remote actor learns the whole run
+(:class:`RunInfo`: env, agent, unroll length, envs per actor) from the learner's weights
+messages. Each type has ``to_dict`` (what the wire codec carries: JSON-like data, never
+pickles) and ``from_dict``, which validates a peer's data and raises ``ValueError`` with
+what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+from impala.envs import EnvSpec
+from impala.ppo_config import PPOConfig
+
+
+def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(d, Mapping) or key not in d:
+        raise ValueError(f"{what}: missing {key!r}")
+    value = d[key]
+    if isinstance(value, bool) and kind is not bool and (kind is int or kind == (int, float)):
+        raise ValueError(f"{what}: {key} must be a number, got {value!r}")
+    if not isinstance(value, kind):
+        raise ValueError(f"{what}: {key} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class ImpalaAgentSpec:
+    """Discrete actions from an IMPALA network (``impala.models.build_model``)."""
+
+    model: str
+    use_lstm: bool = False
+    popart_beta: float = 3e-4
+    kind: str = dataclasses.field(default="impala", init=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.model, "use_lstm": self.use_lstm, "popart_beta": self.popart_beta}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ImpalaAgentSpec":
+        what = "impala agent settings"
+        model = _get(d, "model", str, what)
+        if model not in ("auto", "shallow", "nature", "deep", "mlp"):
+            raise ValueError(f"{what}: unknown model {model!r}")
+        beta = float(_get(d, "popart_beta", (int, float), what))
+        if not 0 < beta <= 1:
+            raise ValueError(f"{what}: popart_beta must be in (0, 1], got {beta}")
+        return cls(model, _get(d, "use_lstm", bool, what), beta)
+
+
+@dataclass(frozen=True)
+class PPOAgentSpec:
+    """Continuous actions from the PPO policy; ``unrolls_per_update`` / ``params_wait_s`` make an
+    on-policy actor wait for new weights once it sent its share of an update."""
+
+    config: PPOConfig
+    obs_dim: int
+    action_dim: int
+    action_low: tuple[float, ...]
+    action_high: tuple[float, ...]
+    unrolls_per_update: int = 0
+    params_wait_s: float = 0.0
+    kind: str = dataclasses.field(default="ppo", init=False)
+
+    def __post_init__(self) -> None:
+        if self.obs_dim < 1 or self.action_dim < 1:
+            raise ValueError(f"ppo agent settings: obs_dim and action_dim must be >= 1, got {self.obs_dim}, {self.action_dim}")
+        if len(self.action_low) != self.action_dim or len(self.action_high) != self.action_dim:
+            raise ValueError(f"ppo agent settings: action bounds must have {self.action_dim} values")
+        if not all(math.isfinite(x) for x in (*self.action_low, *self.action_high, self.params_wait_s)):
+            raise ValueError("ppo agent settings: action bounds and params_wait_s must be finite")
+        if self.unrolls_per_update < 0 or self.params_wait_s < 0:
+            raise ValueError("ppo agent settings: unrolls_per_update and params_wait_s must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "config": dataclasses.asdict(self.config), "obs_dim": self.obs_dim, "action_dim": self.action_dim,
+            "action_low": list(self.action_low), "action_high": list(self.action_high),
+            "unrolls_per_update": self.unrolls_per_update, "params_wait_s": self.params_wait_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PPOAgentSpec":
+        what = "ppo agent settings"
+        raw = _get(d, "config", Mapping, what)
+        known = {f.name for f in dataclasses.fields(PPOConfig)}
+        if set(raw) - known:
+            raise ValueError(f"{what}: unknown PPO options {sorted(set(raw) - known)}")
+        try:
+            config = PPOConfig(**raw)
+        except (ValueError, TypeError) as e:  # ConfigError is a ValueError
+            raise ValueError(f"{what}: {e}") from None
+        bounds = [_get(d, k, list, what) for k in ("action_low", "action_high")]
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for b in bounds for x in b):
+            raise ValueError(f"{what}: action bounds must be numbers")
+        return cls(
+            config, _get(d, "obs_dim", int, what), _get(d, "action_dim", int, what),
+            tuple(float(x) for x in bounds[0]), tuple(float(x) for x in bounds[1]),
+            _get(d, "unrolls_per_update", int, what), float(_get(d, "params_wait_s", (int, float), what)),
+        )
+
+
+AgentSpec = Union[ImpalaAgentSpec, PPOAgentSpec]
+AGENT_SPECS: dict[str, Any] = {"impala": ImpalaAgentSpec, "ppo": PPOAgentSpec}
+
+
+def agent_spec_from_dict(d: Mapping[str, Any]) -> AgentSpec:
+    kind = d.get("kind") if isinstance(d, Mapping) else None
+    if kind not in AGENT_SPECS:
+        raise ValueError(f"unknown agent kind {kind!r} (known: {', '.join(AGENT_SPECS)})")
+    return AGENT_SPECS[kind].from_dict(d)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a remote actor runs, sent with every weights message: a new ``run_id`` means a new
+    learner process (actors say hello again)."""
+
+    run_id: str
+    env: EnvSpec
+    agent: AgentSpec
+    unroll_length: int
+    envs_per_worker: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id, "env": self.env.to_dict(), "agent": self.agent.to_dict(),
+            "unroll_length": self.unroll_length, "envs_per_worker": self.envs_per_worker,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RunInfo":
+        what = "run info"
+        T, K = _get(d, "unroll_length", int, what), _get(d, "envs_per_worker", int, what)
+        if not (1 <= T <= 100_000 and 1 <= K <= 10_000):
+            raise ValueError(f"{what}: unroll_length {T} / envs_per_worker {K} out of range")
+        return cls(
+            _get(d, "run_id", str, what), EnvSpec.from_dict(_get(d, "env", Mapping, what)),
+            agent_spec_from_dict(_get(d, "agent", Mapping, what)), T, K,
+        )

@@ -1,0 +1,112 @@
+"""Every flag of every console script, walked with values that cannot work: exit 2, one line, no traceback.
+
+The scripts come from pyproject.toml's ``[project.scripts]`` and the flags from each script's own
+parser, so a new script or flag is walked without editing this file; a new free-text flag must be
+given a bad value in ``TEXT_BAD`` (the walk fails until it is). Each case calls the real ``main``
+in this process. The base arguments make a tiny run, so a bad value that slips through is caught as
+exit 0 after a few seconds instead of a long run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+
+# Base arguments per script: valid, and a short run if nothing else stops it.
+TINY_IMPALA = ["--env", "CartPole-v1", "--workers", "1", "--in-process", "--total-frames", "64", "--unroll-length", "8",
+               "--batch-size", "2", "--minibatches", "1", "--no-progress", "--device", "cpu"]
+TINY_PPO = ["--env", "Pendulum-v1", "--workers", "1", "--in-process", "--total-steps", "64", "--buffer-size", "64",
+            "--batch-size", "32", "--hidden-units", "8", "--num-layers", "1", "--time-horizon", "32", "--no-progress", "--device", "cpu"]
+BASE = {
+    "launch_impala": TINY_IMPALA,
+    "launch_ppo": TINY_PPO,
+    "frameskip_check": ["--env", "CartPole-v1", "--workers", "1", "--start-method", "fork", "--fingerprint-steps", "20"],
+    "impala-actors": ["--learner", "tcp://127.0.0.1:9", "--timeout", "0.5", "--workers", "1"],
+}
+
+# Free-text flags and a value each that cannot work (numbers and choices are generated).
+TEXT_BAD = {
+    "--env": "NoSuchEnv-v9",
+    "--env-kwargs": "{not json",
+    "--logdir": "/proc/no-such-dir/run",
+    "--bind": "",
+    "--curve": "/proc/no-such-dir/keys",
+    "--device": "gpu7",
+    "--config": "/no/such/preset.yaml",
+    "--unity-build": "/no/such/Crawler.x86_64",
+    "--unity-behavior": None,  # only read with --unity-build (its own case above)
+    "--trainer-config": "/no/such/trainer.yaml",
+    "--mlagents-config": "/no/such/trainer.yaml",
+    "--behavior": None,  # only read with --trainer-config
+    "--learner": "udp://nowhere",
+    "--actor-class": "no_such_module:Actor",
+    "--start-method": "teleport",
+    "--plot": "/proc/no-such-dir/plot.png",
+    "--checkpoint": "/no/such/checkpoint.pt",
+}
+# Numeric flags where a negative number is a legitimate value.
+ANY_SIGN = {"--stop-at-return"}
+
+
+def _flag_cases() -> list[tuple[str, str, str]]:
+    cases = []
+    for prog, target in SCRIPTS.items():
+        module = importlib.import_module(target.split(":")[0])
+        for action in module.build_parser()._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            flag = max(action.option_strings, key=len)
+            if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+                continue  # on/off switches take no value to get wrong
+            if action.choices is not None:
+                values = ["BOGUS"]
+            elif action.type in (int, float) or getattr(action.type, "__name__", "") in ("int", "float"):
+                kind = getattr(action.type, "__name__", "")
+                values = ["x", "nan", "inf"] if kind == "float" else ["x", "1.5"]
+                if flag not in ANY_SIGN:
+                    values.append("-1")
+            else:
+                assert flag in TEXT_BAD, f"{prog} {flag}: a free-text flag without a bad value in TEXT_BAD"
+                values = [] if TEXT_BAD[flag] is None else [TEXT_BAD[flag]]
+            cases += [(prog, flag, v) for v in values]
+    return cases
+
+
+CASES = _flag_cases()
+
+
+@pytest.mark.parametrize("prog,flag,value", CASES, ids=[f"{p}{f}={v}" for p, f, v in CASES])
+def test_bad_flag_value_is_one_line_and_exit_2(prog, flag, value, tmp_path, capsys, monkeypatch):
+    module = importlib.import_module(SCRIPTS[prog].split(":")[0])
+    argv = list(BASE[prog])
+    if prog in ("launch_impala", "launch_ppo"):
+        argv += ["--logdir", str(tmp_path / "run")]
+    monkeypatch.chdir(tmp_path)  # anything a slipped-through value writes stays in the test's folder
+    try:
+        rc = module.main([*argv, f"{flag}={value}"])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not re.match(r"^\d{4}-\d\d-\d\d ", line)]  # log lines aside
+    assert rc == 2, f"{prog} {flag}={value!r} was accepted (exit {rc}); stderr: {err[-1500:]}"
+    assert "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), lines
+    names = (flag, flag[2:].replace("-", "_"), value)  # the flag, its option name (PPO's YAML-shared messages), or the value
+    assert any(n and n in lines[0] for n in names), f"the message names neither the flag nor the value: {lines[0]}"
+
+
+@pytest.mark.parametrize("prog", sorted(SCRIPTS))
+def test_help_shows_each_default_once(prog):
+    module = importlib.import_module(SCRIPTS[prog].split(":")[0])
+    text = " ".join(module.build_parser().format_help().split())
+    assert "(default: " in text or prog == "frameskip_check"
+    for chunk in re.split(r"\s(?=-{1,2}[a-z])", text):  # one chunk per option
+        assert chunk.count("(default:") <= 1, chunk
