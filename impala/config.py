@@ -16,7 +16,7 @@ issue 8): V-trace(lambda=0.95) targets and advantages with PPO's clipped surroga
 behaviour policy (APPO), 4 passes of 4 minibatches over each batch of 32 x 32 steps, Adam 2.5e-4 on
 mean-reduced losses, gradient norm clipped at 0.5, orthogonal init. With the IMPALA paper's own
 settings (single pass, RMSProp 6e-4 / eps 0.01 / clip 40 on summed losses,
-``configs/impala_paper_atari.yaml``) the policy was still uniform after 4M frames here; they remain
+``configs/atari.yaml``) the policy was still uniform after 4M frames here; they remain
 one flag away for big boxes, with their published meaning (tests/test_impala_update.py).
 """
 

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--config", metavar="FILE", default=None,
-        help="Preset file (YAML, option: value) applied before the flags, e.g. configs/impala_paper_atari.yaml; "
+        help="Preset file (YAML, option: value) applied before the flags, e.g. configs/atari.yaml; "
         "flags given on the command line override it.",
     )
     add_flags(parser.add_argument_group("run"), RunConfig, helps=RUN_HELP)

@@ -32,7 +32,7 @@ OBS = (4, 84, 84)
 
 # The IMPALA paper's Atari settings as shipped in the preset file (what `--config` reads),
 # with a Pong-shaped batch: T=80 as TorchBeast's default unroll.
-PRESET = os.path.join(os.path.dirname(__file__), "..", "configs", "impala_paper_atari.yaml")
+PRESET = os.path.join(os.path.dirname(__file__), "..", "configs", "atari.yaml")
 PAPER = {**load_preset(PRESET, (RunConfig, ImpalaConfig)), "unroll_length": T, "batch_size": B}
 IMPALA_FIELDS = {f.name for f in dataclasses.fields(ImpalaConfig)}
 

@@ -1,6 +1,7 @@
 """launch_impala end to end: real actor processes, real ZeroMQ, real signals."""
 
 import csv
+import dataclasses
 import math
 import os
 import re
@@ -290,3 +291,22 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
     assert "ignored a hello in the name of verified actor 0" in out and "no valid local token" in out, out[-3000:]
     assert "refused actor 5" in out
     assert _frames(_done_line(out)) >= 60000  # actor 0 kept training to the end
+
+
+@pytest.mark.parametrize("name", ["atari.yaml", "atari_deep.yaml", "pong_small_cpu.yaml"])
+def test_shipped_presets_load_and_validate(name):
+    """Every preset in configs/ names only real options with valid values, and says where its numbers come from."""
+    from learner.launch_impala import parse_args, resolve
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", name)
+    with open(path) as f:
+        assert f.readline().startswith("# "), "a preset starts with a comment saying where its numbers come from"
+    run_config, impala = resolve(parse_args(["--config", path]))
+    assert impala.model in ("shallow", "deep")
+    if name == "pong_small_cpu.yaml":
+        # the file pins today's defaults; if a default moves, this file (and docs/PONG.md) must say so
+        default_run, default_impala = resolve(parse_args(["--env", "PongDeterministic-v4"]))
+        assert dataclasses.replace(impala, model="auto") == default_impala
+        assert run_config == default_run
+    else:
+        assert (impala.loss_reduction, impala.optimizer, impala.learning_rate, run_config.unroll_length) == ("sum", "rmsprop", 6e-4, 20)
