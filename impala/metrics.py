@@ -11,7 +11,7 @@ import csv
 import os
 import sys
 import time
-from typing import Mapping
+from typing import Any, Mapping
 
 def log_this_one(count: int, first: int = 20, every: int = 1000) -> bool:
     """Throttle for log lines a peer can trigger: the first ``first`` occurrences, then every
@@ -33,8 +33,10 @@ CONSOLE_KEYS = (
 
 
 class MetricsLogger:
-    def __init__(self, logdir: str, *, progress: bool = True, title: str = "training") -> None:
+    def __init__(self, logdir: str, *, progress: bool = True, title: str = "training", tracker: Any = None) -> None:
+        """``tracker``: an optional experiment tracker (``impala.tracking.WandbTracker``) that gets every row too."""
         os.makedirs(logdir, exist_ok=True)
+        self.tracker = tracker
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(logdir)
@@ -63,6 +65,8 @@ class MetricsLogger:
     def log(self, step: int, row: Mapping[str, float]) -> None:
         for key, value in row.items():
             self.writer.add_scalar(key, value, step)
+        if self.tracker is not None:
+            self.tracker.log(step, row)
         full = {"step": step, "time": round(time.time() - self._start, 3), **row}
         if self._csv is None:
             self._open_csv()
@@ -105,5 +109,7 @@ class MetricsLogger:
         if self._live is not None:
             self._live.stop()
         self.writer.close()
+        if self.tracker is not None:
+            self.tracker.close()
         if self._csv_file is not None:
             self._csv_file.close()

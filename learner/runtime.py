@@ -33,6 +33,7 @@ from impala.envs.fingerprint import EnvFingerprint, FingerprintMismatchError, co
 from impala.envs.probe import EnvInfo
 from impala.messages import AgentSpec, RunInfo
 from impala.metrics import MetricsLogger
+from impala.tracking import WandbTracker
 from impala.trajectory import TrajectorySchema
 from learner.server import PortInUseError, TrajectoryServer
 
@@ -168,6 +169,11 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
         problems = compare_fingerprints(reference, theirs)
         return "; ".join(str(p) for p in problems) or None
 
+    run_id = uuid.uuid4().hex  # a new learner process: remote actors say hello again
+    tracker = None
+    if config.track:  # before any socket is bound: a tracker that cannot start is a start-up error
+        tracker = WandbTracker(project=config.track_project, logdir=config.logdir, name=f"{plan.title} {run_id[:8]}",
+                               config=plan.config_record, resume=config.resume)
     # RunConfig already refused a public bind without --curve or --insecure-bind.
     client_keys = prepare_server(config.curve) if config.curve else None
     server = TrajectoryServer(
@@ -175,8 +181,8 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
         curve_dir=config.curve or None, validate=trainer.validate, protected_ids=verified_local, local_token=local_token,
     )
     # Remote actors (impala-actors) learn what to run from this, sent with every weights message.
-    run_info = RunInfo(uuid.uuid4().hex, plan.env.spec, trainer.agent, config.unroll_length, config.envs_per_worker)
-    server.run_info = run_info.to_dict()  # a new run_id (a new learner process): remote actors say hello again
+    run_info = RunInfo(run_id, plan.env.spec, trainer.agent, config.unroll_length, config.envs_per_worker)
+    server.run_info = run_info.to_dict()
     configs = [
         ActorConfig(
             actor_id=i,
@@ -193,7 +199,7 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
         for i in range(config.workers)
     ]
     pool = ThreadActors(configs) if config.in_process else ActorPool(configs, start_method=config.start_method, actor_class=plan.actor_class)
-    logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title)
+    logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker)
     interrupted = reached_return = False
     start = time.monotonic()
     last_ckpt = time.monotonic()

@@ -11,4 +11,4 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/pip install -q "torch==2.13.0"
 fi
-.venv/bin/pip install -q -e ".[unity,mujoco,dev]"
+.venv/bin/pip install -q -e ".[unity,mujoco,track,dev]"

@@ -40,6 +40,7 @@ TEXT_BAD = {
     "--bind": "",
     "--curve": "/proc/no-such-dir/keys",
     "--device": "gpu7",
+    "--track-project": "team/project",
     "--config": "/no/such/preset.yaml",
     "--unity-build": "/no/such/Crawler.x86_64",
     "--unity-behavior": None,  # only read with --unity-build (its own case above)

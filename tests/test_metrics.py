@@ -1,5 +1,7 @@
 import csv
 
+import pytest
+
 from impala.checkpoint import load_checkpoint, save_checkpoint
 from impala.metrics import MetricsLogger
 
@@ -31,3 +33,49 @@ def test_checkpoint_is_atomic_and_loads_weights_only(tmp_path):
     assert not list(tmp_path.glob(".checkpoint-*"))  # no temporary left behind
     state = load_checkpoint(str(path))
     assert state["n"] == 6 and torch.equal(state["w"], torch.zeros(3))
+
+
+def test_track_logs_rows_config_and_commit_to_wandb_offline(tmp_path, monkeypatch):
+    """--track (Weights & Biases) in offline mode: the same scalars as metrics.csv, the resolved config
+    and the git commit end up in the local run, with no network."""
+    pytest.importorskip("wandb")
+    from learner.launch_impala import main
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logdir = tmp_path / "run"
+    assert main(["--env", "CartPole-v1", "--workers", "1", "--in-process", "--total-frames", "640", "--unroll-length", "8",
+                 "--batch-size", "4", "--minibatches", "1", "--log-interval", "0", "--no-progress", "--device", "cpu",
+                 "--track", "--track-project", "test-project", "--logdir", str(logdir)]) == 0
+    runs = list((logdir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((logdir / "wandb").iterdir())
+    history, config = _read_offline_run(next(runs[0].glob("run-*.wandb")))
+    with open(logdir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(history) == len(rows) == 20  # --log-interval 0: one row per update
+    assert history[-1]["charts/env_frames"] == float(rows[-1]["charts/env_frames"]) == 640
+    assert history[-1]["losses/policy"] == pytest.approx(float(rows[-1]["losses/policy"]))
+    assert config["batch_size"] == 4 and config["env"] == "CartPole-v1"
+    assert len(str(config["git_commit"])) >= 40
+    assert (logdir / "wandb_id").read_text().strip() == runs[0].name.rsplit("-", 1)[-1]
+
+
+def _read_offline_run(path) -> tuple[list[dict], dict]:
+    """History rows and config of an offline W&B run, read with wandb's own record reader."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal.datastore import DataStore
+
+    store = DataStore()
+    store.open_for_scan(str(path))
+    history, config = [], {}
+    while (data := store.scan_data()) is not None:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+        elif kind == "run":
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+    return history, config
