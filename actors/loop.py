@@ -208,7 +208,7 @@ def run_actor(
         while (max_unrolls is None or unrolls < max_unrolls) and not stop_event.is_set():
             # Fresh buffers each unroll: ZeroMQ sends them zero-copy and may still hold the last ones.
             buf = {a.name: np.empty((K, *a.shape), dtype=a.dtype) for a in agent.schema.arrays}
-            for name, value in agent.unroll_start().items():
+            for name, value in agent.unroll_start(obs).items():
                 buf[name][:] = value
             for t in range(T):
                 for name, value in agent.observation(obs, first).items():

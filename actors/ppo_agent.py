@@ -70,7 +70,7 @@ class PPOAgent:
             return self.wait_s
         return 0.0
 
-    def unroll_start(self) -> dict[str, np.ndarray]:
+    def unroll_start(self, obs: np.ndarray) -> dict[str, np.ndarray]:
         return {}
 
     def _flat(self, obs: np.ndarray) -> np.ndarray:
@@ -87,6 +87,18 @@ class PPOAgent:
         raw = action.numpy()
         to_env = env_action(raw, mode=self.config.action_clip, low=self.action_low, high=self.action_high)
         return to_env, {"actions": raw, "log_probs": policy.log_prob_per_dim(action, mu).numpy()}
+
+    @torch.inference_mode()
+    def act_greedy(self, obs: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """:meth:`act` with the Gaussian's mean instead of a sample (the env gets ``env_action(mean)``).
+
+        For evaluation (``impala-eval --policy greedy``); the actor loop never calls it.
+        """
+        policy = self.policy
+        mu = policy.mean(torch.from_numpy(self._flat(obs)))
+        raw = mu.numpy()
+        to_env = env_action(raw, mode=self.config.action_clip, low=self.action_low, high=self.action_high)
+        return to_env, {"actions": raw, "log_probs": policy.log_prob_per_dim(mu, mu).numpy()}
 
     def transition(self, result: StepResult) -> dict[str, np.ndarray]:
         ended = result.terminated | result.truncated

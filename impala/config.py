@@ -365,6 +365,7 @@ class ImpalaConfig:
     grad_norm_clip: float = option(0.5, "Global gradient-norm clip; 0 disables.")
     popart_beta: float = option(3e-4, "PopArt statistics step size.")
     autocast_bf16: bool = option(False, "Run the learner's forward pass under bf16 autocast (CUDA only).")
+    frame_dedup: bool = option(True, "Atari: send each frame once (the newest frame per step) and rebuild the 4-frame stacks in the learner, about 4x fewer bytes per unroll; the actors check that their env stacks as the learner assumes.")
 
     def __post_init__(self) -> None:
         check_fields(self)

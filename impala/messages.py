@@ -37,10 +37,11 @@ class ImpalaAgentSpec:
     model: str
     use_lstm: bool = False
     popart_beta: float = 3e-4
+    frame_stack: int = 0  # > 1: send each frame once (impala.trajectory.impala_unroll_schema)
     kind: str = dataclasses.field(default="impala", init=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": self.model, "use_lstm": self.use_lstm, "popart_beta": self.popart_beta}
+        return {"kind": self.kind, "model": self.model, "use_lstm": self.use_lstm, "popart_beta": self.popart_beta, "frame_stack": self.frame_stack}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ImpalaAgentSpec":
@@ -51,7 +52,10 @@ class ImpalaAgentSpec:
         beta = float(_get(d, "popart_beta", (int, float), what))
         if not 0 < beta <= 1:
             raise ValueError(f"{what}: popart_beta must be in (0, 1], got {beta}")
-        return cls(model, _get(d, "use_lstm", bool, what), beta)
+        stack = d.get("frame_stack", 0)  # absent in checkpoints written before frames travelled once
+        if isinstance(stack, bool) or not isinstance(stack, int) or not 0 <= stack <= 64:
+            raise ValueError(f"{what}: frame_stack must be an int in [0, 64], got {stack!r}")
+        return cls(model, _get(d, "use_lstm", bool, what), beta, stack)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ along a new batch axis 1 to get time-major ``[T(+1), B, ...]`` tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -70,6 +70,7 @@ def impala_unroll_schema(
     obs_dtype: str,
     num_actions: int,
     core_state_size: int = 0,
+    frame_stack: int = 0,
 ) -> TrajectorySchema:
     """One actor unroll for V-trace.
 
@@ -79,10 +80,21 @@ def impala_unroll_schema(
     episode (the LSTM core resets there); ``dones[t]`` is True when transition
     t ended an episode (terminated or truncated), so ``first[t+1] == dones[t]``.
     With an LSTM core, ``core_state`` holds the (h, c) state before ``obs[0]``.
+
+    ``frame_stack`` k > 1 (observations are stacks of the last k frames, ``obs_shape[0] == k``):
+    each frame travels once. ``frames[t]`` is the newest frame of ``obs[t]`` and ``obs_head`` the
+    k - 1 older frames of ``obs[0]``; :func:`rebuild_frame_stacks` restores ``obs`` at the learner.
+    An Atari unroll shrinks about k-fold (3 of every 4 frames were sent again before).
     """
     T = unroll_length
+    if frame_stack > 1:
+        if obs_shape[0] != frame_stack:
+            raise ValueError(f"frame_stack {frame_stack} needs observations [{frame_stack}, ...], got {obs_shape}")
+        observations = [ArraySpec("frames", obs_dtype, (T + 1, *obs_shape[1:])), ArraySpec("obs_head", obs_dtype, (frame_stack - 1, *obs_shape[1:]))]
+    else:
+        observations = [ArraySpec("obs", obs_dtype, (T + 1, *obs_shape))]
     arrays = [
-        ArraySpec("obs", obs_dtype, (T + 1, *obs_shape)),
+        *observations,
         ArraySpec("first", "bool", (T + 1,)),
         ArraySpec("actions", "int64", (T,)),
         ArraySpec("rewards", "float32", (T,)),
@@ -92,6 +104,30 @@ def impala_unroll_schema(
     if core_state_size:
         arrays.append(ArraySpec("core_state", "float32", (2, core_state_size)))
     return TrajectorySchema(tuple(arrays))
+
+
+def rebuild_frame_stacks(obs_head: Any, frames: Any, first: Any) -> Any:
+    """``obs`` [T+1, B, k, ...] from ``obs_head`` [k-1, B, ...], ``frames`` [T+1, B, ...] and ``first`` [T+1, B].
+
+    Torch tensors (on any device) or numpy arrays. The stack at step t holds frames t-k+1..t of the
+    sequence ``obs_head ++ frames``, except that an episode start at step s >= 1 fills its stack with
+    the reset frame (``AtariPreprocessing`` repeats it k times), so no stack reaches back past s.
+    The actor checks that its env stacks exactly this way before it sends frames alone.
+    """
+    import torch
+
+    as_numpy = isinstance(frames, np.ndarray)
+    head, seq, first_t = (torch.as_tensor(x) for x in (obs_head, frames, first))
+    k = head.shape[0] + 1
+    T1, B = seq.shape[0], seq.shape[1]
+    extended = torch.cat([head, seq], dim=0)  # frame t of the unroll is extended[t + k - 1]
+    t = torch.arange(T1, device=seq.device)
+    # the extended index of the last episode start in 1..t (0: none, the head is valid)
+    starts = torch.where(first_t.bool() & (t[:, None] >= 1), t[:, None] + (k - 1), torch.zeros((), dtype=torch.long, device=seq.device))
+    floor = torch.cummax(starts, dim=0).values  # [T+1, B]
+    index = torch.maximum(t[:, None, None] + torch.arange(k, device=seq.device)[None, None, :], floor[:, :, None])  # [T+1, B, k]
+    obs = extended[index, torch.arange(B, device=seq.device)[None, :, None]]  # [T+1, B, k, ...]
+    return obs.numpy() if as_numpy else obs
 
 
 def ppo_unroll_schema(unroll_length: int, obs_dim: int, action_dim: int) -> TrajectorySchema:

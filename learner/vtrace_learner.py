@@ -24,7 +24,7 @@ from impala.messages import ImpalaAgentSpec
 from impala.models import ImpalaNet, build_model
 from impala.params import state_dict_arrays
 from impala.popart import impala_loss, popart_impala_loss
-from impala.trajectory import TrajectorySchema, impala_unroll_schema, stack_time_major
+from impala.trajectory import TrajectorySchema, impala_unroll_schema, rebuild_frame_stacks, stack_time_major
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,12 @@ class VTraceLearner:
             self._staging_b = B
         stack_time_major(unrolls, schema, out={k: v.numpy() for k, v in self._staging.items()})
         if self.device.type == "cpu":
-            return dict(self._staging)
-        return {k: v.to(self.device, non_blocking=True) for k, v in self._staging.items()}
+            batch = dict(self._staging)
+        else:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in self._staging.items()}
+        if "frames" in batch:  # each frame travelled once: rebuild the stacks here (on the device, when there is one)
+            batch["obs"] = rebuild_frame_stacks(batch.pop("obs_head"), batch.pop("frames"), batch["first"])
+        return batch
 
     def train(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
         """All the updates one batch gets: ``epochs`` passes, each over ``minibatches`` disjoint
@@ -273,8 +277,11 @@ class ImpalaTrainer:
             raise ConfigError(f"--model {config.model}: {e}") from None
         self.learner = VTraceLearner(model, config, resolve_device(run.device), total_frames=total_frames, seed=run.seed)
         core = model.core.hidden_size if config.use_lstm else 0
-        self.schema = impala_unroll_schema(run.unroll_length, env.obs_shape, env.obs_dtype, env.num_actions, core)
-        self.agent = ImpalaAgentSpec(config.model, config.use_lstm, config.popart_beta)
+        # Atari's stacked frames: each frame travels once (the actors check their env stacks that way)
+        stacked = env.spec.atari and env.obs_dtype == "uint8" and len(env.obs_shape) == 3 and env.obs_shape[0] > 1
+        frame_stack = env.obs_shape[0] if stacked and config.frame_dedup else 0
+        self.schema = impala_unroll_schema(run.unroll_length, env.obs_shape, env.obs_dtype, env.num_actions, core, frame_stack)
+        self.agent = ImpalaAgentSpec(config.model, config.use_lstm, config.popart_beta, frame_stack)
         self._pending: list[Mapping[str, np.ndarray]] = []
         self._sources: list[int] = []  # actor id of each pending unroll, to name them if a batch is bad
 
@@ -316,7 +323,7 @@ class ImpalaTrainer:
         n = arrays["behaviour_logits"].shape[-1]
         if actions.size and (actions.min() < 0 or actions.max() >= n):
             return f"actions outside [0, {n})"
-        return wire.check_bounded(arrays, self.max_abs_value, ("obs", "behaviour_logits", "rewards"))
+        return wire.check_bounded(arrays, self.max_abs_value, tuple(n for n in ("obs", "behaviour_logits", "rewards") if n in arrays))
 
     def state_dict(self) -> dict[str, Any]:
         return self.learner.state_dict()
