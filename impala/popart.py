@@ -40,7 +40,7 @@ run in the units its numbers were published in; :mod:`impala.config` says which.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,9 @@ __all__ = [
     "impala_loss",
     "popart_impala_loss",
 ]
+
+# Sums a tensor over a learner group's ranks (torch.distributed.all_reduce); None: one learner.
+Allreduce = Callable[[torch.Tensor], torch.Tensor]
 
 DEFAULT_BETA = 3e-4
 DEFAULT_SIGMA_MIN = 1e-4
@@ -142,6 +145,7 @@ def update_stats(
     beta: float = DEFAULT_BETA,
     sigma_min: float = DEFAULT_SIGMA_MIN,
     sigma_max: float = DEFAULT_SIGMA_MAX,
+    allreduce: Allreduce | None = None,
 ) -> PopArtState:
     """ART: one EMA step per task present in the batch, on the batch's mean (module doc).
 
@@ -152,6 +156,8 @@ def update_stats(
         ``targets``' shape.
       beta: EMA step size in (0, 1].
       sigma_min, sigma_max: bounds on sigma.
+      allreduce: sums a tensor over a learner group (data-parallel ranks that each hold part
+        of the batch), so that every rank steps its statistics on the whole batch's moments.
 
     Returns:
       A new :class:`PopArtState`; ``state`` is not modified.
@@ -172,6 +178,8 @@ def update_stats(
     counts = torch.zeros_like(state.mu).index_add_(0, ids, torch.ones_like(x))
     sums = torch.zeros_like(state.mu).index_add_(0, ids, x)
     sq_sums = torch.zeros_like(state.mu).index_add_(0, ids, x * x)
+    if allreduce is not None:
+        counts, sums, sq_sums = allreduce(torch.stack([counts, sums, sq_sums]))
     present = counts > 0
     n = counts.clamp(min=1)
     mu = torch.where(present, (1 - beta) * state.mu + beta * (sums / n), state.mu)
@@ -269,20 +277,21 @@ class PopArtValueHead(nn.Module):
         return n * self.sigma.to(n.dtype) + self.mu.to(n.dtype)
 
     @torch.no_grad()
-    def update(self, targets: torch.Tensor, task_ids: int | torch.Tensor = 0) -> PopArtState:
+    def update(self, targets: torch.Tensor, task_ids: int | torch.Tensor = 0, allreduce: Allreduce | None = None) -> PopArtState:
         """ART + POP in place: update the statistics from unnormalized ``targets``, then
         rescale the layer so that :meth:`unnormalized` outputs are unchanged.
 
         Args:
           targets: unnormalized targets (e.g. V-trace ``vs``), any shape.
           task_ids: an int, or an integer tensor of ``targets``' shape.
+          allreduce: see :func:`update_stats` (a learner group's ranks stay identical).
 
         Returns:
           The new statistics.
         """
         old = PopArtState(self.mu.clone(), self.nu.clone(), self.sigma.clone())
         new = update_stats(
-            old, targets, task_ids, beta=self.beta, sigma_min=self.sigma_min, sigma_max=self.sigma_max
+            old, targets, task_ids, beta=self.beta, sigma_min=self.sigma_min, sigma_max=self.sigma_max, allreduce=allreduce
         )
         w, b = rescale_linear(self.linear.weight, self.linear.bias, old, new)
         self.linear.weight.copy_(w)
@@ -406,11 +415,22 @@ def clipped_surrogate_loss(
     return -_reduce(torch.min(ratio * adv, ratio.clamp(1.0 - clip, 1.0 + clip) * adv), reduction)
 
 
-def normalized(advantages: torch.Tensor) -> torch.Tensor:
-    """``(A - mean(A)) / (std(A) + 1e-8)`` over the whole batch (as PPO normalizes a minibatch)."""
-    if advantages.numel() < 2:
-        return advantages - advantages.mean()
-    return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+def normalized(advantages: torch.Tensor, allreduce: Allreduce | None = None) -> torch.Tensor:
+    """``(A - mean(A)) / (std(A) + 1e-8)`` over the whole batch (as PPO normalizes a minibatch).
+
+    With ``allreduce`` the batch is split over a learner group: mean and (unbiased) std are the
+    whole batch's, from the ranks' summed count, sum and sum of squares."""
+    if allreduce is None:
+        if advantages.numel() < 2:
+            return advantages - advantages.mean()
+        return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    x = advantages.double()
+    n, s, sq = allreduce(torch.stack([torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device), x.sum(), (x * x).sum()]))
+    mean = s / n
+    if n < 2:
+        return (x - mean).to(advantages.dtype)
+    std = ((sq - n * mean * mean).clamp(min=0) / (n - 1)).sqrt()
+    return ((x - mean) / (std + 1e-8)).to(advantages.dtype)
 
 
 def _assemble(
@@ -424,12 +444,13 @@ def _assemble(
     reduction: str,
     pg_clip: float | None = None,
     normalize_advantages: bool = False,
-    lambda_: float = 1.0,
+    allreduce: Allreduce | None = None,
 ) -> ImpalaLoss:
     """The policy term is IMPALA's ``-rho_bar A grad log pi`` by default; with ``pg_clip`` it is
     the clipped surrogate on advantages without the rho factor; ``normalize_advantages``
-    standardizes whichever advantages the term uses over the batch."""
-    adv = normalized(pg_advantages.detach()) if normalize_advantages else pg_advantages
+    standardizes whichever advantages the term uses over the batch (over a learner group's whole
+    batch with ``allreduce``)."""
+    adv = normalized(pg_advantages.detach(), allreduce) if normalize_advantages else pg_advantages
     if pg_clip:
         pg = clipped_surrogate_loss(v.target_action_log_probs, v.behaviour_action_log_probs, adv, pg_clip, reduction)
     else:
@@ -458,6 +479,7 @@ def impala_loss(
     pg_clip: float | None = None,
     normalize_advantages: bool = False,
     lambda_: float = 1.0,
+    allreduce: Allreduce | None = None,
 ) -> ImpalaLoss:
     """IMPALA loss (Espeholt et al. 2018), reduced over T*B by ``reduction``.
 
@@ -474,6 +496,7 @@ def impala_loss(
       reduction: "sum" (the paper's and TorchBeast's units) or "mean" over T*B.
       pg_clip, normalize_advantages: the APPO variant of the policy term, see :func:`_assemble`.
       lambda_: V-trace's trace decay (:func:`impala.vtrace.from_importance_weights`).
+      allreduce: sums a tensor over a learner group (advantage normalization over the whole batch).
 
     Returns:
       :class:`ImpalaLoss`.
@@ -485,7 +508,7 @@ def impala_loss(
     pg_advantages = _td_advantages(v.vs, rewards, discounts, values, bootstrap_value, lambda_) if pg_clip else v.pg_advantages
     return _assemble(
         v, target_policy_logits, pg_advantages, v.vs, values, baseline_cost, entropy_cost, reduction,
-        pg_clip, normalize_advantages,
+        pg_clip, normalize_advantages, allreduce,
     )
 
 
@@ -508,6 +531,7 @@ def popart_impala_loss(
     pg_clip: float | None = None,
     normalize_advantages: bool = False,
     lambda_: float = 1.0,
+    allreduce: Allreduce | None = None,
 ) -> ImpalaLoss:
     """PopArt-IMPALA loss (Hessel et al. 2018, Sec. 3), reduced over T*B by ``reduction``.
 
@@ -552,5 +576,5 @@ def popart_impala_loss(
     value_targets = normalize(state, v.vs, task_ids)
     return _assemble(
         v, target_policy_logits, pg_advantages, value_targets, normalized_values, baseline_cost, entropy_cost, reduction,
-        pg_clip, normalize_advantages,
+        pg_clip, normalize_advantages, allreduce,
     )

@@ -25,6 +25,7 @@ from impala.models import ImpalaNet, build_model
 from impala.params import state_dict_arrays
 from impala.popart import impala_loss, popart_impala_loss
 from impala.trajectory import TrajectorySchema, impala_unroll_schema, rebuild_frame_stacks, stack_time_major
+from learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +86,22 @@ class VTraceLearner:
 
     HEALTH_EVERY = 10
 
-    def __init__(self, model: ImpalaNet, config: ImpalaConfig, device: torch.device, *, total_frames: int, seed: int = 0) -> None:
-        """``total_frames``: the run's length in env frames, over which the learning rate decays to 0."""
+    def __init__(self, model: ImpalaNet, config: ImpalaConfig, device: torch.device, *, total_frames: int, seed: int = 0,
+                 group: LearnerGroup | None = None) -> None:
+        """``total_frames``: the run's length in env frames, over which the learning rate decays to 0.
+        ``group``: a data-parallel learner group; this learner then holds one rank's share of each
+        batch, and its update equals one learner's update on the whole batch."""
         self.config = config
         self.total_frames = total_frames
+        self.group = group
         self.device = device
         self.model = model.to(device)
         if hasattr(self.model.torso, "to_channels_last"):
             # NHWC convolutions: ~15% faster updates on CPU (oneDNN), and the layout cuDNN wants
             # for bf16. Weights published to actors are made contiguous again, so they are unaffected.
             self.model.torso.to_channels_last()
+        if group is not None:
+            group.broadcast_module(self.model)
         self.optimizer = make_optimizer(self.model, config)
         self.updates = 0
         self.skipped_updates = 0  # steps dropped because their loss or gradient was not finite
@@ -179,6 +186,7 @@ class VTraceLearner:
         common = dict(
             baseline_cost=cfg.baseline_cost, entropy_cost=cfg.entropy_cost, reduction=cfg.loss_reduction,
             pg_clip=cfg.pg_clip or None, normalize_advantages=cfg.advantage_norm, lambda_=cfg.vtrace_lambda,
+            allreduce=self.group.allreduce_sum if self.group else None,
         )
         if cfg.popart:
             loss = popart_impala_loss(
@@ -195,16 +203,20 @@ class VTraceLearner:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         loss.total.backward()
+        if self.group is not None:
+            self.group.sync_gradients(self.model.parameters(), cfg.loss_reduction)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), cfg.grad_norm_clip if cfg.grad_norm_clip > 0 else float("inf")
         )
         finite = bool(torch.isfinite(loss.total)) and bool(torch.isfinite(grad_norm))
         if finite and cfg.popart:
             finite = bool(torch.isfinite(loss.vtrace.vs).all())
+        if self.group is not None:  # one rank's bad batch skips the step on every rank
+            finite = self.group.all_true(finite, self.device)
         if finite:
             self.optimizer.step()
             if cfg.popart:
-                self.model.baseline.update(loss.vtrace.vs)
+                self.model.baseline.update(loss.vtrace.vs, allreduce=self.group.allreduce_sum if self.group else None)
         else:
             # A batch whose loss or gradient is NaN/inf (finite but huge inputs overflow the forward
             # pass) must not reach the weights, the actors or a checkpoint: drop this step, go on.
