@@ -247,6 +247,7 @@ class RunConfig:
     env_kwargs: str = option("", 'Env constructor overrides as a JSON object, e.g. \'{"frameskip": 4}\' for PongNoFrameskip-v4 with a 4-frame skip; checked in every worker like the registry settings.')
     workers: int = option(2, "Local actor processes; 0 runs no local actors and waits for remote ones (impala-actors).")
     envs_per_worker: int = option(4, "Environments stepped by each actor with one batched forward pass per step.")
+    learners: int = option(1, "Learner processes in a data-parallel group on this machine (torch.distributed: gloo on CPU, NCCL with a CUDA --device, one GPU per rank); each update's batch is split over them, --batch-size must divide. Rank 0 receives the unrolls, publishes weights and writes checkpoints.")
     in_process: bool = option(False, "Run the local actors as threads of the learner process (same actor code and sockets; for debugging and tiny machines).")
     unroll_length: int = option(32, "Steps per env per unroll (T).")
     total_frames: Optional[int] = option(None, "Stop after this many environment frames (agent steps x frame skip).")
@@ -276,6 +277,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         need(self.workers >= 0, f"--workers must be >= 0, got {self.workers}")
+        need(self.learners >= 1, f"--learners must be >= 1, got {self.learners}")
         need(self.envs_per_worker >= 1, f"--envs-per-worker must be >= 1, got {self.envs_per_worker}")
         need(not (self.in_process and self.workers == 0), "--in-process runs the local actors as threads: it needs --workers >= 1")
         need(self.unroll_length >= 0, f"--unroll-length must be >= 1 (0: the launcher picks, where it can), got {self.unroll_length}")

@@ -1,6 +1,10 @@
 """A data-parallel learner group on torch.distributed: G learner ranks, one update.
 
-Each rank holds B/G of the batch; gradients are summed across ranks (and divided by G for
+``launch_impala --learners G`` runs rank 0 as the usual learner (it receives every unroll, owns
+the actors, publishes weights and writes checkpoints) and starts G-1 follower processes on this
+machine. At each update rank 0 sends every follower its B/G share of the batch (a scatter: the
+group shares rank 0's receiving endpoint) and all ranks step together. Each rank holds B/G of the
+batch; gradients are summed across ranks (and divided by G for
 mean-reduced losses, so the step equals one learner's step on the whole batch), PopArt's
 statistics and the advantage normalization use the whole batch's moments, and a step is skipped
 on every rank when any rank's loss or gradient is not finite. The ranks therefore stay identical
@@ -9,8 +13,30 @@ without ever exchanging weights after the first broadcast. gloo on CPU, NCCL on 
 
 from __future__ import annotations
 
+import datetime
+import logging
+import os
+import threading
+import time
+from typing import Mapping
+
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from impala.trajectory import TrajectorySchema
+
+log = logging.getLogger(__name__)
+
+STOP, UPDATE = 0, 1
+# Followers wait in a collective while rank 0 collects a batch (or waits for actors to start):
+# the timeout only has to catch a group that can never continue. An orphaned follower exits by itself.
+GROUP_TIMEOUT = datetime.timedelta(hours=6)
+
+
+def init_group(rank: int, world_size: int, store: str, backend: str) -> "LearnerGroup":
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
+    return LearnerGroup()
 
 
 class LearnerGroup:
@@ -21,6 +47,26 @@ class LearnerGroup:
             raise RuntimeError("torch.distributed is not initialized (init_process_group first)")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        # batches travel between host buffers: a gloo group for them when the default is NCCL
+        self.host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
+    def command(self, cmd: int = STOP, frames_done: int = 0) -> tuple[int, int]:
+        """Rank 0 says what comes next (an update at ``frames_done``, or stop); every rank returns it."""
+        t = torch.tensor([cmd, frames_done], dtype=torch.int64)
+        dist.broadcast(t, 0, group=self.host_group)
+        return int(t[0]), int(t[1])
+
+    def scatter(self, staged: Mapping[str, torch.Tensor] | None, schema: TrajectorySchema, batch_size: int) -> dict[str, torch.Tensor]:
+        """Rank 0's host batch ``[T(+1), B, ...]`` (``staged``; None on followers) split along B:
+        every rank returns its ``[T(+1), B/G, ...]`` share, rank r the r-th."""
+        share_b = batch_size // self.world_size
+        out = {}
+        for a in schema.arrays:
+            share = torch.from_numpy(np.empty((a.shape[0], share_b, *a.shape[1:]), dtype=a.dtype))
+            chunks = [c.contiguous() for c in staged[a.name].chunk(self.world_size, dim=1)] if self.rank == 0 else None
+            dist.scatter(share, chunks, src=0, group=self.host_group)
+            out[a.name] = share
+        return out
 
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone()
@@ -50,3 +96,30 @@ class LearnerGroup:
         """Every rank starts from rank ``src``'s weights and buffers (PopArt statistics included)."""
         for tensor in module.state_dict().values():
             dist.broadcast(tensor, src)
+
+
+def exit_when_orphaned(parent_pid: int, every_s: float = 2.0) -> None:
+    """A follower blocks in collectives while rank 0 works; if rank 0 dies it must not linger.
+
+    On Linux the kernel kills it with its parent (PR_SET_PDEATHSIG): a thread cannot be relied on
+    while a collective blocks. Elsewhere a watch thread checks the parent every ``every_s``."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # PR_SET_PDEATHSIG
+            if os.getppid() != parent_pid:  # the parent died before the call
+                os._exit(0)
+            return
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                log.warning("learner rank 0 (pid %d) is gone; follower exiting", parent_pid)
+                os._exit(0)
+            time.sleep(every_s)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()

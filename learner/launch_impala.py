@@ -13,14 +13,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import multiprocessing
+import os
 import sys
 
 import torch
 
-from impala.checkpoint import check_logdir
-from impala.config import ConfigError, FlagParser, ImpalaConfig, RunConfig, add_flags, fail, from_flags, load_preset
+from impala.checkpoint import check_logdir, load_checkpoint
+from impala.config import ConfigError, FlagParser, ImpalaConfig, RunConfig, add_flags, fail, from_flags, load_preset, resolve_device
 from impala.envs import EnvSpec
 from impala.envs.probe import probe_env
+from learner.group import LearnerGroup, exit_when_orphaned, init_group
 from learner.runtime import START_ERRORS, RunPlan, RunResult, run
 from learner.vtrace_learner import ImpalaTrainer
 
@@ -72,7 +75,41 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
         raise ConfigError(f"--unroll-length must be >= 1, got {config.unroll_length}")
     if config.total_frames is None and config.total_steps is None:
         config = dataclasses.replace(config, total_frames=DEFAULT_TOTAL_FRAMES)
-    return config, from_flags(ImpalaConfig, args)
+    impala = from_flags(ImpalaConfig, args)
+    if impala.batch_size % config.learners or (impala.batch_size // config.learners) % impala.minibatches:
+        raise ConfigError(
+            f"--learners {config.learners} splits each batch: --batch-size {impala.batch_size} must divide by it, "
+            f"and each share by --minibatches {impala.minibatches}"
+        )
+    return config, impala
+
+
+def start_group(config: RunConfig, argv: list[str]) -> LearnerGroup | None:
+    """--learners G > 1: start G-1 follower processes here and join the group as rank 0."""
+    if config.learners == 1:
+        return None
+    store = os.path.join(os.path.abspath(config.logdir), ".learner_group")
+    if os.path.exists(store):
+        os.remove(store)  # a rendezvous file left by an earlier run would hang this one
+    ctx = multiprocessing.get_context("spawn")
+    for rank in range(1, config.learners):
+        ctx.Process(target=follower_main, args=(rank, config.learners, store, argv, os.getpid()), name=f"learner-{rank}", daemon=True).start()
+    backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
+    return init_group(0, config.learners, store, backend)
+
+
+def follower_main(rank: int, world_size: int, store: str, argv: list[str], parent_pid: int) -> None:
+    """Learner rank > 0: the same trainer as rank 0 (same flags), fed its share of each batch by rank 0."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner-{rank} %(levelname)s %(message)s")
+    exit_when_orphaned(parent_pid)
+    config, impala = resolve(parse_args(argv))
+    torch.set_num_threads(max(1, config.cpu_threads() // config.learners))
+    env = probe_env(EnvSpec(config.env, config.env_overrides), seed=config.seed)
+    backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
+    trainer = ImpalaTrainer(impala, config, env, group=init_group(rank, world_size, store, backend))
+    if config.resume:  # rank 0 resumes from the same file
+        trainer.load_state_dict(load_checkpoint(config.checkpoint_path, keys=("trainer",))["trainer"])
+    trainer.follow()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         return fail("launch_impala", e)
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        torch.set_num_threads(config.cpu_threads())
+        torch.set_num_threads(max(1, config.cpu_threads() // config.learners))
         check_logdir(config.logdir)
         env = probe_env(EnvSpec(config.env, config.env_overrides), seed=config.seed)
-        trainer = ImpalaTrainer(impala, config, env)
+        group = start_group(config, sys.argv[1:] if argv is None else list(argv))
+        trainer = ImpalaTrainer(impala, config, env, group=group)
         plan = RunPlan(env, f"impala {config.env}", {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""})
         log.info("%s; learner on %s", env.description, trainer.device)
         result: RunResult = run(trainer, config, plan)

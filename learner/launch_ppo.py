@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if options.unity_build and config.env:
             raise ConfigError("pass either --unity-build or --env, not both")
+        if config.learners > 1:
+            raise ConfigError(
+                f"--learners {config.learners}: the PPO learner runs as one process for now (its buffer-wide advantage "
+                "normalization, minibatch order and normalizer updates would need cross-rank statistics first); launch_impala has --learners"
+            )
         check_logdir(config.logdir)
         crawler_job = config.env is None
         trainer_config = args.ppo__trainer_config or (str(CRAWLER_CONFIG) if crawler_job else None)

@@ -499,6 +499,9 @@ class PPOTrainer:
     def device(self) -> torch.device:
         return self.learner.device
 
+    def close(self) -> None:
+        """Nothing to release (one learner process)."""
+
     def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
         """Finite but huge floats (a peer's, or a diverging env's) are dropped on receipt."""
         return wire.check_bounded(arrays, self.max_abs_value)

@@ -59,6 +59,7 @@ class Trainer(Protocol):
     def params(self) -> dict[str, np.ndarray]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def close(self) -> None: ...  # the run is over (a learner group's followers are released)
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,10 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        try:
+            trainer.close()
+        except Exception as e:  # noqa: BLE001 - a follower that is gone must not cost the final checkpoint
+            log.error("releasing the learner group failed: %s", e)
         pool.stop()
         server.close()
         try:

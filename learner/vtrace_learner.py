@@ -25,7 +25,7 @@ from impala.models import ImpalaNet, build_model
 from impala.params import state_dict_arrays
 from impala.popart import impala_loss, popart_impala_loss
 from impala.trajectory import TrajectorySchema, impala_unroll_schema, rebuild_frame_stacks, stack_time_major
-from learner.group import LearnerGroup
+from learner.group import STOP, UPDATE, LearnerGroup
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,10 @@ class VTraceLearner:
         asynchronous DMA, not a second staging copy). Reusing them is safe: ``step`` reads its
         losses back to the host, which waits for the copy, before the next batch is staged.
         """
+        return self.prepare(self.stage_host(unrolls, schema))
+
+    def stage_host(self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema) -> dict[str, torch.Tensor]:
+        """Stack B unrolls time-major into the (reused, on CUDA page-locked) host staging buffers."""
         B = len(unrolls)
         if self._staging is None or self._staging_b != B:
             pin = self.device.type == "cuda"
@@ -133,10 +137,14 @@ class VTraceLearner:
             }
             self._staging_b = B
         stack_time_major(unrolls, schema, out={k: v.numpy() for k, v in self._staging.items()})
+        return dict(self._staging)
+
+    def prepare(self, staged: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host arrays -> the device, and each frame-once unroll's stacks rebuilt there."""
         if self.device.type == "cpu":
-            batch = dict(self._staging)
+            batch = dict(staged)
         else:
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in self._staging.items()}
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in staged.items()}
         if "frames" in batch:  # each frame travelled once: rebuild the stacks here (on the device, when there is one)
             batch["obs"] = rebuild_frame_stacks(batch.pop("obs_head"), batch.pop("frames"), batch["first"])
         return batch
@@ -274,8 +282,11 @@ class VTraceLearner:
 class ImpalaTrainer:
     """The runtime's Trainer for IMPALA: collects B unrolls, stacks them time-major, runs one V-trace update."""
 
-    def __init__(self, config: ImpalaConfig, run: RunConfig, env: EnvInfo) -> None:
+    def __init__(self, config: ImpalaConfig, run: RunConfig, env: EnvInfo, group: LearnerGroup | None = None) -> None:
+        """``group``: this process is one rank of a data-parallel learner group (``learner.group``);
+        rank 0 scatters each batch, the other ranks run :meth:`follow`."""
         env.require_discrete("launch_impala")
+        self.group = group
         self.config = config
         self.max_abs_value = run.max_abs_value
         self.frames_per_step = env.frames_per_step
@@ -287,7 +298,10 @@ class ImpalaTrainer:
             model = build_model(config.model, env.obs_shape, env.num_actions, use_lstm=config.use_lstm, init=config.init, beta=config.popart_beta)
         except ValueError as e:  # the model kind does not fit this env's observations
             raise ConfigError(f"--model {config.model}: {e}") from None
-        self.learner = VTraceLearner(model, config, resolve_device(run.device), total_frames=total_frames, seed=run.seed)
+        device = resolve_device(run.device)
+        if group is not None and device.type == "cuda":
+            device = torch.device("cuda", group.rank)  # one GPU per rank
+        self.learner = VTraceLearner(model, config, device, total_frames=total_frames, seed=run.seed, group=group)
         core = model.core.hidden_size if config.use_lstm else 0
         # Atari's stacked frames: each frame travels once (the actors check their env stacks that way)
         stacked = env.spec.atari and env.obs_dtype == "uint8" and len(env.obs_shape) == 3 and env.obs_shape[0] > 1
@@ -315,7 +329,12 @@ class ImpalaTrainer:
 
     def update(self, frames_done: int) -> dict[str, float]:
         B = self.config.batch_size
-        batch = self.learner.stage(self._pending[:B], self.schema)
+        if self.group is None:
+            batch = self.learner.stage(self._pending[:B], self.schema)
+        else:
+            self.group.command(UPDATE, frames_done)
+            staged = self.learner.stage_host(self._pending[:B], self.schema)
+            batch = self.learner.prepare(self.group.scatter(staged, self.schema, B))
         sources = sorted(set(self._sources[:B]))
         del self._pending[:B], self._sources[:B]
         skipped_before = self.learner.skipped_updates
@@ -327,6 +346,22 @@ class ImpalaTrainer:
 
     def params(self) -> dict[str, np.ndarray]:
         return state_dict_arrays(self.learner.model)
+
+    def follow(self) -> int:
+        """A follower rank: take each update's share from rank 0 and step with the group, until told to stop."""
+        updates = 0
+        while True:
+            cmd, frames_done = self.group.command()
+            if cmd == STOP:
+                return updates
+            batch = self.learner.prepare(self.group.scatter(None, self.schema, self.config.batch_size))
+            self.learner.train(batch, frames_done=frames_done)
+            updates += 1
+
+    def close(self) -> None:
+        """Rank 0 at the end of the run: release the followers."""
+        if self.group is not None and self.group.rank == 0:
+            self.group.command(STOP)
 
     def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
         """Values the schema cannot express: actions must index the policy's logits, and float

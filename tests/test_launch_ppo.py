@@ -341,6 +341,7 @@ RUN_BAD_VALUES = [
     (["--torch-threads", "-1"], "--torch-threads must be >= 0"),
     (["--port", "70000"], "--port must be 0 or in 1..65534"),
     (["--total-steps", "-5"], "--total-steps must be > 0"),
+    (["--learners", "2"], "--learners 2: the PPO learner runs as one process"),
     (["--logdir", "/proc/no-such-dir"], "--logdir /proc/no-such-dir: cannot create it"),
 ]
 

@@ -98,3 +98,38 @@ def test_one_learner_is_not_the_sum_of_two_unsynchronized_halves(tmp_path):
     whole.step(_batch(), frames_done=0)
     diffs = [float((half.model.state_dict()[k].double() - v.double()).abs().max()) for k, v in whole.model.state_dict().items()]
     assert max(diffs) > 1e-4
+
+
+def test_launch_impala_with_two_learner_ranks_learns_resumes_and_leaves_nothing(tmp_path):
+    """--learners 2 on CartPole: training learns, --resume continues the group, and no follower
+    outlives its rank 0, even when rank 0 is killed outright."""
+    import re
+    import signal
+    import sys
+    import time
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from procs import alive, cmdline, descendants, kill_group, run, start, wait_for
+
+    common = ["launch_impala", "--env", "CartPole-v1", "--learners", "2", "--workers", "2", "--unroll-length", "20", "--batch-size", "8",
+              "--learning-rate", "2e-3", "--no-progress", "--log-interval", "5", "--logdir", str(tmp_path)]
+    out = run([*common, "--total-frames", "200000", "--max-seconds", "120", "--stop-at-return", "100"], timeout=200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    done = [line for line in out.stdout.splitlines() if line.startswith("launch_impala: done")][-1]
+    assert float(re.search(r"mean return \(last 100\) ([\d.]+)", done).group(1)) >= 100, done
+    frames = int(re.search(r"done: (\d+) env frames", done).group(1))
+    out = run([*common, "--resume", "--total-frames", str(frames + 4000)], timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resumed from {tmp_path}/checkpoint.pt at {frames} env frames" in out.stderr
+    # rank 0 killed outright: its follower (and the actors) notice and exit
+    rows = (tmp_path / "metrics.csv").read_text().count("\n")
+    proc = start([*common, "--resume", "--total-frames", "10000000", "--log-interval", "1"])
+    try:
+        # training again (new metrics rows), so the follower and both actors are in their loops
+        assert wait_for(lambda: (tmp_path / "metrics.csv").read_text().count("\n") > rows + 1, 120)
+        children = descendants(proc.pid)
+        assert len(children) >= 3, [cmdline(p) for p in children]  # the follower, 2 actors (+ multiprocessing's tracker)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert wait_for(lambda: not any(alive(p) for p in children), 60), [cmdline(p) for p in children if alive(p)]
+    finally:
+        kill_group(proc)
