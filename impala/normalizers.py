@@ -5,7 +5,7 @@ network*: its running statistics are buffers of the model, updated once per
 trajectory, and the trainer's buffer keeps raw observations. Here that is
 the pure pair :func:`mlagents_normalizer_update` / :func:`mlagents_normalizer_apply`
 over an immutable :class:`MLAgentsNormState`, and :class:`MLAgentsNormalizer`,
-an ``nn.Module`` holding the state as buffers.
+an ``nn.Module`` holding the state as buffers (the step count in int64, as ML-Agents keeps it).
 
 SB3 (``common/vec_env/vec_normalize.py`` + ``common/running_mean_std.py``)
 normalizes *in the env wrapper*: :class:`RunningMeanStd` (Chan's parallel
@@ -34,7 +34,12 @@ SB3_RMS_INIT_COUNT = 1e-4
 
 
 class MLAgentsNormState(NamedTuple):
-    """Welford state: ``steps`` (scalar), ``mean`` [D], ``m2`` [D] (sum of squared deviations)."""
+    """Welford state: ``steps`` (int64 scalar), ``mean`` [D], ``m2`` [D] (sum of squared deviations).
+
+    The count is an integer, as ML-Agents' ``normalization_steps`` buffer (``torch.tensor(1)``,
+    int64): a float32 count stops being exact past 2^24 steps (a Crawler run passes that). It
+    enters the float math only inside each division, as there.
+    """
 
     steps: torch.Tensor
     mean: torch.Tensor
@@ -42,14 +47,18 @@ class MLAgentsNormState(NamedTuple):
 
 
 def mlagents_normalizer_init(dim: int, dtype: torch.dtype = torch.float32) -> MLAgentsNormState:
-    """Initial state as ML-Agents builds it: steps=1, mean=0, M2=1 per element."""
-    return MLAgentsNormState(torch.ones((), dtype=dtype), torch.zeros(dim, dtype=dtype), torch.ones(dim, dtype=dtype))
+    """Initial state as ML-Agents builds it: steps=1 (int64), mean=0, M2=1 per element (``dtype``)."""
+    return MLAgentsNormState(
+        torch.ones((), dtype=torch.int64), torch.zeros(dim, dtype=dtype), torch.ones(dim, dtype=dtype)
+    )
 
 
 def mlagents_normalizer_update(state: MLAgentsNormState, x: torch.Tensor) -> MLAgentsNormState:
     """Batch Welford update of one trajectory's observations.
 
     ``N' = N + n; mu' = mu + sum(x - mu) / N'; M2' = M2 + sum((x - mu') * (x - mu))``.
+    ML-Agents calls it once per trajectory (``ppo/trainer.py::_process_trajectory``), before
+    that trajectory's value estimates.
 
     Args:
       state: current statistics.
@@ -75,7 +84,7 @@ class MLAgentsNormalizer(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         init = mlagents_normalizer_init(dim)
-        self.register_buffer("steps", init.steps)
+        self.register_buffer("steps", init.steps)  # int64, as ML-Agents' normalization_steps
         self.register_buffer("mean", init.mean)
         self.register_buffer("m2", init.m2)
 

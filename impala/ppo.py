@@ -297,20 +297,41 @@ def clip_fraction(ratio: torch.Tensor, *, epsilon: float) -> torch.Tensor:
     return ((ratio - 1.0).abs() > epsilon).to(ratio.dtype).mean()
 
 
-def value_loss_mlagents(
+def value_loss_mlagents_intended(
     v_new: torch.Tensor, v_old: torch.Tensor, returns: torch.Tensor, *, epsilon: float
 ) -> torch.Tensor:
-    """ML-Agents clipped value loss (#3, ``trust_region_value_loss``).
+    """ML-Agents' clipped value loss as written (#3, ``torch/utils.py::trust_region_value_loss``).
 
     ``Vc = V_old + clamp(V - V_old, -eps, eps)``;
     ``L = mean(max((R - V)^2, (R - Vc)^2))``. ``epsilon`` is the *decayed
-    policy epsilon*, there is no separate value clip.
+    policy epsilon*, there is no separate value clip. This is what ML-Agents
+    *intends*; what 0.28 trains with is :func:`value_loss_mlagents_as_run`.
 
     Args:
       v_new, v_old, returns: [B].
     """
     v_clipped = v_old + torch.clamp(v_new - v_old, -epsilon, epsilon)
     return torch.max((returns - v_new) ** 2, (returns - v_clipped) ** 2).mean()
+
+
+def value_loss_mlagents_as_run(v_new: torch.Tensor, returns: torch.Tensor, *, epsilon: float) -> torch.Tensor:
+    """The value loss ML-Agents 0.28 actually computes (#3; Unity-Technologies/ml-agents#6281).
+
+    In ``trainers/buffer.py`` ``RewardSignalUtil.value_estimates_key(name)`` returns the same
+    key as ``returns_key(name)`` (``RewardSignalKeyPrefix.RETURNS``). So in
+    ``ppo/trainer.py::_process_trajectory`` the value estimates, stored under that key and used
+    for GAE, are then overwritten by ``set(local_return)``, and ``TorchPPOOptimizer.update``
+    reads the returns back as ``old_values``. Its ``trust_region_value_loss`` therefore clips
+    around the returns: ``max((R - V)^2, (R - (R + clamp(V - R, +-eps)))^2) = (R - V)^2``,
+    because ``|clamp(V - R, +-eps)| <= |V - R|``. The clip never binds: this equals
+    ``mean((R - V)^2)`` (:func:`value_loss_mse`) in value and gradient, up to rounding.
+
+    Restated literally (the intended loss with ``V_old = R``) so that it rounds as ML-Agents does.
+
+    Args:
+      v_new, returns: [B]; epsilon: the decayed policy epsilon ML-Agents passes (it has no effect).
+    """
+    return value_loss_mlagents_intended(v_new, returns, returns, epsilon=epsilon)
 
 
 def value_loss_mse(v_new: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:

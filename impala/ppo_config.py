@@ -49,10 +49,16 @@ class PPOConfig:
         "#2. 'per_dim': probability ratio per action dimension, shape (B, A), advantage broadcast (ML-Agents). "
         "'summed': log-probs summed over dimensions, ratio shape (B,) (SB3).",
     )
-    value_loss: Literal["mlagents_clipped", "mse", "sb3_clipped"] = _f(
-        "mlagents_clipped",
-        "#3. 'mlagents_clipped': mean(max((R-V)^2, (R-Vc)^2)) with Vc clipped by the decayed policy epsilon. "
-        "'mse': mse(R, V) (SB3 default). 'sb3_clipped': mse(R, V_old + clamp(V-V_old, +-clip_range_vf)), no max.",
+    value_loss: Literal["mlagents", "mlagents_intended", "mse", "sb3_clipped"] = _f(
+        "mlagents",
+        "#3. 'mlagents': what ML-Agents 0.28 computes, mean(max((R-V)^2, (R-Vc)^2)) with "
+        "Vc = R + clamp(V-R, +-eps) = mean((R-V)^2): its buffer key for the old value estimates is the "
+        "returns key (trainers/buffer.py RewardSignalUtil.value_estimates_key == returns_key; "
+        "Unity-Technologies/ml-agents#6281), so the clip is centred on the returns and never binds; "
+        "numerically the same as 'mse'. 'mlagents_intended': the clip as ML-Agents writes it, "
+        "Vc = V_old + clamp(V-V_old, +-eps) around the values from when the trajectory was processed, "
+        "eps the decayed policy epsilon. 'mse': mse(R, V) (SB3 default). "
+        "'sb3_clipped': mse(R, V_old + clamp(V-V_old, +-clip_range_vf)), no max. All times vf_coef.",
     )
     clip_range_vf: float | None = _f(
         None, "#3. Value clip for value_loss='sb3_clipped' (required there, must be None otherwise)."
@@ -103,7 +109,8 @@ class PPOConfig:
     activation: Literal["swish", "tanh", "relu"] = _f("swish", "#11. Hidden activation: swish/SiLU (ML-Agents), tanh (SB3).")
     obs_norm: Literal["mlagents", "vecnormalize", "none"] = _f(
         "mlagents",
-        "#12. 'mlagents': in-network normalizer per body, updated per trajectory, raw obs in the buffer. "
+        "#12. 'mlagents': in-network normalizer per body, raw obs in the buffer, updated per trajectory "
+        "before that trajectory's values (a piece spanning an episode end: part by part), step count in int64. "
         "'vecnormalize': SB3 RunningMeanStd, clip 10, normalized obs in the buffer. 'none'.",
     )
     reward_norm: bool = _f(False, "#12. VecNormalize reward scaling by the discounted-return std (SB3 True, ML-Agents False).")

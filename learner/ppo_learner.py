@@ -175,10 +175,7 @@ class PPOLearner:
         ended = terminated | truncated
         self.total_steps += T
 
-        # #12: ML-Agents folds the trajectory into both normalizers *before* its value estimates.
-        if cfg.obs_norm == "mlagents":
-            self.policy.update_normalizer(obs)
-        elif cfg.obs_norm == "vecnormalize":
+        if cfg.obs_norm == "vecnormalize":
             self.obs_rms.update(np.asarray(piece.obs, np.float64))
 
         rewards = np.asarray(piece.rewards, np.float64)
@@ -188,16 +185,24 @@ class PPOLearner:
         bootstrap = truncated if cfg.bootstrap_truncated else np.zeros_like(truncated)
         need_next = bootstrap.copy()
         need_next[-1] |= not ended[-1]  # the piece was cut mid-episode (time_horizon): bootstrap at the cut
+        next_obs = np.asarray(piece.next_obs, np.float32)
+        recompute = cfg.gae_form == "mlagents" or piece.values is None
+        values = (torch.empty(T, dtype=torch.float64, device=dev) if recompute
+                  else torch.as_tensor(np.asarray(piece.values, np.float64), device=dev))
+        v_next = torch.zeros(T, dtype=torch.float64, device=dev)
+        # #12: ML-Agents folds each trajectory into both normalizers *before* that trajectory's value
+        # estimates, one trajectory (here: the piece's part up to and including an episode end) at a time.
+        parts = self._episode_parts(ended) if cfg.obs_norm == "mlagents" else [(0, T)]
         with torch.no_grad():
-            if cfg.gae_form == "mlagents" or piece.values is None:
-                values = self.policy.value(obs).double()
-            else:
-                values = torch.as_tensor(np.asarray(piece.values, np.float64), device=dev)
-            v_next = torch.zeros(T, dtype=torch.float64, device=dev)
-            idx = np.flatnonzero(need_next)
-            if idx.size:
-                nxt = torch.as_tensor(np.asarray(piece.next_obs, np.float32)[idx], device=dev)
-                v_next[torch.as_tensor(idx, device=dev)] = self.policy.value(nxt).double()
+            for a, b in parts:
+                if cfg.obs_norm == "mlagents":
+                    self.policy.update_normalizer(obs[a:b])
+                if recompute:
+                    values[a:b] = self.policy.value(obs[a:b]).double()
+                idx = a + np.flatnonzero(need_next[a:b])
+                if idx.size:
+                    nxt = torch.as_tensor(next_obs[idx], device=dev)
+                    v_next[torch.as_tensor(idx, device=dev)] = self.policy.value(nxt).double()
         r = torch.as_tensor(rewards, device=dev)
 
         if cfg.gae_form == "mlagents":
@@ -216,20 +221,24 @@ class PPOLearner:
         )
         return True
 
+    @staticmethod
+    def _episode_parts(ended: np.ndarray) -> list[tuple[int, int]]:
+        """[start, stop) of each part of a piece that ML-Agents would see as its own trajectory:
+        cut after every episode end, and at the piece's end."""
+        stops = [int(e) + 1 for e in np.flatnonzero(ended)]
+        if not stops or stops[-1] != len(ended):
+            stops.append(len(ended))
+        return list(zip([0, *stops[:-1]], stops))
+
     def _gae_mlagents(self, r, values, v_next, ended) -> tuple[torch.Tensor, torch.Tensor]:
         """#13/#14: one ML-Agents trajectory per episode segment, value_next = 0 only on real termination."""
         cfg = self.config
         adv = torch.empty_like(values)
         ret = torch.empty_like(values)
-        ends = list(np.flatnonzero(ended))
-        if not ends or ends[-1] != len(ended) - 1:
-            ends.append(len(ended) - 1)
-        start = 0
-        for e in ends:
+        for a, b in self._episode_parts(ended):
             # v_next is zero at real terminations (and at truncations when bootstrap_truncated is off).
-            out = ppo.mlagents_gae(r[start : e + 1], values[start : e + 1], v_next[e], gamma=cfg.gamma, lambd=cfg.lambd)
-            adv[start : e + 1], ret[start : e + 1] = out.advantages, out.returns
-            start = e + 1
+            out = ppo.mlagents_gae(r[a:b], values[a:b], v_next[b - 1], gamma=cfg.gamma, lambd=cfg.lambd)
+            adv[a:b], ret[a:b] = out.advantages, out.returns
         return adv, ret
 
     def _gae_sb3(self, r, values, v_next, ended, bootstrap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,8 +312,10 @@ class PPOLearner:
                     ev.log_prob, data["log_probs"][idx], adv, epsilon=eps, per_dim=cfg.ratio == "per_dim"
                 )
                 v_old, ret = data["values"][idx], data["returns"][idx]
-                if cfg.value_loss == "mlagents_clipped":
-                    vl = ppo.value_loss_mlagents(ev.value, v_old, ret, epsilon=eps)
+                if cfg.value_loss == "mlagents":
+                    vl = ppo.value_loss_mlagents_as_run(ev.value, ret, epsilon=eps)
+                elif cfg.value_loss == "mlagents_intended":
+                    vl = ppo.value_loss_mlagents_intended(ev.value, v_old, ret, epsilon=eps)
                 elif cfg.value_loss == "mse":
                     vl = ppo.value_loss_mse(ev.value, ret)
                 else:

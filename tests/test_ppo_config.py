@@ -18,7 +18,7 @@ CRAWLER = Path(__file__).resolve().parents[1] / "configs" / "Crawler.yaml"
 EXPECTED = {
     "advantage_norm": ("buffer", "minibatch"),  # 1
     "ratio": ("per_dim", "summed"),  # 2
-    "value_loss": ("mlagents_clipped", "mse"),  # 3
+    "value_loss": ("mlagents", "mse"),  # 3 (ML-Agents as 0.28 runs it; the intended clip is "mlagents_intended")
     "clip_range_vf": (None, None),  # 3 (SB3 default None)
     "entropy_reduce": ("mean", "sum"),  # 4
     "vf_coef": (0.5, 0.5),  # 5
@@ -92,6 +92,8 @@ def test_frozen():
         ({"reward_norm": "yes"}, "reward_norm"),
         ({"gamma": 1.5}, "gamma"),
         ({"value_loss": "sb3_clipped"}, "clip_range_vf"),
+        ({"value_loss": "mlagents_clipped"}, "value_loss"),  # renamed: 'mlagents_intended'
+        ({"value_loss": "mlagents_intended", "clip_range_vf": 0.2}, "clip_range_vf"),
         ({"clip_range_vf": 0.2}, "clip_range_vf"),
         ({"batch_size": 4096, "buffer_size": 2048}, "batch_size"),
         ({"lernin_rate": 1e-3}, "lernin_rate"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -106,19 +107,28 @@ def test_minibatch_remainder(remainder, per_epoch):
 
 
 def test_mlagents_ingest_gae_segments_and_normalizer():
-    """Values recomputed after the normalizer update; value_next = 0 at termination, V(final obs) at truncation/cut."""
+    """Per episode segment (an ML-Agents trajectory): normalizer update, then that segment's values;
+    value_next = 0 at termination, V(final obs) at truncation/cut."""
     rng = np.random.default_rng(5)
     cfg = small("mlagents", gamma=0.9, lambd=0.8)
     learner = PPOLearner(cfg, OBS, ACT)
+    ref = copy.deepcopy(learner.policy)
     p = make_piece(9, rng, terminated_at=[2], truncated_at=[5])
     learner.ingest(p)
-    assert float(learner.policy.actor_norm.steps) == 1 + 9 == float(learner.policy.critic_norm.steps)
-    with torch.no_grad():
-        v = learner.policy.value(torch.as_tensor(p.obs)).double()
-        vn = learner.policy.value(torch.as_tensor(p.next_obs)).double()
+    assert int(learner.policy.actor_norm.steps) == 1 + 9 == int(learner.policy.critic_norm.steps)
+    assert learner.policy.actor_norm.steps.dtype == torch.int64
     r = torch.as_tensor(p.rewards, dtype=torch.float64)
-    segs = [(0, 3, 0.0), (3, 6, vn[5]), (6, 9, vn[8])]
-    expect = torch.cat([ppo.mlagents_gae(r[a:b], v[a:b], nxt, gamma=0.9, lambd=0.8).advantages for a, b, nxt in segs])
+    v, expect = [], []
+    for a, b, bootstrap in [(0, 3, False), (3, 6, True), (6, 9, True)]:
+        ref.update_normalizer(torch.as_tensor(p.obs[a:b]))  # this segment only, before its values
+        with torch.no_grad():
+            v_seg = ref.value(torch.as_tensor(p.obs[a:b])).double()
+            nxt = ref.value(torch.as_tensor(p.next_obs[b - 1 : b])).double()[0] if bootstrap else 0.0
+        v.append(v_seg)
+        expect.append(ppo.mlagents_gae(r[a:b], v_seg, nxt, gamma=0.9, lambd=0.8).advantages)
+    v, expect = torch.cat(v), torch.cat(expect)
+    with torch.no_grad():  # one update with the whole piece would have given other values
+        assert not torch.allclose(learner.policy.value(torch.as_tensor(p.obs[:3])).double(), v[:3], atol=1e-4)
     got = learner.buffer.stacked()
     np.testing.assert_allclose(got["advantages"].numpy(), expect.numpy(), atol=1e-5)
     np.testing.assert_allclose(got["values"].numpy(), v.numpy(), atol=1e-6)  # not the actor's stored values
@@ -165,6 +175,23 @@ def test_sb3_uses_stored_values_and_normalized_obs():
     learner.ingest(make_piece(10, rng, learner.policy))
     learner.update()
     np.testing.assert_allclose(learner.policy.obs_norm.mean.numpy(), learner.obs_rms.mean)
+
+
+def test_value_loss_choices_in_the_update():
+    """'mlagents' (as 0.28 runs, #6281) trains exactly as 'mse'; 'mlagents_intended' differs once the
+    critic has moved past epsilon from the values stored at ingest."""
+    rng = np.random.default_rng(5)
+    pieces = [make_piece(6, rng, terminated_at=[5]) for _ in range(2)]
+    after = {}
+    for loss in ("mlagents", "mse", "mlagents_intended"):
+        learner = PPOLearner(small("mlagents", value_loss=loss, buffer_size=12, batch_size=12, num_epoch=3,
+                                   learning_rate=0.05, lr_schedule="constant"), OBS, ACT)
+        for p in pieces:
+            learner.ingest(p)
+        learner.update()
+        after[loss] = torch.cat([q.detach().flatten() for q in learner.policy.critic_body.parameters()])
+    torch.testing.assert_close(after["mlagents"], after["mse"], rtol=0, atol=1e-6)
+    assert not torch.allclose(after["mlagents_intended"], after["mse"], atol=1e-4)
 
 
 def test_schedules_use_total_agent_steps():

@@ -276,14 +276,45 @@ def test_value_losses_match_reference():
     v = v_old + RNG.uniform(-0.6, 0.6, size=B)  # both sides of the clip
     vc = v_old + np.clip(v - v_old, -eps, eps)
     np.testing.assert_allclose(
-        float(ppo.value_loss_mlagents(t64(v), t64(v_old), t64(R), epsilon=eps)),
+        float(ppo.value_loss_mlagents_intended(t64(v), t64(v_old), t64(R), epsilon=eps)),
         np.mean(np.maximum((R - v) ** 2, (R - vc) ** 2)),
+        atol=TOL,
+    )
+    # As ML-Agents 0.28 runs it (#6281): the clip is centred on the returns.
+    vr = R + np.clip(v - R, -eps, eps)
+    np.testing.assert_allclose(
+        float(ppo.value_loss_mlagents_as_run(t64(v), t64(R), epsilon=eps)),
+        np.mean(np.maximum((R - v) ** 2, (R - vr) ** 2)),
         atol=TOL,
     )
     np.testing.assert_allclose(float(ppo.value_loss_mse(t64(v), t64(R))), np.mean((R - v) ** 2), atol=TOL)
     np.testing.assert_allclose(
         float(ppo.value_loss_sb3_clipped(t64(v), t64(v_old), t64(R), clip_range_vf=eps)), np.mean((R - vc) ** 2), atol=TOL
     )
+
+
+@pytest.mark.parametrize("eps", [0.05, 0.2, 10.0])
+def test_mlagents_value_loss_as_run_is_unclipped_mse(eps):
+    """Clipping around the returns never binds: the as-run loss is mse(R, V) in value and gradient,
+    while the intended clip around V_old differs wherever |V - V_old| > eps and the clipped side is larger."""
+    B = 64
+    v_old, R = RNG.normal(size=B), RNG.normal(size=B)
+    v0 = v_old + RNG.uniform(-1.0, 1.0, size=B)
+    grads = {}
+    for name, fn in {
+        "as_run": lambda v: ppo.value_loss_mlagents_as_run(v, t64(R), epsilon=eps),
+        "mse": lambda v: ppo.value_loss_mse(v, t64(R)),
+        "intended": lambda v: ppo.value_loss_mlagents_intended(v, t64(v_old), t64(R), epsilon=eps),
+    }.items():
+        v = t64(v0).requires_grad_(True)
+        loss = fn(v)
+        loss.backward()
+        grads[name] = (float(loss.detach()), v.grad.numpy().copy())
+    assert grads["as_run"][0] == pytest.approx(grads["mse"][0], rel=1e-12)
+    np.testing.assert_allclose(grads["as_run"][1], grads["mse"][1], rtol=1e-12, atol=1e-15)
+    vc = v_old + np.clip(v0 - v_old, -eps, eps)
+    if np.any((R - vc) ** 2 > (R - v0) ** 2):
+        assert grads["intended"][0] > grads["mse"][0]
 
 
 def test_entropy_reduce_and_totals():
