@@ -50,9 +50,10 @@ from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip, envs_held_by, obs_mismatches
 from impala.envs.fingerprint import ConfiguredSettings, EnvFingerprint, Mismatch, check_against_config, configured_settings
 from impala.envs.probe import expected_observation
+from impala.evaluation import checkpoint_path
 from impala.messages import ImpalaAgentSpec
 from impala.trajectory import impala_unroll_schema
-from learner.frameskip_plot import check_checkpoint, checkpoint_path, plot_episodes, run_episodes, summary_lines
+from learner.frameskip_plot import check_checkpoint, plot_episodes, run_episodes, summary_lines
 from learner.server import TrajectoryServer
 
 DEFAULT_ENV_IDS = ("PongDeterministic-v4", "PongNoFrameskip-v4", "Pong-v4", "ALE/Pong-v5")

@@ -4,7 +4,9 @@ The twin is the same game with the dynamics the historical worker silently ran
 (frameskip 2-4, sticky actions 0.25). Each episode is played either by a uniformly
 random policy or by a launch_impala checkpoint, through the actor's own agent
 adapter (``actors.agents.make_agent`` + ``agent.act``), so the plot samples actions
-exactly as a training actor does.
+exactly as a training actor does. The checkpoint is read and turned into an agent by
+``impala.evaluation.read_policy_checkpoint`` and ``learner.evaluate.checkpoint_agent``, as
+``impala-eval`` does.
 """
 
 from __future__ import annotations
@@ -13,17 +15,17 @@ import concurrent.futures
 import multiprocessing
 import os
 import sys
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
-from actors.agents import make_agent
-from impala.checkpoint import CheckpointError, load_checkpoint
+from impala.checkpoint import CheckpointError
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import ConfiguredSettings, configured_settings
 from impala.envs.vector import GymVecEnv
-from impala.messages import ImpalaAgentSpec
+from impala.evaluation import PolicyCheckpoint, read_policy_checkpoint
+from learner.evaluate import checkpoint_agent
 
 TWIN_OVERRIDES: dict[str, Any] = {"frameskip": (2, 5), "repeat_action_probability": 0.25}
 
@@ -35,49 +37,32 @@ EpisodeResult = tuple[int, float, int]  # (agent steps, return, emulator frames)
 # ---------------------------------------------------------------------------
 
 
-def checkpoint_path(path: str) -> str:
-    """``path`` itself, or ``path/checkpoint.pt`` when ``path`` is a run's logdir."""
-    return os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
-
-
-def load_impala_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config record, network state dict) of a launch_impala ``checkpoint.pt`` (or its logdir), on the CPU."""
-    state = load_checkpoint(checkpoint_path(path), keys=("config", "trainer"))
-    return state["config"], state["trainer"]["model"]
-
-
-def impala_agent(config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor], *, envs: Any, first_obs: np.ndarray, seed: int):
-    """The actor's IMPALA agent adapter for ``envs``, holding the checkpoint's weights (one env step per unroll)."""
-    settings = ImpalaAgentSpec(model=config["model"], use_lstm=config["use_lstm"])
-    agent = make_agent(settings, envs=envs, first_obs=first_obs, unroll_length=1, seed=seed)
-    agent.load_params({k: v.detach().cpu().numpy() for k, v in state_dict.items()})
-    return agent
-
-
 def check_checkpoint(checkpoint: str, env_id: str) -> str:
     """Load the checkpoint here once so that a bad one is a clean error; returns a policy description.
 
     Raises ``CheckpointError`` (one line) for a checkpoint that cannot play ``env_id``.
     """
+    ckpt = read_policy_checkpoint(checkpoint)  # CheckpointError: missing, foreign, env not installed
+    if ckpt.kind != "impala":
+        raise CheckpointError(f"cannot use checkpoint {checkpoint!r} for {env_id}: --plot plays discrete-action (launch_impala) checkpoints, this one is {ckpt.kind}'s")
     envs = GymVecEnv(EnvSpec(env_id), 1, seed=0)
     try:
-        config, state_dict = load_impala_checkpoint(checkpoint)
-        impala_agent(config, state_dict, envs=envs, first_obs=envs.reset(), seed=0)
+        checkpoint_agent(ckpt.agent, ckpt.params, envs=envs, first_obs=envs.reset(), seed=0)
     except Exception as e:  # noqa: BLE001 - any unusable checkpoint file is bad input, reported in one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot use checkpoint {checkpoint!r} for {env_id}: {first}") from None
     finally:
         envs.close()
-    if config.get("env") not in (None, env_id):
-        print(f"frameskip_check: warning: the checkpoint was trained on {config.get('env')}, playing {env_id}", file=sys.stderr)
-    return f"policy from {os.path.basename(os.path.abspath(checkpoint))}"
+    if ckpt.env.id != env_id:
+        print(f"frameskip_check: warning: the checkpoint was trained on {ckpt.env.id}, playing {env_id}", file=sys.stderr)
+    return f"policy from {os.path.basename(os.path.abspath(ckpt.path))}"
 
 
 # ---------------------------------------------------------------------------
 # Episodes
 # ---------------------------------------------------------------------------
 
-_CHECKPOINTS: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # per worker process: read each file once
+_CHECKPOINTS: dict[str, PolicyCheckpoint] = {}  # per worker process: read each file once
 
 
 def _episode(task: tuple[str, dict[str, Any], int, int, str | None]) -> EpisodeResult:
@@ -94,8 +79,9 @@ def _episode(task: tuple[str, dict[str, Any], int, int, str | None]) -> EpisodeR
         if checkpoint:
             torch.set_num_threads(1)
             if checkpoint not in _CHECKPOINTS:
-                _CHECKPOINTS[checkpoint] = load_impala_checkpoint(checkpoint)
-            agent = impala_agent(*_CHECKPOINTS[checkpoint], envs=envs, first_obs=obs, seed=seed)
+                _CHECKPOINTS[checkpoint] = read_policy_checkpoint(checkpoint)
+            ckpt = _CHECKPOINTS[checkpoint]
+            agent = checkpoint_agent(ckpt.agent, ckpt.params, envs=envs, first_obs=obs, seed=seed)
         rng = np.random.default_rng(seed)
         n = int(envs.action_space.n)
         steps, total, first = 0, 0.0, np.ones(1, dtype=bool)

@@ -30,6 +30,9 @@ BASE = {
     "launch_ppo": TINY_PPO,
     "frameskip_check": ["--env", "CartPole-v1", "--workers", "1", "--start-method", "fork", "--fingerprint-steps", "20"],
     "impala-actors": ["--learner", "tcp://127.0.0.1:9", "--timeout", "0.5", "--workers", "1"],
+    # No such file: every flag is checked before the checkpoint is read, so a bad value that slipped
+    # through would fail on the file instead, with a message naming neither the flag nor the value.
+    "impala-eval": ["/no/such/run/checkpoint.pt", "--episodes", "2", "--workers", "0"],
 }
 
 # Free-text flags and a value each that cannot work (numbers and choices are generated).
@@ -52,6 +55,8 @@ TEXT_BAD = {
     "--start-method": "teleport",
     "--plot": "/proc/no-such-dir/plot.png",
     "--checkpoint": "/no/such/checkpoint.pt",
+    "--out": "/proc/no-such-dir/eval.json",
+    "--video": "/proc/no-such-dir/episode.mp4",
 }
 # Numeric flags where a negative number is a legitimate value.
 ANY_SIGN = {"--stop-at-return"}

@@ -182,15 +182,23 @@ def make_atari(env_id: str, *, seed: int | None = None, preprocess: bool = True,
 
     With ``preprocess`` the frame skip moves from the ALE into ``DeepMindAtari``
     (same dynamics, but the max-pool can see both frames); the registered
-    ``max_episode_steps`` stays in agent steps.
+    ``max_episode_steps`` stays in agent steps. ``noop_max`` (default 30) sets the
+    preprocessing's no-op starts; every other override goes to the ALE env (e.g.
+    ``max_num_frames_per_episode``, the ALE's own cap in emulator frames).
     """
     register_classic_ids()
     spec = gym.registry[env_id]
     kwargs = {**spec.kwargs, **overrides}
     max_steps = kwargs.pop("max_episode_steps", spec.max_episode_steps)
+    # noop_max belongs to the preprocessing (up to this many no-op actions at reset; 0: none), not to the ALE.
+    noop_max = kwargs.pop("noop_max", 30)
     if not preprocess:
+        if "noop_max" in overrides:
+            raise TypeError("noop_max is a setting of the DeepMind preprocessing; this env is built without it")
         env = gym.make(env_id, max_episode_steps=max_steps, **{k: v for k, v in overrides.items() if k != "max_episode_steps"})
         return env
+    if isinstance(noop_max, bool) or not isinstance(noop_max, int) or noop_max < 0:
+        raise ValueError(f"noop_max must be an integer >= 0, got {noop_max!r}")
     frameskip = kwargs.pop("frameskip", 1)
     if isinstance(frameskip, list):
         frameskip = tuple(frameskip)
@@ -198,7 +206,7 @@ def make_atari(env_id: str, *, seed: int | None = None, preprocess: bool = True,
     kwargs["obs_type"] = "grayscale"  # cheaper; DeepMindAtari reads the grayscale screen directly
     base = gym.make(env_id, max_episode_steps=None, disable_env_checker=True, **kwargs)
     # gym.make wraps in OrderEnforcing etc.; strip to the raw env so the wrapper owns stepping.
-    env: gym.Env = DeepMindAtari(base.unwrapped, frameskip=frameskip)
+    env: gym.Env = DeepMindAtari(base.unwrapped, frameskip=frameskip, noop_max=noop_max)
     if max_steps is not None:
         env = gym.wrappers.TimeLimit(env, max_episode_steps=max_steps)
     if seed is not None:
