@@ -254,6 +254,8 @@ class RunConfig:
     total_steps: Optional[int] = option(None, "Stop after this many agent steps (absolute, also with --resume).")
     stop_at_return: Optional[float] = option(None, "Stop early once the mean return of the last 100 episodes reaches this (counted only after 100 episodes have finished); unset: run to the step budget.")
     max_seconds: float = option(0.0, "Stop after this many seconds of training; 0 means no limit.")
+    eval_every: int = option(0, "Every this many env frames, play --eval-episodes greedy episodes of the current weights (the 'train' protocol of impala-eval) in a separate process that never stalls the learner, and log eval/ rows; 0: off.")
+    eval_episodes: int = option(5, "Episodes per --eval-every evaluation.")
     seed: int = option(0, "Base seed: the network's initialization, and actor i's envs use seed + 1000 * i (+ restarts).")
     device: str = option("auto", "Learner device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.")
     torch_threads: int = option(0, "CPU threads for the learner's torch ops; 0 = the cores left after the actors (at least 1). More would fight the actors for cores.")
@@ -285,6 +287,8 @@ class RunConfig:
         need(self.total_steps is None or self.total_steps > 0, f"--total-steps must be > 0, got {self.total_steps}")
         need(self.total_frames is None or self.total_steps is None, "give --total-frames (env frames) or --total-steps (agent steps), not both")
         need(self.max_seconds >= 0, f"--max-seconds must be >= 0 (0 means no limit), got {self.max_seconds}")
+        need(self.eval_every >= 0, f"--eval-every must be >= 0 (0: off), got {self.eval_every}")
+        need(self.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {self.eval_episodes}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
         need(self.device == "auto" or self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:") and self.device[5:].isdigit(),
              f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import multiprocessing
+import os
+import queue
 import secrets
 import signal
 import threading
@@ -31,10 +34,12 @@ from impala.envs import UnknownEnvError
 from impala.curve import prepare_server
 from impala.envs.fingerprint import EnvFingerprint, FingerprintMismatchError, compare_fingerprints
 from impala.envs.probe import EnvInfo
-from impala.messages import AgentSpec, RunInfo
+from impala.envs import EnvSpec
+from impala.messages import AgentSpec, RunInfo, agent_spec_from_dict
 from impala.metrics import MetricsLogger
 from impala.tracking import WandbTracker
 from impala.trajectory import TrajectorySchema
+from learner.evaluate import evaluate_params
 from learner.server import PortInUseError, TrajectoryServer
 
 log = logging.getLogger(__name__)
@@ -84,6 +89,60 @@ class RunResult:
     interrupted: bool
     checkpoint: str
     reached_return: bool = False  # stopped early at --stop-at-return
+
+
+def _evaluate_in_background(results: Any, frames: int, env: dict, agent: dict, params: dict, episodes: int, seed: int) -> None:
+    """The --eval-every process: greedy episodes of a weights snapshot, then one summary on ``results``."""
+    os.nice(5)  # the actors and the learner come first
+    try:
+        result = evaluate_params(EnvSpec.from_dict(env), agent_spec_from_dict(agent), params, protocol="train", policy="greedy",
+                                 episodes=episodes, workers=0, seed=seed)
+        row = {f"eval/{k}_return": float(v) for k, v in result.stats.items()}
+        row.update({"eval/frames": float(result.total_frames), "eval/wall_s": float(result.wall_time_s)})
+        results.put((frames, row))
+    except Exception as e:  # noqa: BLE001 - an evaluation that fails is reported, never stops training
+        results.put((frames, {"error": f"{type(e).__name__}: {e}"}))
+
+
+class PeriodicEval:
+    """--eval-every: at most one evaluation process at a time, started after an update, polled each loop."""
+
+    def __init__(self, config: RunConfig, run_info: RunInfo) -> None:
+        self.every, self.episodes, self.seed = config.eval_every, config.eval_episodes, config.seed + 7777
+        self.run_info = run_info
+        self.ctx = multiprocessing.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.proc: Any = None
+        self.next_at = config.eval_every
+        self.started = 0
+
+    def maybe_start(self, frames: int, params: Mapping[str, np.ndarray]) -> None:
+        if not self.every or frames < self.next_at or (self.proc is not None and self.proc.is_alive()):
+            return
+        self.next_at = (frames // self.every + 1) * self.every
+        snapshot = {k: np.array(v, copy=True) for k, v in params.items()}
+        self.proc = self.ctx.Process(
+            target=_evaluate_in_background, name="eval", daemon=True,
+            args=(self.results, frames, self.run_info.env.to_dict(), self.run_info.agent.to_dict(), snapshot, self.episodes, self.seed + self.started),
+        )
+        self.proc.start()
+        self.started += 1
+
+    def poll(self) -> tuple[int, dict[str, float]] | None:
+        try:
+            frames, row = self.results.get_nowait()
+        except queue.Empty:
+            return None
+        if "error" in row:
+            log.error("evaluation at %d frames failed: %s", frames, row["error"])
+            return None
+        log.info("eval at %d frames: mean return %.2f over %d episodes", frames, row.get("eval/mean_return", float("nan")), self.episodes)
+        return frames, row
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=5)
 
 
 class _Stop:
@@ -201,6 +260,7 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     ]
     pool = ThreadActors(configs) if config.in_process else ActorPool(configs, start_method=config.start_method, actor_class=plan.actor_class)
     logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker)
+    evaluator = PeriodicEval(config, run_info)
     interrupted = reached_return = False
     start = time.monotonic()
     last_ckpt = time.monotonic()
@@ -270,7 +330,12 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
                     continue
                 metrics = trainer.update(env_frames)
                 version += 1
-                server.publish(version, trainer.params())
+                params = trainer.params()
+                server.publish(version, params)
+                evaluator.maybe_start(env_frames, params)
+                evaluated = evaluator.poll()
+                if evaluated is not None:
+                    logger.log(*evaluated)
                 now = time.monotonic()
                 if now - last_log >= config.log_interval:
                     row = dict(metrics)
@@ -300,6 +365,7 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
             trainer.close()
         except Exception as e:  # noqa: BLE001 - a follower that is gone must not cost the final checkpoint
             log.error("releasing the learner group failed: %s", e)
+        evaluator.stop()
         pool.stop()
         server.close()
         try:

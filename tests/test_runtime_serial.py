@@ -71,3 +71,26 @@ def test_same_seed_same_first_updates_in_process(tmp_path):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_eval_every_logs_eval_rows_while_training_goes_on(tmp_path):
+    """--eval-every: greedy episodes of a weights snapshot in a separate process; their summary lands in
+    metrics.csv as eval/ rows at the frame count of the snapshot, and training kept going meanwhile."""
+    import csv
+
+    from learner.launch_impala import main
+
+    assert main(["--env", "CartPole-v1", "--workers", "1", "--unroll-length", "20", "--batch-size", "8", "--learning-rate", "2e-3",
+                 "--total-frames", "40000", "--eval-every", "10000", "--eval-episodes", "2", "--log-interval", "1",
+                 "--no-progress", "--logdir", str(tmp_path), "--device", "cpu"]) == 0
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    evals = [(i, r) for i, r in enumerate(rows) if r.get("eval/mean_return")]
+    assert len(evals) >= 2, [r for r in rows if any(k.startswith("eval/") and r[k] for k in r)]
+    steps = [int(r["step"]) for _, r in evals]
+    # a snapshot at the first update past each multiple of 10,000 (later if the previous evaluation still ran)
+    assert steps[0] >= 10000 and all(b // 10000 > a // 10000 for a, b in zip(steps, steps[1:])), steps
+    for i, row in evals:
+        assert 9 <= float(row["eval/min_return"]) <= float(row["eval/mean_return"]) <= float(row["eval/max_return"]) <= 500
+        before = [r for r in rows[:i] if r.get("charts/env_frames")]
+        assert float(before[-1]["charts/env_frames"]) > int(row["step"])  # training went on while the episodes played
