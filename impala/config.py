@@ -256,6 +256,7 @@ class RunConfig:
     max_seconds: float = option(0.0, "Stop after this many seconds of training; 0 means no limit.")
     eval_every: int = option(0, "Every this many env frames, play --eval-episodes greedy episodes of the current weights (the 'train' protocol of impala-eval) in a separate process that never stalls the learner, and log eval/ rows; 0: off.")
     eval_episodes: int = option(5, "Episodes per --eval-every evaluation.")
+    eval_video: bool = option(False, "Record the first 600 frames of each evaluation's first episode to LOGDIR/eval-FRAMES.mp4 (the raw screen; needs an env that renders RGB, e.g. Atari); with --track also to Weights & Biases.")
     seed: int = option(0, "Base seed: the network's initialization, and actor i's envs use seed + 1000 * i (+ restarts).")
     device: str = option("auto", "Learner device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.")
     torch_threads: int = option(0, "CPU threads for the learner's torch ops; 0 = the cores left after the actors (at least 1). More would fight the actors for cores.")

@@ -91,17 +91,17 @@ class RunResult:
     reached_return: bool = False  # stopped early at --stop-at-return
 
 
-def _evaluate_in_background(results: Any, frames: int, env: dict, agent: dict, params: dict, episodes: int, seed: int) -> None:
+def _evaluate_in_background(results: Any, frames: int, env: dict, agent: dict, params: dict, episodes: int, seed: int, video: str) -> None:
     """The --eval-every process: greedy episodes of a weights snapshot, then one summary on ``results``."""
     os.nice(5)  # the actors and the learner come first
     try:
         result = evaluate_params(EnvSpec.from_dict(env), agent_spec_from_dict(agent), params, protocol="train", policy="greedy",
-                                 episodes=episodes, workers=0, seed=seed)
+                                 episodes=episodes, workers=0, seed=seed, video=video, video_max_frames=600 if video else 0)
         row = {f"eval/{k}_return": float(v) for k, v in result.stats.items()}
         row.update({"eval/frames": float(result.total_frames), "eval/wall_s": float(result.wall_time_s)})
-        results.put((frames, row))
+        results.put((frames, row, video))
     except Exception as e:  # noqa: BLE001 - an evaluation that fails is reported, never stops training
-        results.put((frames, {"error": f"{type(e).__name__}: {e}"}))
+        results.put((frames, {"error": f"{type(e).__name__}: {e}"}, ""))
 
 
 class PeriodicEval:
@@ -109,6 +109,7 @@ class PeriodicEval:
 
     def __init__(self, config: RunConfig, run_info: RunInfo) -> None:
         self.every, self.episodes, self.seed = config.eval_every, config.eval_episodes, config.seed + 7777
+        self.video_dir = config.logdir if config.eval_video else ""
         self.run_info = run_info
         self.ctx = multiprocessing.get_context("spawn")
         self.results = self.ctx.Queue()
@@ -121,23 +122,26 @@ class PeriodicEval:
             return
         self.next_at = (frames // self.every + 1) * self.every
         snapshot = {k: np.array(v, copy=True) for k, v in params.items()}
+        video = os.path.join(self.video_dir, f"eval-{frames}.mp4") if self.video_dir else ""
         self.proc = self.ctx.Process(
             target=_evaluate_in_background, name="eval", daemon=True,
-            args=(self.results, frames, self.run_info.env.to_dict(), self.run_info.agent.to_dict(), snapshot, self.episodes, self.seed + self.started),
+            args=(self.results, frames, self.run_info.env.to_dict(), self.run_info.agent.to_dict(), snapshot, self.episodes,
+                  self.seed + self.started, video),
         )
         self.proc.start()
         self.started += 1
 
-    def poll(self) -> tuple[int, dict[str, float]] | None:
+    def poll(self) -> tuple[int, dict[str, float], str] | None:
+        """(frames of the snapshot, eval/ row, video path or "") of a finished evaluation, else None."""
         try:
-            frames, row = self.results.get_nowait()
+            frames, row, video = self.results.get_nowait()
         except queue.Empty:
             return None
         if "error" in row:
             log.error("evaluation at %d frames failed: %s", frames, row["error"])
             return None
         log.info("eval at %d frames: mean return %.2f over %d episodes", frames, row.get("eval/mean_return", float("nan")), self.episodes)
-        return frames, row
+        return frames, row, video
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.is_alive():
@@ -335,7 +339,11 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
                 evaluator.maybe_start(env_frames, params)
                 evaluated = evaluator.poll()
                 if evaluated is not None:
-                    logger.log(*evaluated)
+                    # logged at today's step (trackers want steps in order); the snapshot's frames ride along
+                    at, row, video = evaluated
+                    logger.log(env_frames, {**row, "eval/at_frames": float(at)})
+                    if video and tracker is not None and os.path.exists(video):
+                        tracker.log_video(env_frames, "eval/video", video)
                 now = time.monotonic()
                 if now - last_log >= config.log_interval:
                     row = dict(metrics)

@@ -79,3 +79,44 @@ def _read_offline_run(path) -> tuple[list[dict], dict]:
         elif kind == "run":
             config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
     return history, config
+
+
+def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
+    """--eval-video: the periodic evaluation records its first episode from the raw Atari screen,
+    and --track sends that video to the (offline) W&B run."""
+    pytest.importorskip("wandb")
+    import time
+
+    import cv2
+
+    from impala.config import RunConfig
+    from impala.envs import EnvSpec
+    from impala.messages import ImpalaAgentSpec, RunInfo
+    from impala.models import build_model
+    from impala.params import state_dict_arrays
+    from impala.tracking import WandbTracker
+    from learner.runtime import PeriodicEval
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = RunConfig(env="PongDeterministic-v4", eval_every=1, eval_episodes=1, eval_video=True, logdir=str(tmp_path))
+    info = RunInfo("r" * 32, EnvSpec("PongDeterministic-v4", {"max_num_frames_per_episode": 2000}), ImpalaAgentSpec("shallow", frame_stack=4), 32, 4)
+    evaluator = PeriodicEval(config, info)
+    evaluator.maybe_start(1000, state_dict_arrays(build_model("shallow", (4, 84, 84), 6)))
+    deadline, done = time.monotonic() + 180, None
+    while done is None and time.monotonic() < deadline:
+        done = evaluator.poll()
+        time.sleep(0.5)
+    evaluator.stop()
+    assert done is not None, "the evaluation never reported"
+    at, row, video = done
+    assert at == 1000 and video == str(tmp_path / "eval-1000.mp4") and row["eval/frames"] <= 2000
+    capture = cv2.VideoCapture(video)
+    frames = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+    ok, image = capture.read()
+    capture.release()
+    assert ok and 0 < frames <= 600 and image.shape[0] >= 210  # the raw screen (210 rows and a caption), not 84x84
+    tracker = WandbTracker(project="test", logdir=str(tmp_path), name="video", config={}, resume=False)
+    tracker.log_video(5000, "eval/video", video)
+    tracker.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*/files/media/videos/eval/video_*.mp4"))
