@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import multiprocessing
 import os
 import pickle
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import gymnasium as gym
 
@@ -45,7 +44,7 @@ from actors.actor import Actor
 from actors.loop import ActorConfig
 from actors.pool import ActorPool
 from impala.checkpoint import CheckpointError
-from impala.config import FlagParser
+from impala.config import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip, envs_held_by, obs_mismatches
 from impala.envs.fingerprint import ConfiguredSettings, EnvFingerprint, Mismatch, check_against_config, configured_settings
@@ -348,6 +347,35 @@ def print_table(rows: list[Row], *, file=None, rich: bool | None = None) -> None
 # ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CheckOptions:
+    """frameskip_check's options (the env ids and start methods are repeatable flags of their own)."""
+
+    workers: int = option(2, "Actor processes per (env id x start method).")
+    fingerprint_steps: int = option(300, "Random agent steps each worker measures.")
+    timeout: float = option(120.0, "Seconds to wait for the workers' hellos.")
+    actor_class: Optional[str] = option(None, "An Actor subclass MODULE:CLASS to check instead of actors.actor:Actor (must be importable in the children).")
+    seed: int = option(0, "Base seed.")
+    plot: Optional[str] = option(None, "OUT.png: also run episodes under the configured settings of the first env id and under a mis-specified twin (frameskip (2,5), sticky 0.25) and plot steps per episode and return.")
+    plot_only: bool = option(False, "With --plot: skip the worker checks.")
+    episodes: int = option(10, "Episodes per setting for --plot.")
+    max_steps_per_episode: int = option(0, "Cap each --plot episode at this many agent steps (0: no cap).")
+    checkpoint: Optional[str] = option(None, "With --plot: sample actions from a launch_impala checkpoint.pt (or its logdir) instead of a random policy.")
+    jobs: int = option(0, "Worker processes for --plot episodes (0: one per CPU).")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        need(self.workers >= 1, f"--workers must be >= 1, got {self.workers}")
+        need(self.fingerprint_steps >= 10, f"--fingerprint-steps must be >= 10, got {self.fingerprint_steps}")
+        need(self.timeout > 0, f"--timeout must be a number of seconds > 0, got {self.timeout}")
+        need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
+        need(self.episodes >= 1, f"--episodes must be >= 1, got {self.episodes}")
+        need(self.max_steps_per_episode >= 0, f"--max-steps-per-episode must be >= 0, got {self.max_steps_per_episode}")
+        need(self.jobs >= 0, f"--jobs must be >= 0, got {self.jobs}")
+        need(not self.plot_only or bool(self.plot), "--plot-only needs --plot OUT.png")
+        need(not self.checkpoint or bool(self.plot), "--checkpoint is only used with --plot OUT.png")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
         prog="frameskip_check",
@@ -363,21 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--env", action="append", default=[], metavar="ENV_ID", help="an env id to check (repeatable; adds to the positional ids)")
     parser.add_argument("--start-method", action="append", default=[], metavar="METHOD",
                         help="multiprocessing start method (repeatable; none given: every one available here)")
-    parser.add_argument("--workers", type=int, default=2, help="actor processes per (env id x start method)")
-    parser.add_argument("--fingerprint-steps", type=int, default=300, help="random agent steps each worker measures")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the workers' hellos")
-    parser.add_argument("--actor-class", default=None, metavar="MODULE:CLASS",
-                        help="an Actor subclass to check instead of actors.actor:Actor (must be importable in the children)")
-    parser.add_argument("--seed", type=int, default=0, help="base seed")
-    parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help="also run episodes under the configured settings of the first env id and under a mis-specified "
-                             "twin (frameskip (2,5), sticky 0.25) and plot steps per episode and return")
-    parser.add_argument("--plot-only", action="store_true", help="with --plot: skip the worker checks")
-    parser.add_argument("--episodes", type=int, default=10, help="episodes per setting for --plot")
-    parser.add_argument("--max-steps-per-episode", type=int, default=0, help="cap each --plot episode at this many agent steps (0: no cap)")
-    parser.add_argument("--checkpoint", default=None, metavar="PATH",
-                        help="with --plot: sample actions from a launch_impala checkpoint.pt (or its logdir) instead of a random policy")
-    parser.add_argument("--jobs", type=int, default=0, help="worker processes for --plot episodes (0: one per CPU)")
+    add_flags(parser, CheckOptions)
     return parser
 
 
@@ -394,7 +408,8 @@ def _load_actor_class(text: str) -> type:
     return cls
 
 
-def _validate(args: argparse.Namespace) -> tuple[list[str], list[str], type]:
+def _validate(args: argparse.Namespace) -> tuple[CheckOptions, list[str], list[str], type]:
+    options = from_flags(CheckOptions, args)
     env_ids = list(dict.fromkeys([*args.env_ids, *args.env])) or list(DEFAULT_ENV_IDS)
     for env_id in env_ids:
         check_env_id(env_id)  # UnknownEnvError lists close matches
@@ -403,44 +418,25 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], list[str], type]:
     for m in methods:
         if m not in available:
             raise UsageError(f"start method {m!r} is not available on this platform (available: {', '.join(available)})")
-    if args.episodes < 1:
-        raise UsageError(f"--episodes must be >= 1, got {args.episodes}")
-    if args.workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {args.workers}")
-    if args.fingerprint_steps < 10:
-        raise UsageError(f"--fingerprint-steps must be >= 10, got {args.fingerprint_steps}")
-    if args.max_steps_per_episode < 0:
-        raise UsageError(f"--max-steps-per-episode must be >= 0, got {args.max_steps_per_episode}")
-    if args.jobs < 0:
-        raise UsageError(f"--jobs must be >= 0, got {args.jobs}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    if args.plot:
-        folder = os.path.dirname(os.path.abspath(args.plot))
+    if options.plot:
+        folder = os.path.dirname(os.path.abspath(options.plot))
         if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            raise UsageError(f"--plot {args.plot}: cannot write into {folder}")
-    if args.plot_only and not args.plot:
-        raise UsageError("--plot-only needs --plot OUT.png")
-    if args.checkpoint and not args.plot:
-        raise UsageError("--checkpoint is only used with --plot OUT.png")
-    if args.checkpoint:
-        path = checkpoint_path(args.checkpoint)
+            raise UsageError(f"--plot {options.plot}: cannot write into {folder}")
+    if options.checkpoint:
+        path = checkpoint_path(options.checkpoint)
         if not os.path.exists(path):
             raise UsageError(f"no checkpoint at {path}")
-    actor_class = _load_actor_class(args.actor_class) if args.actor_class else Actor
-    return env_ids, methods, actor_class
+    actor_class = _load_actor_class(options.actor_class) if options.actor_class else Actor
+    return options, env_ids, methods, actor_class
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        env_ids, methods, actor_class = _validate(args)
-        policy = check_checkpoint(args.checkpoint, env_ids[0]) if args.checkpoint else "random policy"
-    except (UsageError, UnknownEnvError, CheckpointError) as e:
-        print(f"frameskip_check: error: {e}", file=sys.stderr)
-        return 2
+        options, env_ids, methods, actor_class = _validate(build_parser().parse_args(argv))
+        policy = check_checkpoint(options.checkpoint, env_ids[0]) if options.checkpoint else "random policy"
+    except (ConfigError, UsageError, UnknownEnvError, CheckpointError) as e:
+        return fail("frameskip_check", e)
+    args = options
 
     rows: list[Row] = []
     if not args.plot_only:

@@ -143,6 +143,21 @@ class PeriodicEval:
         log.info("eval at %d frames: mean return %.2f over %d episodes", frames, row.get("eval/mean_return", float("nan")), self.episodes)
         return frames, row, video
 
+    def finish(self, wait_s: float = 30.0) -> tuple[int, dict[str, float], str] | None:
+        """At the end of the run: the evaluation still playing gets ``wait_s`` to report, then is stopped."""
+        if self.proc is None:
+            return None
+        self.proc.join(timeout=wait_s)
+        done = self.poll()
+        if done is None:
+            try:  # it may have put its result just as the join ended
+                frames, row, video = self.results.get(timeout=1.0)
+                done = None if "error" in row else (frames, row, video)
+            except queue.Empty:
+                pass
+        self.stop()
+        return done
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.is_alive():
             self.proc.terminate()
@@ -366,6 +381,11 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
                         reached_return = True
                         break
             interrupted = stop.event.is_set()
+        if not interrupted:
+            evaluated = evaluator.finish()  # the last evaluation belongs to this run's record
+            if evaluated is not None:
+                at, row, _ = evaluated
+                logger.log(env_frames, {**row, "eval/at_frames": float(at)})
     except KeyboardInterrupt:
         interrupted = True
     finally:

@@ -4,9 +4,11 @@
 (a) the env limit: N processes step the same env (same DeepMind preprocessing)
     with random actions and no learning, for a fixed time;
 (b) launch_impala with N workers, for a fixed time, frames/s measured between
-    its first and last metrics rows (so process start-up is excluded).
+    its first and last metrics rows (so process start-up is excluded);
+(c) with --compare-dedup: (b) again with --no-frame-dedup (every unroll carries the
+    full 4-frame stacks), and the bytes per agent step on the wire either way.
 
-Prints frames/s of both and the ratio b/a. Both run on the same machine in the
+Prints frames/s of each and the ratio b/a. Both run on the same machine in the
 same invocation, one after the other, so the ratio is robust to the machine's
 speed; run it on an otherwise idle machine.
 
@@ -99,10 +101,13 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=None, help="Default: launch_impala's.")
     ap.add_argument("--unroll-length", type=int, default=None, help="Default: launch_impala's.")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--compare-dedup", action="store_true", help="Also run (b) with --no-frame-dedup and print bytes per agent step both ways.")
     ap.add_argument("extra", nargs="*", help="More launch_impala flags (after --).")
     args = ap.parse_args()
 
     import torch
+
+    from impala.trajectory import impala_unroll_schema
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -125,6 +130,14 @@ def main() -> None:
     print(f"(b) launch_impala:  {frames_b:10,.0f} frames/s  (K={args.envs_per_worker} envs/worker, B={args.batch_size or 'default'}, T={args.unroll_length or 'default'}, mean policy lag {lag:.1f})")
     print(f"    {done}")
     print(f"ratio b/a = {frames_b / frames_a:.3f}")
+    if args.compare_dedup:
+        frames_c, lag_c, done_c = system_throughput(args.env, args.workers, args.seconds + 20, flags + ["--no-frame-dedup"])
+        print(f"(c) --no-frame-dedup: {frames_c:8,.0f} frames/s  (mean policy lag {lag_c:.1f}); b/c = {frames_b / frames_c:.3f}")
+        print(f"    {done_c}")
+        T = args.unroll_length or 32
+        for label, stack in (("frames once", 4), ("full stacks", 0)):
+            schema = impala_unroll_schema(T, (4, 84, 84), "uint8", 6, frame_stack=stack)
+            print(f"    wire bytes per agent step, {label}: {schema.nbytes / T:,.0f} (unroll T={T}: {schema.nbytes:,} B)")
 
 
 if __name__ == "__main__":
