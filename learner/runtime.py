@@ -91,52 +91,68 @@ class RunResult:
     reached_return: bool = False  # stopped early at --stop-at-return
 
 
-def _evaluate_in_background(results: Any, frames: int, env: dict, agent: dict, params: dict, episodes: int, seed: int, video: str) -> None:
-    """The --eval-every process: greedy episodes of a weights snapshot, then one summary on ``results``."""
+def _evaluation_worker(jobs: Any, results: Any, env: dict, agent: dict, episodes: int) -> None:
+    """The --eval-every process, started once and fed weight snapshots: greedy episodes of each, one summary
+    per job on ``results``. Living across evaluations, it pays its start-up (torch, the env) only once."""
     os.nice(5)  # the actors and the learner come first
-    try:
-        result = evaluate_params(EnvSpec.from_dict(env), agent_spec_from_dict(agent), params, protocol="train", policy="greedy",
-                                 episodes=episodes, workers=0, seed=seed, video=video, video_max_frames=600 if video else 0)
-        row = {f"eval/{k}_return": float(v) for k, v in result.stats.items()}
-        row.update({"eval/frames": float(result.total_frames), "eval/wall_s": float(result.wall_time_s)})
-        results.put((frames, row, video))
-    except Exception as e:  # noqa: BLE001 - an evaluation that fails is reported, never stops training
-        results.put((frames, {"error": f"{type(e).__name__}: {e}"}, ""))
+    spec, agent_spec = EnvSpec.from_dict(env), agent_spec_from_dict(agent)
+    while (job := jobs.get()) is not None:
+        frames, params, seed, video = job
+        try:
+            result = evaluate_params(spec, agent_spec, params, protocol="train", policy="greedy", episodes=episodes, workers=0,
+                                     seed=seed, video=video, video_max_frames=600 if video else 0)
+            row = {f"eval/{k}_return": float(v) for k, v in result.stats.items()}
+            row.update({"eval/frames": float(result.total_frames), "eval/wall_s": float(result.wall_time_s)})
+            results.put((frames, row, video))
+        except Exception as e:  # noqa: BLE001 - an evaluation that fails is reported, never stops training
+            results.put((frames, {"error": f"{type(e).__name__}: {e}"}, ""))
 
 
 class PeriodicEval:
-    """--eval-every: at most one evaluation process at a time, started after an update, polled each loop."""
+    """--eval-every: one evaluation process for the run, at most one snapshot in it at a time; a snapshot is
+    handed over after an update and the result polled each update."""
 
     def __init__(self, config: RunConfig, run_info: RunInfo) -> None:
         self.every, self.episodes, self.seed = config.eval_every, config.eval_episodes, config.seed + 7777
         self.video_dir = config.logdir if config.eval_video else ""
         self.run_info = run_info
         self.ctx = multiprocessing.get_context("spawn")
-        self.results = self.ctx.Queue()
+        self.jobs: Any = None
+        self.results: Any = None
         self.proc: Any = None
+        self.busy = False
         self.next_at = config.eval_every
         self.started = 0
 
     def maybe_start(self, frames: int, params: Mapping[str, np.ndarray]) -> None:
-        if not self.every or frames < self.next_at or (self.proc is not None and self.proc.is_alive()):
+        if not self.every or frames < self.next_at or self.busy:
             return
+        if self.proc is None or not self.proc.is_alive():
+            self.jobs, self.results = self.ctx.Queue(), self.ctx.Queue()
+            self.proc = self.ctx.Process(
+                target=_evaluation_worker, name="eval", daemon=True,
+                args=(self.jobs, self.results, self.run_info.env.to_dict(), self.run_info.agent.to_dict(), self.episodes),
+            )
+            self.proc.start()
         self.next_at = (frames // self.every + 1) * self.every
         snapshot = {k: np.array(v, copy=True) for k, v in params.items()}
         video = os.path.join(self.video_dir, f"eval-{frames}.mp4") if self.video_dir else ""
-        self.proc = self.ctx.Process(
-            target=_evaluate_in_background, name="eval", daemon=True,
-            args=(self.results, frames, self.run_info.env.to_dict(), self.run_info.agent.to_dict(), snapshot, self.episodes,
-                  self.seed + self.started, video),
-        )
-        self.proc.start()
+        self.jobs.put((frames, snapshot, self.seed + self.started, video))
+        self.busy = True
         self.started += 1
 
-    def poll(self) -> tuple[int, dict[str, float], str] | None:
+    def poll(self, timeout: float = 0.0) -> tuple[int, dict[str, float], str] | None:
         """(frames of the snapshot, eval/ row, video path or "") of a finished evaluation, else None."""
-        try:
-            frames, row, video = self.results.get_nowait()
-        except queue.Empty:
+        if not self.busy:
             return None
+        try:
+            frames, row, video = self.results.get(timeout=timeout) if timeout else self.results.get_nowait()
+        except queue.Empty:
+            if not self.proc.is_alive():  # it died (say, out of memory): the next snapshot starts a new one
+                log.error("the evaluation process exited with code %s", self.proc.exitcode)
+                self.busy = False
+            return None
+        self.busy = False
         if "error" in row:
             log.error("evaluation at %d frames failed: %s", frames, row["error"])
             return None
@@ -144,24 +160,18 @@ class PeriodicEval:
         return frames, row, video
 
     def finish(self, wait_s: float = 30.0) -> tuple[int, dict[str, float], str] | None:
-        """At the end of the run: the evaluation still playing gets ``wait_s`` to report, then is stopped."""
-        if self.proc is None:
-            return None
-        self.proc.join(timeout=wait_s)
-        done = self.poll()
-        if done is None:
-            try:  # it may have put its result just as the join ended
-                frames, row, video = self.results.get(timeout=1.0)
-                done = None if "error" in row else (frames, row, video)
-            except queue.Empty:
-                pass
+        """At the end of the run: the evaluation still playing gets ``wait_s`` to report."""
+        done = self.poll(timeout=wait_s) if self.busy else None
         self.stop()
         return done
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=5)
+            self.jobs.put(None)
+            self.proc.join(timeout=2)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(timeout=5)
 
 
 class _Stop:

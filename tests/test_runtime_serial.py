@@ -93,4 +93,5 @@ def test_eval_every_logs_eval_rows_while_training_goes_on(tmp_path):
     for i, row in evals:
         assert 9 <= float(row["eval/min_return"]) <= float(row["eval/mean_return"]) <= float(row["eval/max_return"]) <= 500
         # training went on while the episodes played: the row lands at a later step than its snapshot
-        assert int(row["step"]) > float(row["eval/at_frames"])
+        # (except an evaluation the run waited for at its end)
+        assert int(row["step"]) > float(row["eval/at_frames"]) or int(row["step"]) == 40000
