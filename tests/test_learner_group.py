@@ -113,10 +113,10 @@ def test_launch_impala_with_two_learner_ranks_learns_resumes_and_leaves_nothing(
 
     common = ["launch_impala", "--env", "CartPole-v1", "--learners", "2", "--workers", "2", "--unroll-length", "20", "--batch-size", "8",
               "--learning-rate", "2e-3", "--no-progress", "--log-interval", "5", "--logdir", str(tmp_path)]
-    out = run([*common, "--total-frames", "200000", "--max-seconds", "120", "--stop-at-return", "100"], timeout=200)
+    out = run([*common, "--total-frames", "200000", "--max-seconds", "120", "--stop-at-return", "60"], timeout=200)
     assert out.returncode == 0, out.stderr[-3000:]
     done = [line for line in out.stdout.splitlines() if line.startswith("launch_impala: done")][-1]
-    assert float(re.search(r"mean return \(last 100\) ([\d.]+)", done).group(1)) >= 100, done
+    assert float(re.search(r"mean return \(last 100\) ([\d.]+)", done).group(1)) >= 60, done  # random play: about 22
     frames = int(re.search(r"done: (\d+) env frames", done).group(1))
     out = run([*common, "--resume", "--total-frames", str(frames + 4000)], timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
