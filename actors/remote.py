@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         p, RunConfig, only=SHARED, defaults={"workers": multiprocessing.cpu_count(), "seed": 12345},
         helps={
             "workers": "Actor processes to run here.",
-            "seed": "Base seed for this machine's actors (actor i: seed + 1000 * i).",
+            "seed": "Base seed; the actor with id A seeds its envs with seed + 1000 * A, so machines with their own --first-id never share seeds.",
             "max_seconds": "Stop after this many seconds (0: run until Ctrl-C or the learner stops).",
             "curve": "CURVE keys directory holding the learner's server.key and this machine's client keypair.",
         },
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--learner tcp://HOST:PORT is required")
         if config.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {config.workers}")
+        if options.first_id + config.workers - 1 > wire.MAX_ACTOR_ID:
+            raise ConfigError(f"--first-id {options.first_id} + --workers {config.workers}: actor ids must stay <= {wire.MAX_ACTOR_ID} (the wire's limit)")
         trajectory_endpoint, params_endpoint = parse_endpoint(options.learner)
         host = trajectory_endpoint.split("//", 1)[1].rsplit(":", 1)[0]
         if keys is None and host not in LOOPBACK and not options.insecure:
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 trajectory_endpoint=trajectory_endpoint,
                 params_endpoint=params_endpoint,
                 agent=run.agent,
-                seed=config.seed + 1000 * i,
+                # by actor id, so that machines started alike (other --first-id, same --seed) never share seeds
+                seed=config.seed + 1000 * (options.first_id + i),
                 curve=keys,
                 learner_timeout_s=options.learner_timeout,
             )

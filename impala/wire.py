@@ -52,6 +52,9 @@ class Message:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+
+MAX_ACTOR_ID = 1 << 20  # actor ids on the wire are in [0, MAX_ACTOR_ID]
+
 def encode(
     kind: str,
     *,
@@ -105,7 +108,7 @@ def decode_header(frame: Any) -> dict[str, Any]:
         raise WireError(f"wire schema {header.get('schema')!r} != {WIRE_SCHEMA_VERSION}: actor and learner versions differ")
     if header.get("kind") not in KINDS:
         raise WireError(f"unknown message kind {header.get('kind')!r}")
-    _check_int(header, "actor", 0, 1 << 20)
+    _check_int(header, "actor", 0, MAX_ACTOR_ID)
     _check_int(header, "version", -1, 1 << 62)
     if not isinstance(header.get("arrays"), list) or not isinstance(header.get("info"), dict):
         raise WireError("header needs an 'arrays' list and an 'info' object")

@@ -72,7 +72,8 @@ from learner.runtime import START_ERRORS, RunPlan, RunResult, run
 
 log = logging.getLogger("launch_ppo")
 
-CRAWLER_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "Crawler.yaml"
+# Shipped inside the package (so `pip install .` has it too); the repo's configs/ links there.
+CRAWLER_CONFIG = Path(__file__).resolve().parents[1] / "impala" / "configs" / "Crawler.yaml"
 STAND_IN_ENV = "Ant-v5"
 UNITY_BASE_PORT = 5005  # mlagents-envs' UnityEnvironment.BASE_ENVIRONMENT_PORT
 

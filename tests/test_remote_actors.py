@@ -104,6 +104,7 @@ def test_bad_values_are_one_line_errors_before_connecting():
         (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
         (["--first-id", "-1"], "--first-id must be >= 0"),
         (["--seed", "-1"], "--seed must be >= 0"),
+        (["--first-id", "1048576", "--workers", "2"], "actor ids must stay <= 1048576"),
         (["--workers", "0"], "--workers must be >= 1"),
     ]
     for argv, message in cases:
