@@ -14,9 +14,9 @@ one addition, a hook (``INGEST_HOOK``) that writes one JSON line per unroll the 
 ingests: actor id, the policy version it was collected with, the learner's version then, the
 run id it carries, and a SHA-1 of its arrays. ZeroMQ unrolls carry no sequence number, so
 "no unroll trained twice" is checked on content: every ingested unroll's SHA-1 is distinct.
-That needs each host to have its own ``--seed``: actor seeds are ``--seed + 1000 * i``
-whatever ``--first-id`` is, so two hosts left at the default seed send identical unrolls
-while they act with the same weights (docs/SCALE_OUT.md, section 2).
+That needs distinct actors to act differently: actor seeds are ``--seed + 1000 * actor id``
+(before that fix, two hosts at the default seed sent identical unrolls; docs/SCALE_OUT.md,
+section 2); the hosts here also get their own ``--seed``.
 """
 
 from __future__ import annotations
