@@ -106,7 +106,6 @@ def test_launch_impala_with_two_learner_ranks_learns_resumes_and_leaves_nothing(
     import re
     import signal
     import sys
-    import time
 
     sys.path.insert(0, os.path.dirname(__file__))
     from procs import alive, cmdline, descendants, kill_group, run, start, wait_for
