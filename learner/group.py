@@ -34,6 +34,16 @@ STOP, UPDATE = 0, 1
 GROUP_TIMEOUT = datetime.timedelta(hours=6)
 
 
+class LearnerGroupError(RuntimeError):
+    """A rank of the learner group is gone: the run stops (with its checkpoint; --resume continues)."""
+
+
+def lost_peer(error: BaseException) -> bool:
+    """A collective failed because another rank is gone (gloo raises a plain RuntimeError for it)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(s in text for s in ("closed by peer", "Connection reset", "gloo", "NCCL"))
+
+
 def init_group(rank: int, world_size: int, store: str, backend: str) -> "LearnerGroup":
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
     return LearnerGroup()

@@ -23,7 +23,7 @@ from impala.checkpoint import check_logdir, load_checkpoint
 from impala.config import ConfigError, FlagParser, ImpalaConfig, RunConfig, add_flags, fail, from_flags, load_preset, resolve_device
 from impala.envs import EnvSpec
 from impala.envs.probe import probe_env
-from learner.group import LearnerGroup, exit_when_orphaned, init_group
+from learner.group import LearnerGroup, LearnerGroupError, exit_when_orphaned, init_group
 from learner.runtime import START_ERRORS, RunPlan, RunResult, run
 from learner.vtrace_learner import ImpalaTrainer
 
@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         result: RunResult = run(trainer, config, plan)
     except START_ERRORS as e:
         return fail("launch_impala", e)
+    except LearnerGroupError as e:  # not bad input: the run started and lost a rank
+        fail("launch_impala", e)
+        return 1
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
     print(
         f"launch_impala: done: {result.env_frames} env frames ({result.agent_steps} agent steps), {result.updates} updates, "

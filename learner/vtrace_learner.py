@@ -25,7 +25,7 @@ from impala.models import ImpalaNet, build_model
 from impala.params import state_dict_arrays
 from impala.popart import impala_loss, popart_impala_loss
 from impala.trajectory import TrajectorySchema, impala_unroll_schema, rebuild_frame_stacks, stack_time_major
-from learner.group import STOP, UPDATE, LearnerGroup
+from learner.group import STOP, UPDATE, LearnerGroup, LearnerGroupError, lost_peer
 
 log = logging.getLogger(__name__)
 
@@ -332,13 +332,23 @@ class ImpalaTrainer:
         if self.group is None:
             batch = self.learner.stage(self._pending[:B], self.schema)
         else:
-            self.group.command(UPDATE, frames_done)
-            staged = self.learner.stage_host(self._pending[:B], self.schema)
-            batch = self.learner.prepare(self.group.scatter(staged, self.schema, B))
+            try:
+                self.group.command(UPDATE, frames_done)
+                staged = self.learner.stage_host(self._pending[:B], self.schema)
+                batch = self.learner.prepare(self.group.scatter(staged, self.schema, B))
+            except RuntimeError as e:
+                if not lost_peer(e):
+                    raise
+                raise LearnerGroupError(f"a learner rank stopped ({str(e).splitlines()[0][:200]}); the run ends with its checkpoint, --resume continues") from None
         sources = sorted(set(self._sources[:B]))
         del self._pending[:B], self._sources[:B]
         skipped_before = self.learner.skipped_updates
-        metrics = self.learner.train(batch, frames_done=frames_done)
+        try:
+            metrics = self.learner.train(batch, frames_done=frames_done)
+        except RuntimeError as e:
+            if self.group is None or not lost_peer(e):
+                raise
+            raise LearnerGroupError(f"a learner rank stopped during an update ({str(e).splitlines()[0][:200]}); the run ends with its checkpoint, --resume continues") from None
         if self.learner.skipped_updates > skipped_before:
             log.warning("skipped %d update step(s) with a non-finite loss or gradient; the batch came from actors %s",
                         self.learner.skipped_updates - skipped_before, sources)

@@ -132,3 +132,27 @@ def test_launch_impala_with_two_learner_ranks_learns_resumes_and_leaves_nothing(
         assert wait_for(lambda: not any(alive(p) for p in children), 60), [cmdline(p) for p in children if alive(p)]
     finally:
         kill_group(proc)
+
+
+def test_a_lost_follower_ends_the_run_with_one_line_and_a_checkpoint(tmp_path):
+    """A follower rank that dies (here SIGKILL) is not bad input and not a hang: rank 0's next
+    collective fails, the run ends with exit 1, one error line naming the cause, and a checkpoint."""
+    import signal
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from procs import cmdline, descendants, kill_group, start, wait_for
+
+    proc = start(["launch_impala", "--env", "CartPole-v1", "--learners", "2", "--workers", "1", "--unroll-length", "20", "--batch-size", "8",
+                  "--no-progress", "--log-interval", "1", "--total-frames", "10000000", "--logdir", str(tmp_path)])
+    try:
+        assert wait_for(lambda: (tmp_path / "metrics.csv").exists() and (tmp_path / "metrics.csv").read_text().count("\n") > 2, 120)
+        follower = [p for p in descendants(proc.pid) if "pipe_handle" in cmdline(p)][0]  # the first spawned child is rank 1
+        os.kill(follower, signal.SIGKILL)
+        err, _ = proc.communicate(timeout=90)  # stdout and stderr together
+    finally:
+        kill_group(proc)
+    lines = [line for line in err.splitlines() if line.startswith("launch_impala: error:")]
+    assert proc.returncode == 1, err[-3000:]
+    assert len(lines) == 1 and "a learner rank stopped" in lines[0] and "Traceback" not in err, err[-3000:]
+    assert (tmp_path / "checkpoint.pt").exists()
