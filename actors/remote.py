@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing
 import re
 import sys
 import time
@@ -25,7 +24,7 @@ import zmq
 from actors.loop import ActorConfig
 from actors.pool import ActorPool
 from impala import wire
-from impala.config import LOOPBACK, ConfigError, FlagParser, RunConfig, add_flags, check_fields, fail, flag_name, from_flags, need, option
+from impala.config import LOOPBACK, ConfigError, FlagParser, available_cpus, RunConfig, add_flags, check_fields, fail, flag_name, from_flags, need, option
 from impala.curve import client_keys, make_client_keys, make_client_socket
 from impala.messages import RunInfo
 from impala.metrics import log_this_one
@@ -104,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(p, RemoteOptions)
     add_flags(
-        p, RunConfig, only=SHARED, defaults={"workers": multiprocessing.cpu_count(), "seed": 12345},
+        p, RunConfig, only=SHARED, defaults={"workers": available_cpus(), "seed": 12345},
         helps={
             "workers": "Actor processes to run here.",
             "seed": "Base seed; the actor with id A seeds its envs with seed + 1000 * A, so machines with their own --first-id never share seeds.",

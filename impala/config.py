@@ -48,6 +48,14 @@ def option(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (a Slurm allocation's or a container's cpuset), not the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -335,7 +343,7 @@ class RunConfig:
         """
         if self.torch_threads:
             return self.torch_threads
-        cores = os.cpu_count() or 1
+        cores = available_cpus()
         local = 0 if (self.in_process or actors_wait_during_updates) else self.workers
         return max(1, cores - local)
 

@@ -25,7 +25,7 @@ from typing import Any, Literal, Mapping
 import numpy as np
 
 from impala.checkpoint import CheckpointError, load_checkpoint
-from impala.config import ConfigError, check_fields, need, option
+from impala.config import ConfigError, available_cpus, check_fields, need, option
 from impala.envs import EnvSpec, UnknownEnvError
 from impala.envs.protocols import ProtocolName
 from impala.messages import AgentSpec, ImpalaAgentSpec, agent_spec_from_dict
@@ -145,7 +145,7 @@ class EvalConfig:
     """``impala-eval``'s options (the checkpoint is the positional argument)."""
 
     episodes: int = option(30, "Episodes to play.")
-    workers: int = option(os.cpu_count() or 1, "Worker processes playing the episodes (each builds its env, measures its fingerprint and checks it against the protocol); 0 plays them in this process. Default: one per CPU.")
+    workers: int = option(available_cpus(), "Worker processes playing the episodes (each builds its env, measures its fingerprint and checks it against the protocol); 0 plays them in this process. Default: one per CPU.")
     policy: Literal["sample", "greedy"] = option("sample", "'sample': actions drawn from the policy, as the actors do; 'greedy': the most likely action (argmax of the logits; PPO: the mean action).")
     protocol: ProtocolName = option("train", "'train': the env exactly as trained. Atari only: 'machado' (sticky actions 0.25, full action set, no no-op starts, 108,000-frame cap; Machado et al. 2018) or 'dqn' (up to 30 no-op starts, no sticky actions, 108,000-frame cap).")
     max_frames: int = option(0, "Cut each episode after this many env frames (Atari: emulator frames, the ALE's own cap; other envs: agent steps); 0: the protocol's cap (108,000 for machado and dqn, the env's step limit for train). A capped result says so in its settings.")

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from impala.checkpoint import CheckpointError
+from impala.config import available_cpus
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import ConfiguredSettings, configured_settings
 from impala.envs.vector import GymVecEnv
@@ -117,7 +118,7 @@ def run_episodes(
     twin = {**(overrides or {}), **TWIN_OVERRIDES}
     tasks = [(env_id, dict(overrides or {}), seed + i, max_steps, checkpoint) for i in range(episodes)]
     tasks += [(env_id, twin, seed + i, max_steps, checkpoint) for i in range(episodes)]
-    jobs = jobs or min(len(tasks), os.cpu_count() or 1)
+    jobs = jobs or min(len(tasks), available_cpus())
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
         results = list(ex.map(_episode, tasks))
     return {"configured": results[:episodes], "twin": results[episodes:]}
