@@ -27,7 +27,7 @@ from impala import wire
 from impala.config import LOOPBACK, ConfigError, FlagParser, available_cpus, RunConfig, add_flags, check_fields, fail, flag_name, from_flags, need, option
 from impala.curve import client_keys, make_client_keys, make_client_socket
 from impala.messages import RunInfo
-from impala.metrics import log_this_one
+from impala.metrics import LOG_FORMAT, log_this_one
 
 log = logging.getLogger("impala-actors")
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         config = from_flags(RunConfig, args)
     except ConfigError as e:
         return fail("impala-actors", e)
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     if options.make_keys:
         if not config.curve:
             return fail("impala-actors", "--make-keys needs --curve DIR")

@@ -13,6 +13,10 @@ import sys
 import time
 from typing import Any, Mapping
 
+# The console log line of every entry point.
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
 def log_this_one(count: int, first: int = 20, every: int = 1000) -> bool:
     """Throttle for log lines a peer can trigger: the first ``first`` occurrences, then every
     ``every``-th, so a flood of bad messages cannot flood the log too."""

@@ -24,6 +24,7 @@ from impala.config import ConfigError, FlagParser, ImpalaConfig, RunConfig, add_
 from impala.envs import EnvSpec
 from impala.envs.probe import probe_env
 from learner.group import LearnerGroup, LearnerGroupError, exit_when_orphaned, init_group
+from impala.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, RunPlan, RunResult, run
 from learner.vtrace_learner import ImpalaTrainer
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         config, impala = resolve(args)
     except ConfigError as e:
         return fail("launch_impala", e)
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     try:
         torch.set_num_threads(max(1, config.cpu_threads() // config.learners))
         check_logdir(config.logdir)

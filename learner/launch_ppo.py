@@ -68,6 +68,7 @@ from impala.envs.probe import EnvInfo, probe_env, probe_unity
 from impala.envs.unity import UnityEnvError
 from impala.ppo_config import config_from_args, config_to_argparse
 from learner.ppo_learner import MAX_UNROLL, PPOTrainer, choose_unroll_length
+from impala.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, RunPlan, RunResult, run
 
 log = logging.getLogger("launch_ppo")
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         options = from_flags(PPOLaunchOptions, args)
     except ConfigError as e:
         return fail("launch_ppo", e)
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     try:
         if options.unity_build and config.env:
             raise ConfigError("pass either --unity-build or --env, not both")
