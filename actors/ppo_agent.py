@@ -53,10 +53,18 @@ class PPOAgent:
         self._zeros_obs = np.zeros((self.num_envs, self.obs_dim), np.float32)
         self.unrolls_per_update = spec.unrolls_per_update
         self.wait_s = spec.params_wait_s
+        # trajectory_handling='mlagents' (#15): the learner cuts each env's steps into trajectories (episode
+        # end or time_horizon steps from the trajectory's start) and its buffer fills with completed ones only.
+        # The same cut, counted here, tells when this actor sent its share of an update.
+        self.count_trajectories = self.config.trajectory_handling == "mlagents"
+        self.share_steps = self.unrolls_per_update * unroll_length * self.num_envs
+        self._trajectory_len = np.zeros(self.num_envs, np.int64)
+        self.completed_steps = 0  # steps of trajectories completed since the current weights arrived
 
     def load_params(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Weights, log-sigma and the normalizer buffers (ML-Agents stats or the vecnormalize snapshot)."""
         load_state_arrays(self.policy, arrays)
+        self.completed_steps = 0
 
     def params_wait_s(self, unrolls_sent: int) -> float:
         """Seconds the actor loop waits for newer weights after sending ``unrolls_sent`` unrolls with the current ones.
@@ -65,10 +73,16 @@ class PPOAgent:
         launcher), anything more it collected with these weights would arrive after the update and be dropped as
         stale; waiting for the new weights instead saves that work. The wait is bounded, so an estimate that is off
         (e.g. a dropped unroll) costs at most ``params_wait_s`` once, never a deadlock.
+
+        trajectory_handling='mlagents': the learner's buffer takes only completed trajectories, so the share is
+        counted in steps of trajectories this actor completed since the weights arrived (``unrolls_per_update``
+        rounds' worth); the steps of unfinished ones go on with the new weights, as in ML-Agents.
         """
-        if self.unrolls_per_update and unrolls_sent >= self.unrolls_per_update:
-            return self.wait_s
-        return 0.0
+        if not self.unrolls_per_update:
+            return 0.0
+        if self.count_trajectories:
+            return self.wait_s if self.completed_steps >= self.share_steps else 0.0
+        return self.wait_s if unrolls_sent >= self.unrolls_per_update else 0.0
 
     def unroll_start(self, obs: np.ndarray) -> dict[str, np.ndarray]:
         return {}
@@ -102,6 +116,11 @@ class PPOAgent:
 
     def transition(self, result: StepResult) -> dict[str, np.ndarray]:
         ended = result.terminated | result.truncated
+        if self.count_trajectories:
+            self._trajectory_len += 1
+            cut = ended | (self._trajectory_len >= self.config.time_horizon)
+            self.completed_steps += int(self._trajectory_len[cut].sum())
+            self._trajectory_len[cut] = 0
         if ended.any():
             final_obs = np.where(ended[:, None], self._flat(result.final_obs), 0.0).astype(np.float32)
         else:

@@ -123,6 +123,16 @@ class PPOConfig:
     bootstrap_truncated: bool = _f(
         True, "#14. Bootstrap from V(final obs) when an episode is truncated/interrupted (both libraries: True)."
     )
+    trajectory_handling: Literal["mlagents", "rollout"] = _f(
+        "mlagents",
+        "#15. 'mlagents': the learner keeps each env stream's (agent's) steps until its trajectory is complete, "
+        "at an episode end or time_horizon steps after the trajectory's own start (ML-Agents' AgentProcessor); "
+        "an unfinished trajectory waits across updates with the log-probs from action time, and is processed "
+        "(normalizer, values and GAE with the critic of that moment, schedule step count) when complete; "
+        "unrolls collected with older weights are kept. The unroll is then only the transport unit. "
+        "'rollout': each unroll is processed when it arrives, cut on the unroll grid; with --max-policy-lag 0 "
+        "an unroll collected before the newest weights is dropped (SB3's fixed on-policy rollouts).",
+    )
 
     # ------------------------------------------------------- hyperparameters
     batch_size: int = _f(1024, "Minibatch size in steps (ML-Agents batch_size, SB3 batch_size).")
@@ -136,7 +146,9 @@ class PPOConfig:
     num_layers: int = _f(2, "Hidden layers per body (ML-Agents num_layers; SB3 net_arch depth).")
     gamma: float = _f(0.99, "Discount (ML-Agents reward_signals.extrinsic.gamma).")
     time_horizon: int = _f(
-        64, "Steps per trajectory piece an actor sends before cutting (ML-Agents time_horizon; SB3 n_steps)."
+        64,
+        "Longest trajectory: trajectory_handling='mlagents' cuts an agent's trajectory this many steps after its "
+        "start (ML-Agents time_horizon); 'rollout' sends unrolls of this length by default (SB3 n_steps).",
     )
     max_steps: int = _f(500_000, "Total agent steps of the run; the schedules decay over it.")
     vf_coef: float = _f(0.5, "Value-loss coefficient (0.5 in both libraries).")
@@ -232,6 +244,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         reward_norm=True,
         gae_form="sb3",
         bootstrap_truncated=True,
+        trajectory_handling="rollout",
         # SB3 PPO defaults (n_steps 2048, one env).
         batch_size=64,
         buffer_size=2048,

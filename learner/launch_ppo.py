@@ -10,23 +10,29 @@ The topology (actors -> ZeroMQ -> learner -> parameter broadcast), metrics,
 checkpoints, ``--resume``, Ctrl-C and actor supervision all live in
 :func:`learner.runtime.run`; this module adds the PPO trainer and the CLI.
 
-Trajectory cutting vs ML-Agents
--------------------------------
-ML-Agents cuts each agent's trajectory at ``time_horizon`` steps from the
-trajectory's start (or at an episode end) and bootstraps the cut with
-``V(next_obs)``. Here every actor sends fixed ``T``-step unrolls per env
-(``T = --unroll-length``, by default ``min(time_horizon, 1000)``; see
-``learner.ppo_learner.choose_unroll_length``); an unroll is
-one :class:`TrajectoryPiece` and the learner bootstraps its last step with
-``V(obs[T])`` unless the episode ended there, exactly as ML-Agents does at
-``time_horizon``. Episode ends inside an unroll split it into segments (GAE per
-segment: ``value_next = 0`` on termination, ``V(final_obs)`` on
-truncation/``interrupted``). The only difference is where the cuts fall: ours
-are aligned to the unroll grid (every T steps of env time, not T steps after
-each episode start), so with T = time_horizon an episode gets at most one more
-cut than under ML-Agents. With ``time_horizon`` >= episode length (Crawler:
-1000 vs max_step 1000 decisions) ML-Agents almost never cuts mid-episode and
-we cut at T = 1000 env steps, i.e. once per episode at most.
+Trajectories (``--trajectory-handling``, row #15)
+-----------------------------------------------
+Actors send fixed ``T``-step unrolls per env (``T = --unroll-length``; see
+``learner.ppo_learner.choose_unroll_length``). What the learner makes of them:
+
+- ``mlagents`` (the ``mlagents`` preset): the unroll is only the transport unit
+  (default ``T = min(time_horizon, 16)``). The learner runs ML-Agents'
+  ``AgentProcessor`` per env stream (``learner.ppo_learner.AgentTrajectories``): a
+  trajectory ends at an episode end or ``time_horizon`` steps after its own start,
+  and is processed when complete (normalizer, values and GAE with the critic of
+  that moment, schedule steps counted), as ``PPOTrainer._process_trajectory``
+  does. An unfinished trajectory waits across updates with its action-time
+  log-probs, so no unroll is dropped for its age (``--max-policy-lag`` is
+  refused). Actors still pause once they sent their share of an update, counted
+  in steps of completed trajectories: ML-Agents does not step its envs during an
+  update. What differs from ML-Agents: an actor finishes the unroll it is in when
+  the buffer fills (at most ``T`` steps per env with the old weights that
+  ML-Agents would have taken with the new ones), and the learner checks
+  readiness after each env's unroll rather than after each env step.
+- ``rollout`` (the ``sb3`` preset): every unroll is one :class:`TrajectoryPiece`,
+  processed when it arrives; episode ends inside it split it into segments and
+  its last step bootstraps from ``V(obs[T])`` unless the episode ended there.
+  Cuts fall on the unroll grid (default ``T = min(time_horizon, 1000)``).
 
 Update trigger and the buffer
 -----------------------------
@@ -35,18 +41,18 @@ ML-Agents (``update_trigger=over_buffer_size``) updates once the buffer holds
 (``buffer_full``) updates at ``buffer_size = n_steps * n_envs``: with T
 dividing ``buffer_size`` a buffer fills exactly (``buffer_size / T`` unrolls);
 when it does not divide it, T is lowered to the largest divisor of
-``buffer_size`` not above it (logged), so no update ever holds a partial
-rounding. Set ``--buffer-size = T * workers * envs_per_worker`` to get SB3's
-exact "one n_steps rollout of every env per update".
+``buffer_size`` not above it (logged; ``rollout`` only), so no update ever holds
+a partial rounding. Set ``--buffer-size = T * workers * envs_per_worker`` to get
+SB3's exact "one n_steps rollout of every env per update". Both clear the
+buffer after an update.
 
 On-policy
 ---------
-``--max-policy-lag 0`` (default): an unroll that was collected with weights
-older than the learner's current ones is dropped (``transport/dropped_stale``),
-so every update trains on data of the policy it updates, as both libraries do.
-Because the learner re-computes values at ingest time (``gae_form='mlagents'``,
-and for ``'sb3'`` since the schema carries no values), lag 0 also makes
-``values`` equal the action-time values.
+``rollout`` with ``--max-policy-lag 0`` (its default): an unroll that was
+collected with weights older than the learner's current ones is dropped
+(``transport/dropped_stale``), so every update trains on data of the policy it
+updates, as SB3 does; the values are recomputed at ingest, which then equals
+the action-time values.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_unity
 from impala.envs.unity import UnityEnvError
 from impala.ppo_config import config_from_args, config_to_argparse
-from learner.ppo_learner import MAX_UNROLL, PPOTrainer, choose_unroll_length
+from learner.ppo_learner import MAX_UNROLL, MLAGENTS_UNROLL, PPOTrainer, choose_unroll_length
 from impala.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, RunPlan, RunResult, run
 
@@ -83,12 +89,16 @@ RUN_HELP = {
     "env": f"A gymnasium id (Pendulum-v1, Ant-v5, ...) instead of a Unity build. Neither: the Crawler job on the {STAND_IN_ENV} stand-in.",
     "workers": "Local actor processes (Unity: one instance each, worker_id = actor index); 0 runs no local actors and waits for remote ones (impala-actors).",
     "envs_per_worker": "Gym envs per actor, stepped with one batched forward pass (Unity: the build's agent count).",
-    "unroll_length": f"Steps per env per unroll message; 0 = min(time_horizon, {MAX_UNROLL}) (a divisor of buffer_size for SB3's buffer_full).",
+    "unroll_length": f"Steps per env per unroll message; 0 = min(time_horizon, {MLAGENTS_UNROLL}) for --trajectory-handling mlagents (the learner "
+                     f"cuts the trajectories), min(time_horizon, {MAX_UNROLL}) for rollout (a divisor of buffer_size for SB3's buffer_full).",
     "total_steps": "Agent steps to train to (absolute, also with --resume); unset: the config's max_steps.",
-    "torch_threads": "Learner CPU threads; 0 = all cores when on-policy (--max-policy-lag 0: actors wait during updates), else CPU count minus --workers.",
+    "torch_threads": "Learner CPU threads; 0 = all cores when actors wait during updates (--max-policy-lag 0, or --trajectory-handling mlagents), else CPU count minus --workers.",
     "queue_size": "Unrolls buffered in the learner; 0 means max(16, 2 x envs).",
-    "max_policy_lag": "Drop unrolls collected with weights more than this many updates old (0: strictly on-policy, as both libraries); unset keeps all.",
+    "max_policy_lag": "Drop unrolls collected with weights more than this many updates old (0: strictly on-policy, SB3's rollouts); "
+                      "'none' keeps all. Applies to --trajectory-handling rollout; 'mlagents' keeps every unroll (an agent's unfinished "
+                      "trajectory continues in unrolls collected before an update, as in ML-Agents) and refuses this flag.",
 }
+_UNSET = object()  # --max-policy-lag not given: its default depends on --trajectory-handling
 
 
 @dataclass(frozen=True)
@@ -138,9 +148,11 @@ def probe(config: RunConfig, options: PPOLaunchOptions, seed: int) -> EnvInfo:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # A flag not given keeps a value that argparse found already set on the namespace: tells "not given" from "0".
+    args = build_parser().parse_args(argv, namespace=argparse.Namespace(max_policy_lag=_UNSET))
+    lag_given = args.max_policy_lag is not _UNSET
     try:
-        config = from_flags(RunConfig, args)
+        config = from_flags(RunConfig, args, max_policy_lag=args.max_policy_lag if lag_given else RUN_DEFAULTS["max_policy_lag"])
         options = from_flags(PPOLaunchOptions, args)
     except ConfigError as e:
         return fail("launch_ppo", e)
@@ -157,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         crawler_job = config.env is None
         trainer_config = args.ppo__trainer_config or (str(CRAWLER_CONFIG) if crawler_job else None)
         ppo_config = config_from_args(args, default_trainer_config=trainer_config, seed=config.seed)
+        if ppo_config.trajectory_handling == "mlagents":
+            if lag_given and config.max_policy_lag is not None:
+                raise ConfigError(
+                    f"--max-policy-lag {config.max_policy_lag}: --trajectory-handling mlagents keeps every unroll (unfinished "
+                    "trajectories continue across updates, as in ML-Agents); drop --max-policy-lag or pass --trajectory-handling rollout"
+                )
+            config = dataclasses.replace(config, max_policy_lag=None)
         T, note = choose_unroll_length(ppo_config, config.unroll_length)
         if note:
             log.warning(note)
@@ -167,17 +186,20 @@ def main(argv: list[str] | None = None) -> int:
             envs_per_worker=env.agents_per_instance or config.envs_per_worker,
             total_steps=config.total_steps if config.total_steps or config.total_frames else ppo_config.max_steps,
         )
-        on_policy = config.max_policy_lag == 0
-        torch.set_num_threads(config.cpu_threads(actors_wait_during_updates=on_policy))
+        actors_wait = config.max_policy_lag == 0 or ppo_config.trajectory_handling == "mlagents"
+        torch.set_num_threads(config.cpu_threads(actors_wait_during_updates=actors_wait))
         trainer = PPOTrainer(ppo_config, config, env, params_wait_s=options.params_wait)
         semantics = args.ppo__semantics
         log.info("%s", env.description)
         log.info(
             "PPO %s semantics (%s): buffer %d, batch %d, %d epochs, %dx%d %s, unroll T=%d over %d envs (%d per round of unrolls), "
-            "update trigger %s, learner on %s, %s agent steps",
+            "update trigger %s, trajectories %s, learner on %s, %s agent steps",
             semantics, trainer_config or "preset", ppo_config.buffer_size, ppo_config.batch_size, ppo_config.num_epoch,
             ppo_config.num_layers, ppo_config.hidden_units, ppo_config.activation, T, trainer.n_envs, T * trainer.n_envs,
-            ppo_config.update_trigger, trainer.device, config.total_steps,
+            ppo_config.update_trigger,
+            (f"cut at time_horizon {ppo_config.time_horizon} per agent, unfinished ones kept across updates (mlagents)"
+             if ppo_config.trajectory_handling == "mlagents" else f"one per unroll, max policy lag {config.max_policy_lag} (rollout)"),
+            trainer.device, config.total_steps,
         )
         if ppo_config.update_trigger == "buffer_full" and ppo_config.buffer_size != T * trainer.n_envs:
             log.info("buffer_full: an update holds %d unrolls of %d steps (SB3's n_steps*n_envs would be %d*%d = %d)",

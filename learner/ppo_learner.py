@@ -5,9 +5,14 @@ Data flow (serial or distributed, the same calls)::
     actor:   policy = make_policy(cfg, obs_dim, action_dim); policy.load_state_dict(broadcast)
              out = policy.act(obs)                                   # raw action, per-dim log-prob, value
              env.step(env_action(out.action, mode=cfg.action_clip, low=..., high=...))
-             ... every cfg.time_horizon steps (or at an episode end) send a TrajectoryPiece
-    learner: learner.ingest(piece)                                   # GAE/returns now, per cfg
+             ... every T steps send each env's steps as a TrajectoryPiece (source = the env stream)
+    learner: learner.ingest(piece)                                   # 'rollout': GAE/returns of the piece now
+                                                                     # 'mlagents': of each trajectory it completes
              if learner.ready(): metrics = learner.update(); broadcast(learner.policy.state_dict())
+
+``trajectory_handling='mlagents'`` (#15) runs ML-Agents' AgentProcessor here (:class:`AgentTrajectories`):
+trajectories end at an episode end or ``time_horizon`` steps after their own start, whatever the pieces'
+sizes, and an unfinished one waits across updates.
 
 Which semantics each step follows is read from :class:`impala.ppo_config.PPOConfig`
 (rows #n of docs/PPO_SEMANTICS.md); the math lives in :mod:`impala.ppo`.
@@ -61,6 +66,91 @@ class TrajectoryPiece(NamedTuple):
     next_obs: np.ndarray
     values: np.ndarray | None = None
     source: Hashable = 0
+
+
+def concat_pieces(pieces: list[TrajectoryPiece]) -> TrajectoryPiece:
+    """Consecutive pieces of one env stream as one piece (values kept only if every piece has them)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    arrays = [np.concatenate([np.asarray(p[i]) for p in pieces]) for i in range(7)]
+    values = None if any(p.values is None for p in pieces) else np.concatenate([np.asarray(p.values) for p in pieces])
+    return TrajectoryPiece(*arrays, values, pieces[0].source)
+
+
+def slice_piece(p: TrajectoryPiece, a: int, b: int) -> TrajectoryPiece:
+    return TrajectoryPiece(*(np.asarray(x)[a:b] for x in p[:7]), None if p.values is None else np.asarray(p.values)[a:b], p.source)
+
+
+class AgentTrajectories:
+    """ML-Agents' ``AgentProcessor`` on the learner side (trajectory_handling='mlagents', #15).
+
+    Each env stream (``TrajectoryPiece.source``: one agent) arrives as consecutive pieces of any length
+    (the actors' unrolls). Its steps are gathered until the trajectory is complete, exactly where
+    ``agent_processor.py::AgentProcessor._process_step`` emits one: at an episode end (terminated or
+    truncated/``interrupted``), or when it holds ``time_horizon`` steps counted from *its own* start;
+    the next trajectory starts with the next step. An unfinished trajectory is kept for as long as it
+    takes (across updates), with whatever the actor recorded at action time (the log-probs).
+
+    A stream must continue where it stopped: ``next_obs`` of the last kept step (the observation the
+    next action was taken on) must be the next piece's first ``obs``. When it is not (an unroll was
+    dropped on the way, an actor restarted), the unfinished steps can never be completed honestly and
+    are discarded (counted in ``broken``), as ``AgentProcessor.end_episode`` discards them on a forced reset.
+    """
+
+    def __init__(self, time_horizon: int) -> None:
+        if time_horizon < 1:
+            raise ValueError(f"AgentTrajectories: time_horizon must be >= 1, got {time_horizon}")
+        self.time_horizon = time_horizon
+        self._pending: dict[Hashable, list[TrajectoryPiece]] = {}
+        self._pending_len: dict[Hashable, int] = {}
+        self.broken = 0  # unfinished trajectories discarded because their stream did not continue
+        self.broken_steps = 0
+
+    @property
+    def pending_steps(self) -> int:
+        """Steps held in unfinished trajectories (all streams)."""
+        return sum(self._pending_len.values())
+
+    def pending_length(self, source: Hashable) -> int:
+        return self._pending_len.get(source, 0)
+
+    def drop(self, source: Hashable) -> None:
+        """Discard ``source``'s unfinished trajectory (its stream broke)."""
+        n = self._pending_len.pop(source, 0)
+        self._pending.pop(source, None)
+        if n:
+            self.broken += 1
+            self.broken_steps += n
+
+    def clear(self) -> None:
+        self._pending.clear()
+        self._pending_len.clear()
+
+    def add(self, piece: TrajectoryPiece) -> list[TrajectoryPiece]:
+        """Append ``piece`` to its stream; return the trajectories it completed, in order."""
+        src = piece.source
+        kept = self._pending.get(src)
+        if kept and not np.array_equal(np.asarray(kept[-1].next_obs[-1]), np.asarray(piece.obs[0])):
+            self.drop(src)
+            kept = None
+        kept = list(kept or [])
+        n_kept = self._pending_len.get(src, 0) if kept else 0
+        ended = np.asarray(piece.terminated, bool) | np.asarray(piece.truncated, bool)
+        done: list[TrajectoryPiece] = []
+        start = 0  # first row of `piece` not yet in a completed trajectory
+        for t in range(len(ended)):
+            if ended[t] or n_kept + (t + 1 - start) >= self.time_horizon:
+                done.append(concat_pieces([*kept, slice_piece(piece, start, t + 1)]))
+                kept, n_kept, start = [], 0, t + 1
+        if start < len(ended):
+            kept.append(piece if start == 0 else slice_piece(piece, start, len(ended)))
+            n_kept += len(ended) - start
+        if kept:
+            self._pending[src], self._pending_len[src] = kept, n_kept
+        else:
+            self._pending.pop(src, None)
+            self._pending_len.pop(src, None)
+        return done
 
 
 class TrajectoryBuffer:
@@ -117,8 +207,10 @@ class PPOLearner:
         self.obs_rms = RunningMeanStd(shape=(obs_dim,)) if config.obs_norm == "vecnormalize" else None
         self.reward_normalizer = RewardNormalizer(config.gamma) if config.reward_norm else None
         self.buffer = TrajectoryBuffer()
+        # #15: ML-Agents' per-agent trajectories (None: every piece is processed as it arrives).
+        self.trajectories = AgentTrajectories(config.time_horizon) if config.trajectory_handling == "mlagents" else None
         self.rng = np.random.default_rng(config.seed)
-        self.total_steps = 0  # agent steps ingested (the schedules' step, #6)
+        self.total_steps = 0  # agent steps processed (for 'mlagents' #15: in completed trajectories), the schedules' step (#6)
         self.update_count = 0
         self.rejected_batches = 0
         self._sync_obs_snapshot()
@@ -158,15 +250,37 @@ class PPOLearner:
         return all(np.isfinite(np.asarray(a, dtype=np.float64)).all() for a in arrays)
 
     def ingest(self, piece: TrajectoryPiece) -> bool:
-        """Process one piece into advantages/returns and add it to the buffer.
+        """Take one piece of an env stream.
 
-        Returns False (and counts ``rejected_batches``) for a piece with NaN/inf:
-        it touches neither the normalizers nor the buffer.
+        ``trajectory_handling='rollout'``: the piece is processed now (advantages/returns into the buffer).
+        ``'mlagents'``: it joins its stream's unfinished trajectory; each trajectory it completes is
+        processed now, in order, as ``ppo/trainer.py::PPOTrainer._process_trajectory`` does when
+        ML-Agents' AgentProcessor emits it.
+
+        Returns False (and counts ``rejected_batches``) for a piece with NaN/inf: it touches neither the
+        normalizers nor the buffer (and, for 'mlagents', its stream's unfinished trajectory is discarded:
+        the stream has a hole).
         """
-        T = self._check(piece)
+        self._check(piece)
         if not self._finite(piece):
             self.rejected_batches += 1
+            if self.trajectories is not None:
+                self.trajectories.drop(piece.source)
             return False
+        if self.trajectories is None:
+            self._process(piece)
+        else:
+            for trajectory in self.trajectories.add(piece):
+                self._process(trajectory)
+        return True
+
+    def _process(self, piece: TrajectoryPiece) -> None:
+        """Normalizer update, value estimates, GAE and returns of one checked piece; into the buffer.
+
+        Its steps count for the schedules now (ML-Agents: ``RLTrainer._process_trajectory`` ->
+        ``_increment_step(len(trajectory.steps))``, the step ``TorchPPOOptimizer.update`` decays with).
+        """
+        T = len(piece.rewards)
         cfg = self.config
         dev = self.device
         obs = torch.as_tensor(np.asarray(piece.obs, np.float32), device=dev)
@@ -219,7 +333,6 @@ class PPOLearner:
             returns=ret.float(),
             values=values.float(),
         )
-        return True
 
     @staticmethod
     def _episode_parts(ended: np.ndarray) -> list[tuple[int, int]]:
@@ -352,6 +465,10 @@ class PPOLearner:
             rejected_batches=float(self.rejected_batches),
             log_sigma_mean=float(self.policy.log_sigma.detach().mean()),
         )
+        if self.trajectories is not None:
+            # Steps waiting in unfinished trajectories: they train in a later update (#15).
+            metrics["pending_steps"] = float(self.trajectories.pending_steps)
+            metrics["broken_trajectories"] = float(self.trajectories.broken)
         if grad_norms:
             metrics["grad_norm"] = float(np.mean(grad_norms))
         self.buffer.clear()
@@ -372,7 +489,8 @@ class PPOLearner:
     def state_dict(self) -> dict[str, Any]:
         """Model (with normalizer buffers), optimizer, host-side normalizers, counters, shuffle RNG.
 
-        The pending (not yet updated) buffer is not saved. Returned as a deep copy: torch's
+        The pending (not yet updated) buffer is not saved, nor are unfinished trajectories (#15): after a
+        resume each stream starts a new trajectory. Returned as a deep copy: torch's
         ``Optimizer.load_state_dict`` would otherwise share moment tensors with this learner.
         """
         return copy.deepcopy({
@@ -400,11 +518,18 @@ class PPOLearner:
         self.rng.bit_generator.state = state["rng"]
         # The policy's obs snapshot came back with its state_dict; the live obs_rms may be ahead of it.
         self.buffer.clear()
+        if self.trajectories is not None:
+            self.trajectories.clear()
 
 
 # --------------------------------------------------------------------------- the runtime's adapter
 
 MAX_UNROLL = 1000  # longer unrolls only delay the learner; ML-Agents' Crawler time_horizon is 1000
+# trajectory_handling='mlagents' (#15) cuts trajectories on the learner, so an unroll is only the transport
+# unit. Short ones keep ML-Agents' rhythm: an update comes right after the step that fills the buffer, while
+# an actor finishes the unroll it is in with the old weights (at most this many steps per env that ML-Agents
+# would have taken with the new ones; they train next time, with their own log-probs).
+MLAGENTS_UNROLL = 16
 
 # PPOLearner.update() key -> logged key (CleanRL's grouping).
 METRIC_KEYS = {
@@ -425,11 +550,17 @@ METRIC_KEYS = {
     "early_stop": "charts/early_stop",
     "total_steps": "charts/agent_steps_trained",
     "update_count": "charts/updates",
+    "pending_steps": "charts/pending_steps",
+    "broken_trajectories": "charts/broken_trajectories",
 }
 
 
 def choose_unroll_length(config: PPOConfig, requested: int) -> tuple[int, str | None]:
-    """T = requested, or min(time_horizon, MAX_UNROLL); for SB3's buffer_full, a divisor of buffer_size."""
+    """T = requested, or min(time_horizon, MAX_UNROLL) ('rollout'; for SB3's buffer_full, a divisor of
+    buffer_size), or min(time_horizon, MLAGENTS_UNROLL) for trajectory_handling='mlagents', where the
+    learner cuts the trajectories and the buffer holds whole ones whatever T is."""
+    if config.trajectory_handling == "mlagents":
+        return requested or min(config.time_horizon, MLAGENTS_UNROLL), None
     T = requested or min(config.time_horizon, MAX_UNROLL)
     if config.update_trigger != "buffer_full" or config.buffer_size % T == 0:
         return T, None
@@ -487,8 +618,11 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig, run: RunConfig, env: EnvInfo, *, params_wait_s: float = 0.0) -> None:
         """``run`` as resolved by the launcher: ``unroll_length`` is T, ``envs_per_worker`` the envs
-        (Unity: agents) per actor. On-policy (``max_policy_lag`` 0), each local actor waits for new
-        weights once it sent its share of an update (``unrolls_per_update``), for at most ``params_wait_s``."""
+        (Unity: agents) per actor. On-policy (``max_policy_lag`` 0), and always with
+        trajectory_handling='mlagents' (ML-Agents does not step its envs during an update), each actor
+        waits for new weights once it sent its share of an update (``unrolls_per_update`` rounds of
+        unrolls; for 'mlagents' that many rounds' worth of steps in *completed* trajectories), for at
+        most ``params_wait_s``."""
         env.require_continuous_vector("launch_ppo")
         T = run.unroll_length
         if T < 1:
@@ -497,10 +631,10 @@ class PPOTrainer:
         self.learner = PPOLearner(config, env.obs_dim, env.action_dim, env.action_low, env.action_high, resolve_device(run.device))
         self.schema = ppo_unroll_schema(T, env.obs_dim, env.action_dim)
         self.n_envs = max(run.workers, 1) * run.envs_per_worker
-        on_policy = run.max_policy_lag == 0
+        wait = run.max_policy_lag == 0 or config.trajectory_handling == "mlagents"
         self.agent = PPOAgentSpec(
             config, env.obs_dim, env.action_dim, tuple(map(float, env.action_low)), tuple(map(float, env.action_high)),
-            unrolls_per_update(config, T, self.n_envs) if on_policy else 0, params_wait_s,
+            unrolls_per_update(config, T, self.n_envs) if wait else 0, params_wait_s,
         )
         self.frames_per_step = 1.0  # gym control tasks and Unity: one frame per agent step
         self.max_abs_value = run.max_abs_value

@@ -9,6 +9,7 @@ which worker_id (port = base + worker_id) and seed every instance got.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -36,7 +37,7 @@ from impala.envs.probe import EnvInfo  # noqa: E402
 from impala.envs.vector import StepResult  # noqa: E402
 from impala.messages import PPOAgentSpec  # noqa: E402
 from impala.ppo_config import PPOConfig  # noqa: E402
-from learner.ppo_learner import PPOTrainer, choose_unroll_length, piece_from_unroll  # noqa: E402
+from learner.ppo_learner import PPOTrainer, choose_unroll_length, piece_from_unroll, unrolls_per_update  # noqa: E402
 
 LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
 
@@ -183,6 +184,8 @@ def test_ant_stand_in(tmp_path):
     rows = read_csv(logdir / "metrics.csv")
     check_metrics(rows)
     assert float(rows[-1]["charts/updates"]) >= 2
+    # The mlagents preset's trajectory handling (#15): nothing dropped for its age, unfinished trajectories kept.
+    assert "charts/pending_steps" in rows[-1] and float(rows[-1].get("transport/dropped_stale") or 0) == 0
 
 
 # ------------------------------------------------------------------------- bad input
@@ -263,7 +266,9 @@ def test_piece_from_unroll_bootstraps_from_final_obs():
 
 
 def test_nan_unroll_rejected_and_counted():
-    cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=8)
+    # The same unroll three times is no continuing stream: 'rollout' processes each as it comes.
+    cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=8,
+                           trajectory_handling="rollout")
     trainer = _trainer(cfg)
     rng = np.random.default_rng(1)
     good = _unroll(8, 3, 2, rng)
@@ -279,6 +284,50 @@ def test_nan_unroll_rejected_and_counted():
     assert m["transport/rejected_nan"] == 1.0
     assert all(math.isfinite(m[k]) for k in ("losses/policy_loss", "losses/approx_kl", "losses/explained_variance"))
     assert float(trainer.learner.policy.actor_norm.steps) == float(steps) + 24  # the NaN piece never reached the normalizer
+
+
+def _stream_unrolls(n: int, T: int, D: int, A: int, rng, ends: dict[int, str]) -> list[dict[str, np.ndarray]]:
+    """n consecutive unrolls of one env, as an actor sends them: unroll k+1 starts with unroll k's obs[T].
+    ``ends``: global step -> 'terminated' | 'truncated'."""
+    total = n * T
+    obs = rng.normal(size=(total + 1, D)).astype(np.float32)
+    obs[:, 0] = np.arange(total + 1)
+    out = []
+    for k in range(n):
+        a, b = k * T, (k + 1) * T
+        u = {"obs": obs[a : b + 1].copy(), "actions": rng.normal(size=(T, A)).astype(np.float32),
+             "log_probs": (rng.normal(size=(T, A)) - 1).astype(np.float32), "rewards": rng.normal(size=T).astype(np.float32),
+             "terminated": np.zeros(T, bool), "truncated": np.zeros(T, bool), "final_obs": np.zeros((T, D), np.float32)}
+        for t, how in ends.items():
+            if a <= t < b:
+                u[how][t - a] = True
+                u["final_obs"][t - a] = rng.normal(size=D)
+        out.append(u)
+    return out
+
+
+def test_trainer_cuts_mlagents_trajectories_across_unrolls():
+    """trajectory_handling='mlagents' through the real codec: unrolls of 8, time_horizon 5; an episode ends at
+    step 6, so trajectories are 0-4 (horizon), 5-6 (end), 7-11 (horizon from its own start), 12-16, ..."""
+    cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=5)
+    trainer = _trainer(cfg, unroll_length=8, max_policy_lag=None)
+    rng = np.random.default_rng(5)
+    unrolls = _stream_unrolls(3, 8, 3, 2, rng, {6: "terminated"})
+    assert trainer.ingest(_message(trainer, unrolls[0]), 0)
+    assert trainer.learner.total_steps == 7 and trainer.learner.trajectories.pending_steps == 1  # 0-4, 5-6; 7 waits
+    assert trainer.ingest(_message(trainer, unrolls[1]), 0)
+    starts = trainer.learner.buffer.stacked()["obs"][:, 0].numpy()
+    assert trainer.learner.total_steps == 12 and list(starts[[0, 5, 7]]) == [0, 5, 7] and starts[-1] == 11
+    assert trainer.learner.trajectories.pending_steps == 4  # 12-15
+    assert not trainer.ready()
+    assert trainer.ingest(_message(trainer, unrolls[2]), 0)  # 12-16, 17-21 -> 22 steps > 16
+    assert trainer.ready() and trainer.learner.total_steps == 22
+    m = trainer.update(24)
+    assert m["charts/pending_steps"] == 2.0 and m["charts/broken_trajectories"] == 0.0
+    # Actors wait for their share of an update even without an on-policy lag limit (ML-Agents is synchronous).
+    assert trainer.agent.unrolls_per_update == unrolls_per_update(cfg, 8, trainer.n_envs) > 0
+    rollout = _trainer(dataclasses.replace(cfg, trajectory_handling="rollout"), unroll_length=8, max_policy_lag=None)
+    assert rollout.agent.unrolls_per_update == 0  # off-policy rollouts: actors never wait
 
 
 def test_huge_finite_unrolls_are_dropped_on_receipt():
@@ -299,7 +348,11 @@ def test_huge_finite_unrolls_are_dropped_on_receipt():
 
 def test_choose_unroll_length():
     ml = PPOConfig.preset("mlagents", time_horizon=1000, buffer_size=20480, batch_size=2048)
-    assert choose_unroll_length(ml, 0) == (1000, None)
+    assert choose_unroll_length(ml, 0) == (16, None)  # the learner cuts the trajectories (#15): a short transport unit
+    assert choose_unroll_length(ml, 40) == (40, None)
+    assert choose_unroll_length(PPOConfig.preset("mlagents", time_horizon=8), 0) == (8, None)
+    ml_rollout = PPOConfig.preset("mlagents", time_horizon=1000, buffer_size=20480, batch_size=2048, trajectory_handling="rollout")
+    assert choose_unroll_length(ml_rollout, 0) == (1000, None)
     sb = PPOConfig.preset("sb3", time_horizon=2048, buffer_size=2048)
     T, note = choose_unroll_length(sb, 0)
     assert T == 512 and 2048 % T == 0 and "512" in note
@@ -332,6 +385,29 @@ def test_agent_clips_env_actions_and_records_raw(semantics):
     np.testing.assert_array_equal(out["final_obs"][[0, 2]], 7.0)
 
 
+def test_agent_waits_after_its_share_of_completed_trajectories():
+    """trajectory_handling='mlagents': the share of an update is counted in steps of trajectories this actor
+    completed (episode end or time_horizon from the trajectory's start) since the weights arrived."""
+    cfg = PPOConfig.preset("mlagents", hidden_units=8, num_layers=1, buffer_size=16, batch_size=8, time_horizon=4)
+    obs = np.zeros((3, 4))
+    spec = PPOAgentSpec(cfg, 4, 2, (-1.0, -1.0), (1.0, 1.0), unrolls_per_update=1, params_wait_s=5.0)
+    agent = PPOAgent(spec, envs=_Envs(), first_obs=obs, unroll_length=2, seed=0)
+    assert agent.share_steps == 6  # one round of unrolls: 2 steps x 3 envs
+    none = np.zeros(3, bool)
+    step = lambda term: agent.transition(StepResult(obs, np.zeros(3, np.float32), term, none, obs))  # noqa: E731
+    step(np.array([False, True, False]))  # env 1 ends after 1 step
+    step(none)
+    assert agent.completed_steps == 1 and agent.params_wait_s(1) == 0.0  # a round sent, but 1 step completed
+    step(none)
+    step(none)  # envs 0 and 2 reach time_horizon 4: 8 more
+    assert agent.completed_steps == 9 and agent.params_wait_s(2) == 5.0
+    agent.load_params(dict(agent.policy.state_dict()))  # new weights: a new share
+    assert agent.completed_steps == 0 and agent.params_wait_s(0) == 0.0
+    rollout = PPOAgent(PPOAgentSpec(dataclasses.replace(cfg, trajectory_handling="rollout"), 4, 2, (-1.0, -1.0), (1.0, 1.0),
+                                    unrolls_per_update=1, params_wait_s=5.0), envs=_Envs(), first_obs=obs, unroll_length=2, seed=0)
+    assert rollout.params_wait_s(1) == 5.0  # counted in unrolls
+
+
 RUN_BAD_VALUES = [
     (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
     (["--log-interval", "nan"], "--log-interval must be a finite number"),
@@ -342,6 +418,7 @@ RUN_BAD_VALUES = [
     (["--port", "70000"], "--port must be 0 or in 1..65534"),
     (["--total-steps", "-5"], "--total-steps must be > 0"),
     (["--learners", "2"], "--learners 2: the PPO learner runs as one process"),
+    (["--max-policy-lag", "0"], "--max-policy-lag 0: --trajectory-handling mlagents keeps every unroll"),
     (["--logdir", "/proc/no-such-dir"], "--logdir /proc/no-such-dir: cannot create it"),
 ]
 

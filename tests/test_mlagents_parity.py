@@ -11,7 +11,9 @@ Both sides start from the same weights and normalizer statistics (ML-Agents' ini
 its normalizers warmed up and its zero biases and log-sigmas set to random values, as after some
 training; copied into ours) and take the same trajectories: ML-Agents as
 ``Trajectory`` objects through ``_process_trajectory`` (normalizer update, value estimates, GAE,
-``to_agentbuffer``), ours as ``TrajectoryPiece`` from the same arrays through ``ingest``. Then
+``to_agentbuffer``), ours as ``TrajectoryPiece`` from the same arrays through ``ingest``, each
+processed as handed over (``trajectory_handling='rollout'``: they are cut already; how ML-Agents
+cuts them is ``test_mlagents_trajectories``). Then
 ``_update_policy`` against ``update``: 3 epochs of one minibatch = the whole buffer. Twice: the
 second round's actions are sampled by ML-Agents' policy after the first update, and its update
 runs at max_steps, where every schedule sits on its floor. The trajectories end every way
@@ -92,6 +94,11 @@ ROUNDS = (
 # episode ends): ML-Agents' per-trajectory normalizer updates must still be reproduced.
 JOINED = {1: (1, 2, 3)}
 MAX_STEPS = N_STEPS * len(ROUNDS)  # the second update runs at max_steps: lr, epsilon, beta on their floors
+# The trajectories here come already cut (as ML-Agents' AgentProcessor emits them), so our learner
+# processes each piece as it is handed over; the cutting itself (trajectory_handling='mlagents', whose
+# AgentTrajectories would wait for a 'cut' trajectory to reach time_horizon) is compared with ML-Agents'
+# AgentProcessor in test_mlagents_trajectories.
+HANDED_OVER = {"trajectory_handling": "rollout"}
 RTOL = 1e-5
 
 # Our update() metric -> the decayed value ML-Agents' optimizer reports per minibatch ("Policy/<name>").
@@ -573,7 +580,7 @@ def test_our_yaml_reading_is_the_mlagents_preset_with_the_files_values():
 
 def test_two_updates_match_mlagents_trainer(reference):
     """Ingest and two full updates of the mlagents preset equal ML-Agents' PPOTrainer to 1e-5."""
-    diffs = compare(run_ours(reference, our_config()), reference.record)
+    diffs = compare(run_ours(reference, our_config(**HANDED_OVER)), reference.record)
     worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
     print("largest relative differences:", ", ".join(f"{k} {v:.1e}" for k, v in worst))
     assert not failures(diffs), failures(diffs)
@@ -606,7 +613,7 @@ def test_planted_bug_breaks_parity(reference, bug):
     overrides, ingest, where = PLANTED_BUGS[bug]
     if "value loss" in bug:
         assert reference.clip_binds > 0.1, "the data must make the intended value clip bind"
-    failed = failures(compare(run_ours(reference, our_config(**overrides), ingest), reference.record))
+    failed = failures(compare(run_ours(reference, our_config(**HANDED_OVER, **overrides), ingest), reference.record))
     assert failed, f"planted bug {bug!r} went unnoticed"
     assert any(where in k for k in failed), sorted(failed)[:10]
 

@@ -41,6 +41,7 @@ EXPECTED = {
     "reward_norm": (False, True),  # 12
     "gae_form": ("mlagents", "sb3"),  # 13
     "bootstrap_truncated": (True, True),  # 14
+    "trajectory_handling": ("mlagents", "rollout"),  # 15
 }
 
 
@@ -98,6 +99,7 @@ def test_frozen():
         ({"batch_size": 4096, "buffer_size": 2048}, "batch_size"),
         ({"lernin_rate": 1e-3}, "lernin_rate"),
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"trajectory_handling": "agent"}, "trajectory_handling"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):
@@ -227,6 +229,9 @@ def test_argparse_overrides():
     assert cfg.entropy_reduce == "sum"
     with pytest.raises(SystemExit):
         parser.parse_args(["--ratio", "sum"])
+    # #15 is a switch like the others, both ways.
+    assert config_from_args(parser.parse_args(["--trajectory-handling", "rollout"])).trajectory_handling == "rollout"
+    assert config_from_args(parser.parse_args(["--semantics", "sb3", "--trajectory-handling", "mlagents"])).trajectory_handling == "mlagents"
 
 
 def test_argparse_trainer_config_and_launcher_overrides():

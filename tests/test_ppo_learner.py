@@ -36,7 +36,11 @@ def make_piece(T, rng, policy=None, terminated_at=(), truncated_at=(), source=0,
 
 
 def small(semantics, **kw):
-    base = dict(batch_size=4, buffer_size=10, num_epoch=2, hidden_units=16, num_layers=2, max_steps=1000)
+    """Tiny networks. The tests below hand over pieces that are trajectories already (independent random
+    pieces, not the continuation of one stream), so each is processed as it comes: 'rollout' (#15). The
+    'mlagents' trajectory cutting has its own tests at the end of this file and in test_mlagents_trajectories."""
+    base = dict(batch_size=4, buffer_size=10, num_epoch=2, hidden_units=16, num_layers=2, max_steps=1000,
+                trajectory_handling="rollout")
     base.update(kw)
     return PPOConfig.preset(semantics, **base)
 
@@ -244,3 +248,165 @@ def test_state_dict_round_trip(semantics):
         learner.update()
     for pa, pb in zip(a.policy.parameters(), b.policy.parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+# ------------------------------------------------------- trajectory_handling='mlagents' (#15)
+
+
+def mlagents_processor_cuts(ended: np.ndarray, time_horizon: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """ML-Agents' ``AgentProcessor._process_step`` restated for one agent: append each step to the agent's
+    list; emit the list as a trajectory when it holds ``time_horizon`` steps or the step is terminal, then
+    start an empty one. Returns the emitted [start, stop) ranges and the steps still waiting."""
+    emitted, current = [], []
+    for t, is_terminal in enumerate(ended):
+        current.append(t)
+        if len(current) >= time_horizon or is_terminal:
+            emitted.append((current[0], current[-1] + 1))
+            current = []
+    return emitted, current
+
+
+def agent_stream(n: int, rng, source, p_end=0.12) -> TrajectoryPiece:
+    """One agent's consecutive steps; obs[:, 0] is the step index (to find rows again), next_obs[t] is
+    obs[t + 1] unless the episode ended at t (then a final observation)."""
+    obs = rng.normal(size=(n + 1, OBS)).astype(np.float32)
+    obs[:, 0] = np.arange(n + 1)
+    ends = rng.random(n) < p_end
+    term = ends & (rng.random(n) < 0.5)
+    trunc = ends & ~term
+    next_obs = obs[1:].copy()
+    next_obs[ends] = rng.normal(size=(int(ends.sum()), OBS)).astype(np.float32)
+    return TrajectoryPiece(obs[:n], rng.normal(size=(n, ACT)).astype(np.float32),
+                           rng.normal(size=(n, ACT)).astype(np.float32) - 1, rng.normal(size=n).astype(np.float32),
+                           term, trunc, next_obs, None, source)
+
+
+def split_stream(stream: TrajectoryPiece, rng, max_len=9) -> list[TrajectoryPiece]:
+    cuts = np.cumsum(rng.integers(1, max_len + 1, size=len(stream.rewards)))
+    bounds = [0, *[int(c) for c in cuts if c < len(stream.rewards)], len(stream.rewards)]
+    return [TrajectoryPiece(*(x[a:b] for x in stream[:7]), None, stream.source) for a, b in zip(bounds, bounds[1:])]
+
+
+def interleave(per_source: list[list[TrajectoryPiece]], rng) -> list[TrajectoryPiece]:
+    """The pieces of all streams in a random arrival order that keeps each stream's own order."""
+    queues = [list(q) for q in per_source]
+    out = []
+    while any(queues):
+        q = queues[rng.choice([i for i, q in enumerate(queues) if q])]
+        out.append(q.pop(0))
+    return out
+
+
+@pytest.mark.parametrize("time_horizon", [1, 4, 7, 1000])
+def test_agent_trajectories_cut_where_mlagents_agent_processor_does(time_horizon):
+    """Pieces of any size, three agents interleaved: the trajectories come out exactly where ML-Agents'
+    AgentProcessor emits them, counted from each trajectory's own start (not on the pieces' grid)."""
+    from learner.ppo_learner import AgentTrajectories
+
+    rng = np.random.default_rng(time_horizon)
+    streams = [agent_stream(120, rng, source=("actor", k)) for k in range(3)]
+    assembler = AgentTrajectories(time_horizon)
+    got: dict = {s.source: [] for s in streams}
+    for piece in interleave([split_stream(s, rng) for s in streams], rng):
+        for traj in assembler.add(piece):
+            got[traj.source].append(traj)
+    assert assembler.broken == 0
+    for s in streams:
+        ended = s.terminated | s.truncated
+        want, waiting = mlagents_processor_cuts(ended, time_horizon)
+        ranges = [(int(t.obs[0, 0]), int(t.obs[-1, 0]) + 1) for t in got[s.source]]
+        assert ranges == want
+        assert assembler.pending_length(s.source) == len(waiting)
+        for t, (a, b) in zip(got[s.source], want):  # every row as recorded, in order
+            for i in range(7):
+                np.testing.assert_array_equal(t[i], s[i][a:b])
+    if time_horizon == 7:
+        # The point of "own start": some trajectory starts after an episode end and is cut 7 steps later,
+        # off any fixed grid of 7.
+        assert any(a % 7 and b - a == 7 for a, b in mlagents_processor_cuts(streams[0].terminated | streams[0].truncated, 7)[0])
+
+
+def test_agent_trajectories_discard_a_stream_that_does_not_continue():
+    from learner.ppo_learner import AgentTrajectories
+
+    rng = np.random.default_rng(3)
+    s = agent_stream(30, rng, source=0, p_end=0.0)
+    assembler = AgentTrajectories(10)
+    assert assembler.add(TrajectoryPiece(*(x[:4] for x in s[:7]), None, 0)) == []
+    # Steps 4..5 were lost on the way: 6.. does not continue the waiting 0..3, which can never be completed.
+    out = assembler.add(TrajectoryPiece(*(x[6:20] for x in s[:7]), None, 0))
+    assert assembler.broken == 1 and assembler.broken_steps == 4
+    assert [(int(t.obs[0, 0]), len(t.rewards)) for t in out] == [(6, 10)]
+    assert assembler.pending_length(0) == 4
+
+
+def mlagents_learner(**kw) -> PPOLearner:
+    return PPOLearner(small("mlagents", trajectory_handling="mlagents", **kw), OBS, ACT)
+
+
+def test_unfinished_trajectory_straddles_an_update_with_action_time_log_probs():
+    """ML-Agents keeps an agent's unfinished trajectory through an update: it is processed when complete, with
+    the normalizer and critic of that moment, and trains in the next update with the log-probs from action time.
+    Its steps count for the schedules when it is processed (RLTrainer._process_trajectory -> _increment_step)."""
+    rng = np.random.default_rng(12)
+    learner = mlagents_learner(time_horizon=8, buffer_size=10, batch_size=4, max_steps=100)
+    a = agent_stream(8, rng, source="a", p_end=0.0)
+    b = agent_stream(11, rng, source="b", p_end=0.0)
+    b.terminated[-1] = True
+    first, rest = TrajectoryPiece(*(x[:5] for x in a[:7]), None, "a"), TrajectoryPiece(*(x[5:] for x in a[:7]), None, "a")
+    assert learner.ingest(first)
+    assert learner.buffer.num_steps == 0 and learner.total_steps == 0  # waiting, not counted yet
+    assert learner.ingest(b)
+    assert learner.ready() and learner.buffer.num_steps == 11 and learner.total_steps == 11
+    m = learner.update()
+    assert m["learning_rate"] == pytest.approx(ppo.polynomial_decay(3e-4, 1e-10, 11, 100))
+    assert m["pending_steps"] == 5.0 and learner.buffer.num_steps == 0  # the buffer is cleared, the 5 steps wait
+
+    ref = copy.deepcopy(learner.policy)  # the weights after the update: the ones that process `a`
+    assert learner.ingest(rest)  # steps 5..7: time_horizon 8 reached -> processed now
+    assert learner.total_steps == 19 and learner.trajectories.pending_steps == 0
+    got = learner.buffer.stacked()
+    np.testing.assert_array_equal(got["log_probs"].numpy(), a.log_probs)  # all 8 as recorded at action time
+    np.testing.assert_array_equal(got["obs"].numpy(), a.obs)
+    ref.update_normalizer(torch.as_tensor(a.obs))  # the whole trajectory, before its values
+    with torch.no_grad():
+        v = ref.value(torch.as_tensor(a.obs)).double()
+        v_next = ref.value(torch.as_tensor(a.next_obs[-1:])).double()[0]  # cut at time_horizon: bootstrap
+    want = ppo.mlagents_gae(torch.as_tensor(a.rewards, dtype=torch.float64), v, v_next, gamma=0.99, lambd=0.95)
+    np.testing.assert_allclose(got["values"].numpy(), v.numpy(), atol=1e-6)
+    np.testing.assert_allclose(got["advantages"].numpy(), want.advantages.numpy(), atol=1e-5)
+    np.testing.assert_allclose(got["returns"].numpy(), want.returns.numpy(), atol=1e-5)
+
+
+def test_rollout_handling_processes_each_piece_when_it_arrives():
+    """The SB3 preset's 'rollout': the same first five steps are processed (and counted) at once, cut there."""
+    rng = np.random.default_rng(12)
+    learner = PPOLearner(small("sb3"), OBS, ACT)
+    assert learner.config.trajectory_handling == "rollout" and PPOConfig.preset("sb3").trajectory_handling == "rollout"
+    a = agent_stream(8, rng, source="a", p_end=0.0)
+    assert learner.ingest(TrajectoryPiece(*(x[:5] for x in a[:7]), None, "a"))
+    assert learner.buffer.num_steps == 5 and learner.total_steps == 5 and learner.trajectories is None
+
+
+def test_nan_piece_breaks_its_stream_under_mlagents_handling():
+    rng = np.random.default_rng(13)
+    learner = mlagents_learner(time_horizon=50)
+    s = agent_stream(12, rng, source=7, p_end=0.0)
+    assert learner.ingest(TrajectoryPiece(*(x[:6] for x in s[:7]), None, 7))
+    bad = TrajectoryPiece(*(x[6:].copy() for x in s[:7]), None, 7)
+    bad.rewards[2] = np.nan
+    assert not learner.ingest(bad)
+    assert learner.rejected_batches == 1 and learner.trajectories.broken == 1 and learner.trajectories.pending_steps == 0
+    assert learner.total_steps == 0 and int(learner.policy.actor_norm.steps) == 1
+
+
+def test_mlagents_handling_state_dict_drops_unfinished_trajectories():
+    rng = np.random.default_rng(14)
+    learner = mlagents_learner(time_horizon=50)
+    learner.ingest(agent_stream(6, rng, source=0, p_end=0.0))
+    assert learner.trajectories.pending_steps == 6
+    state = learner.state_dict()
+    other = mlagents_learner(time_horizon=50)
+    other.ingest(agent_stream(3, rng, source=1, p_end=0.0))
+    other.load_state_dict(state)
+    assert other.trajectories.pending_steps == 0 and other.total_steps == 0
