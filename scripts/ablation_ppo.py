@@ -1,79 +1,151 @@
-"""Ablation: ML-Agents vs SB3 PPO semantics, Crawler hyperparameters, on Ant-v5 (the Crawler stand-in).
+"""PPO ablation on Ant-v5 (the Crawler stand-in) with Crawler's hyperparameters: which semantics switch matters.
 
-Every run is a real ``launch_ppo`` training run (actor process + learner over
-ZeroMQ), same step budget and same seeds for both presets; only ``--semantics``
-differs. The Crawler hyperparameters come from configs/Crawler.yaml; buffer and
-batch are shrunk by the same factor (default 8: 20480/2048 -> 2560/256, so the
-buffer holds 10 minibatches, as in Crawler)
-and the schedules decay over the shortened run (``max_steps`` = the budget), so
-that a short run on a small machine goes through the same *shape* of training.
-The script prints what it shrank.
+Every run is a real ``launch_ppo`` training run (actor process + learner over ZeroMQ). The Crawler
+hyperparameters come from configs/Crawler.yaml; buffer and batch are shrunk by the same factor (default 8:
+20480/2048 -> 2560/256, so the buffer still holds 10 minibatches) and the schedules decay over the
+shortened run (``max_steps`` = the budget), so a short run on a small machine goes through the same *shape*
+of training. The script prints what it shrank.
 
-    .venv/bin/python scripts/ablation_ppo.py                      # 2 seeds x 2 presets x 70k steps
-    .venv/bin/python scripts/ablation_ppo.py --steps 100000 --seeds 0 1 2
-    .venv/bin/python scripts/ablation_ppo.py --plot-only          # re-plot existing runs
+Two modes:
 
-Output: ``docs/ppo_ablation.png`` (mean +- min/max over seeds of the mean return
-of the last 100 episodes vs agent steps) and a summary table on stdout.
+- ``leave-one-out`` (default): start from the ``mlagents`` preset and switch one semantics option (a row of
+  docs/PPO_SEMANTICS.md; the schedule row's six options together) to its ``sb3`` value, one at a time; and
+  the reverse from ``sb3``. ``--seeds`` seeds per variant, the same for every variant.
+- ``presets``: only the two presets (the earlier two-curve plot).
+
+    .venv/bin/python scripts/ablation_ppo.py --steps 300000 --seeds 0 1 2            # the full leave-one-out
+    .venv/bin/python scripts/ablation_ppo.py --steps 4000 --seeds 0 --bases mlagents --switches action_clip   # smoke
+    .venv/bin/python scripts/ablation_ppo.py --plot-only ...                        # re-plot existing runs
+
+Output: per run ``RUNS/<base>/<variant>/seed<s>/`` with launch_ppo's ``metrics.csv`` and ``curve.csv``
+(agent steps, mean return of the last 100 episodes); one figure (``--out``: final return per variant,
+mean and min..max over seeds, one panel per base preset); a markdown table (``--table``) for
+docs/PPO_ABLATION.md; ``summary.json``. Runs that exist are reused (``--rerun`` to redo them).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
-import os
+import resource
 import subprocess
 import sys
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from impala.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
+
 CRAWLER_BUFFER, CRAWLER_BATCH = 20480, 2048
 PRESETS = ("mlagents", "sb3")
 
+# One switch per row of docs/PPO_SEMANTICS.md that differs between the presets (#n), with the options it
+# flips. Not here: clip_range_vf, target_kl, bootstrap_truncated and vf_coef (the same in both presets).
+SWITCHES: dict[str, tuple[str, ...]] = {
+    "advantage_norm": ("advantage_norm",),  # 1
+    "ratio": ("ratio",),  # 2
+    "value_loss": ("value_loss",),  # 3: mlagents <-> mse are the same loss (#6281): a control for run-to-run noise
+    "entropy_reduce": ("entropy_reduce",),  # 4
+    "schedules": ("lr_schedule", "epsilon_schedule", "beta_schedule", "lr_floor", "epsilon_floor", "beta_floor"),  # 6
+    "max_grad_norm": ("max_grad_norm",),  # 7
+    "adam_eps": ("adam_eps",),  # 7
+    "update_trigger": ("update_trigger",),  # 8
+    "minibatch_remainder": ("minibatch_remainder",),  # 8
+    "log_prob_form": ("log_prob_form",),  # 9
+    "action_clip": ("action_clip",),  # 10
+    "init": ("init",),  # 11
+    "activation": ("activation",),  # 11
+    "obs_norm": ("obs_norm",),  # 12
+    "reward_norm": ("reward_norm",),  # 12
+    "gae_form": ("gae_form",),  # 13
+    "trajectory_handling": ("trajectory_handling",),  # 15
+}
+BASE = "base"
 
-def unroll_length(semantics: str, args: argparse.Namespace) -> int:
-    """Default: one round of unrolls (every env once) fills one update, with no unroll left over to go stale.
 
-    SB3 updates at exactly buffer_size steps, so T = buffer / envs; ML-Agents at MORE than buffer_size, so one
-    step more per env (T + 1) lets a single round trigger it (2568 > 2560).
-    """
+@functools.cache
+def crawler_config(semantics: str) -> PPOConfig:
+    """What launch_ppo runs for ``--semantics X --mlagents-config configs/Crawler.yaml`` (before the size flags)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ML-Agents keys the trainer does not use
+        return from_mlagents_yaml(str(ROOT / "configs" / "Crawler.yaml"), semantics=semantics)
+
+
+def flag_value(name: str, value: object) -> list[str]:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + name.replace("_", "-")]
+    return [flag, "none" if value is None else str(value)]
+
+
+@dataclass(frozen=True)
+class Variant:
+    base: str  # the preset it starts from
+    switch: str  # BASE or a SWITCHES key: these options take the other preset's values
+
+    @property
+    def overrides(self) -> dict[str, object]:
+        """The switch's options as the *other* preset's run has them (its preset read with configs/Crawler.yaml:
+        e.g. the yaml's linear learning_rate_schedule applies to both)."""
+        if self.switch == BASE:
+            return {}
+        other = crawler_config("sb3" if self.base == "mlagents" else "mlagents")
+        return {name: getattr(other, name) for name in SWITCHES[self.switch]}
+
+    @property
+    def label(self) -> str:
+        if self.switch == BASE:
+            return f"{self.base} preset"
+        other = "sb3" if self.base == "mlagents" else "mlagents"
+        values = self.overrides
+        return f"{self.switch} -> {next(iter(values.values())) if len(values) == 1 else other + chr(39) + 's'}"
+
+    def option(self, name: str) -> object:
+        """The variant's value of a PPOConfig option (preset, then the switch)."""
+        return self.overrides.get(name, getattr(crawler_config(self.base), name))
+
+
+def unroll_length(v: Variant, args: argparse.Namespace) -> int:
+    """0 (launch_ppo's default) when the learner cuts trajectories (#15 'mlagents'). For 'rollout': one round of
+    unrolls (every env once) fills one update, with no unroll left over to go stale: buffer_full updates at
+    exactly buffer_size steps (T = buffer / envs), over_buffer_size at MORE than buffer_size (one step more per env)."""
     if args.unroll_length:
         return args.unroll_length
+    if v.option("trajectory_handling") == "mlagents":
+        return 0
     T = (CRAWLER_BUFFER // args.shrink) // (args.workers * args.envs_per_worker)
-    return T + 1 if semantics == "mlagents" else T
+    return T + 1 if v.option("update_trigger") == "over_buffer_size" else T
 
 
-def run_one(semantics: str, seed: int, args: argparse.Namespace, logdir: Path) -> dict:
+def run_dir(runs: Path, v: Variant, seed: int) -> Path:
+    return runs / v.base / v.switch / f"seed{seed}"
+
+
+def command(v: Variant, seed: int, args: argparse.Namespace, logdir: Path) -> list[str]:
     buffer, batch = CRAWLER_BUFFER // args.shrink, CRAWLER_BATCH // args.shrink
     cmd = [
         str(Path(sys.executable).parent / "launch_ppo"),
         "--env", args.env, "--mlagents-config", str(ROOT / "configs" / "Crawler.yaml"),
-        "--semantics", semantics, "--seed", str(seed),
+        "--semantics", v.base, "--seed", str(seed),
         "--buffer-size", str(buffer), "--batch-size", str(batch),
         "--max-steps", str(args.steps), "--total-steps", str(args.steps),
         "--workers", str(args.workers), "--envs-per-worker", str(args.envs_per_worker),
-        "--unroll-length", str(unroll_length(semantics, args)),
+        "--unroll-length", str(unroll_length(v, args)),
         "--device", "cpu", "--logdir", str(logdir), "--log-interval", "0", "--no-progress",
     ]
-    if logdir.exists():
-        for f in logdir.iterdir():
-            f.unlink()
-    t0 = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.monotonic() - t0
-    (logdir / "stdout.txt").write_text(out.stdout)
-    (logdir / "stderr.txt").write_text(out.stderr)
-    if out.returncode != 0:
-        raise SystemExit(f"run {semantics} seed {seed} failed ({out.returncode}); see {logdir}/stderr.txt:\n{out.stderr[-2000:]}")
-    info = {"semantics": semantics, "seed": seed, "wall_s": round(wall, 1), "cmd": " ".join(cmd[1:])}
-    (logdir / "run.json").write_text(json.dumps(info, indent=1))
-    print(f"  {semantics:8s} seed {seed}: {wall:6.0f}s  ({out.stdout.strip().splitlines()[-1]})", flush=True)
-    return info
+    for name, value in v.overrides.items():
+        cmd += flag_value(name, value)
+    return cmd
 
 
 def read_curve(logdir: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -82,95 +154,190 @@ def read_curve(logdir: Path) -> tuple[np.ndarray, np.ndarray]:
         for row in csv.DictReader(f):
             v = row.get("charts/mean_return_100", "")
             if v not in ("", None) and math.isfinite(float(v)):
-                steps.append(int(row["step"]))
+                steps.append(int(float(row.get("charts/agent_steps") or row["step"])))
                 returns.append(float(v))
     return np.asarray(steps), np.asarray(returns)
 
 
-def plot(runs_dir: Path, seeds: list[int], steps: int, out_png: Path, title: str) -> dict[str, dict[str, float]]:
+def run_one(v: Variant, seed: int, args: argparse.Namespace) -> dict:
+    logdir = run_dir(Path(args.runs_dir), v, seed)
+    done = logdir / "run.json"
+    if done.exists() and not args.rerun:
+        return json.loads(done.read_text())
+    logdir.mkdir(parents=True, exist_ok=True)
+    for f in logdir.iterdir():
+        f.unlink()
+    cmd = command(v, seed, args, logdir)
+    t0, cpu0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    wall, cpu1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of the run's processes (exact one run at a time; with --jobs > 1 it mixes the runs that end meanwhile)
+    cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+    (logdir / "stdout.txt").write_text(out.stdout)
+    (logdir / "stderr.txt").write_text(out.stderr)
+    if out.returncode != 0:
+        raise SystemExit(f"run {v.base}/{v.switch} seed {seed} failed ({out.returncode}); see {logdir}/stderr.txt:\n{out.stderr[-2000:]}")
+    steps, returns = read_curve(logdir)
+    with open(logdir / "curve.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["agent_steps", "mean_return_100"])
+        w.writerows(zip(steps.tolist(), returns.tolist()))
+    info = {"base": v.base, "switch": v.switch, "seed": seed, "overrides": {k: v2 for k, v2 in v.overrides.items()},
+            "steps": args.steps, "wall_s": round(wall, 1), "steps_per_s": round(args.steps / wall, 1), "cpu_s": round(cpu, 1),
+            "final_return": float(returns[-1]) if len(returns) else None, "cmd": " ".join(cmd[1:])}
+    done.write_text(json.dumps(info, indent=1))
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    print(f"  {v.base:8s} {v.switch:20s} seed {seed}: {wall:6.0f}s {args.steps / wall:6.0f} steps/s, {cpu:6.0f} CPU s  ({last})", flush=True)
+    return info
+
+
+def summarize(variants: list[Variant], seeds: list[int], args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for v in variants:
+        finals, means, rates = [], [], []
+        for seed in seeds:
+            d = run_dir(Path(args.runs_dir), v, seed)
+            if not (d / "metrics.csv").exists():
+                continue
+            s, r = read_curve(d)
+            if len(r):
+                finals.append(float(r[-1]))
+                means.append(float(np.mean(r)))
+            info = d / "run.json"
+            if info.exists():
+                rates.append(json.loads(info.read_text())["steps_per_s"])
+        if not finals:
+            continue
+        rows.append({"base": v.base, "switch": v.switch, "label": v.label, "overrides": v.overrides, "seeds": len(finals),
+                     "final_mean": float(np.mean(finals)), "final_min": float(np.min(finals)), "final_max": float(np.max(finals)),
+                     "final_std": float(np.std(finals)), "run_mean": float(np.mean(means)),
+                     "steps_per_s": float(np.mean(rates)) if rates else float("nan")})
+    for r in rows:  # difference to its base preset
+        base = next((b for b in rows if b["base"] == r["base"] and b["switch"] == BASE), None)
+        r["delta"] = r["final_mean"] - base["final_mean"] if base else float("nan")
+    return rows
+
+
+def plot(rows: list[dict], out_png: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = np.linspace(0, steps, 101)
-    summary: dict[str, dict[str, float]] = {}
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for semantics, color in zip(PRESETS, ("tab:blue", "tab:orange")):
-        curves = []
-        for seed in seeds:
-            s, r = read_curve(runs_dir / f"{semantics}-seed{seed}")
-            if len(s) == 0:
-                continue
-            ax.plot(s, r, color=color, alpha=0.25, lw=0.8)
-            # Interpolate onto a common grid; NaN before the first finished episode.
-            c = np.interp(grid, s, r, left=np.nan, right=r[-1])
-            curves.append(c)
-        if not curves:
-            continue
-        C = np.vstack(curves)
-        keep = ~np.all(np.isnan(C), axis=0)  # grid points before any seed finished an episode
-        grid_k, C = grid[keep], C[:, keep]
-        mean = np.nanmean(C, axis=0)
-        lo, hi = np.nanmin(C, axis=0), np.nanmax(C, axis=0)
-        ax.plot(grid_k, mean, color=color, lw=2, label=f"{semantics} (mean of {len(curves)} seeds)")
-        ax.fill_between(grid_k, lo, hi, color=color, alpha=0.2, label=f"{semantics} min..max over seeds")
-        final = C[:, -1]
-        summary[semantics] = {
-            "final_mean": float(np.mean(final)),
-            "final_min": float(np.min(final)),
-            "final_max": float(np.max(final)),
-            "auc_mean": float(np.nanmean(C)),
-        }
-    ax.set_xlabel("agent steps")
-    ax.set_ylabel("mean return of the last 100 episodes")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    bases = [b for b in PRESETS if any(r["base"] == b for r in rows)]
+    n = max(len([r for r in rows if r["base"] == b]) for b in bases)
+    fig, axes = plt.subplots(1, len(bases), figsize=(max(9, 7 * len(bases)), 0.38 * n + 2.2), squeeze=False)
+    for ax, b in zip(axes[0], bases):
+        mine = [r for r in rows if r["base"] == b]
+        mine.sort(key=lambda r: (r["switch"] != BASE, r["final_mean"]))
+        y = np.arange(len(mine))[::-1]
+        colors = ["tab:gray" if r["switch"] == BASE else ("tab:blue" if b == "mlagents" else "tab:orange") for r in mine]
+        for yi, r, c in zip(y, mine, colors):
+            ax.errorbar([r["final_mean"]], [yi], xerr=[[r["final_mean"] - r["final_min"]], [r["final_max"] - r["final_mean"]]],
+                        fmt="o", color=c, ecolor=c, capsize=3, lw=1.5, ms=6)
+        base = next((r for r in mine if r["switch"] == BASE), None)
+        if base:
+            ax.axvspan(base["final_min"], base["final_max"], color="tab:gray", alpha=0.15)
+            ax.axvline(base["final_mean"], color="tab:gray", lw=1, ls="--")
+        ax.set_yticks(y, [r["label"] for r in mine], fontsize=8)
+        ax.margins(y=0.5 / max(len(mine), 1))
+        ax.set_xlabel("final mean return of the last 100 episodes\n(dot: mean over seeds, whisker: min..max; grey: the preset)", fontsize=9)
+        other = "sb3" if b == "mlagents" else "mlagents"
+        ax.set_title(f"from the {b} preset, one switch to its {other} value", fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=120)
-    return summary
+
+
+def table(rows: list[dict], seeds: list[int], args: argparse.Namespace) -> str:
+    lines = [f"Ant-v5, Crawler hyperparameters shrunk x{args.shrink}, {args.steps:,} agent steps per run, seeds {seeds}; "
+             "final = mean return of the last 100 episodes at the end of the run.", "",
+             "| from | switch (options set to the other preset's values) | final return: mean ± std | min..max | Δ vs preset | mean over the run | steps/s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        what = "— (the preset)" if r["switch"] == BASE else f"`{r['switch']}`: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items())
+        delta = "" if r["switch"] == BASE else f"{r['delta']:+.1f}"
+        lines.append(f"| {r['base']} | {what} | {r['final_mean']:.1f} ± {r['final_std']:.1f} | {r['final_min']:.1f}..{r['final_max']:.1f} | "
+                     f"{delta} | {r['run_mean']:.1f} | {r['steps_per_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def dry_run(variants: list[Variant], args: argparse.Namespace) -> int:
+    """Parse each variant's command with launch_ppo's own parser and build its PPOConfig: a typo'd option or an
+    invalid combination fails here, not hours into the ablation."""
+    from impala.ppo_config import config_from_args
+    from learner.launch_ppo import build_parser
+
+    for v in variants:
+        cmd = command(v, args.seeds[0], args, Path(args.runs_dir) / "dry")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ML-Agents keys the trainer does not use
+            cfg = config_from_args(build_parser().parse_args(cmd[1:]))
+        for name, value in v.overrides.items():
+            assert getattr(cfg, name) == value, (v, name, getattr(cfg, name), value)
+        print(f"{v.base:8s} {v.switch:20s} ok: {' '.join(cmd[1:])}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("leave-one-out", "presets"), default="leave-one-out")
     p.add_argument("--env", default="Ant-v5")
-    p.add_argument("--steps", type=int, default=70_000, help="Agent steps per run (same for every run).")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--steps", type=int, default=300_000, help="Agent steps per run (the same for every run; also max_steps).")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--bases", nargs="+", choices=PRESETS, default=list(PRESETS), help="Presets to start from.")
+    p.add_argument("--switches", nargs="+", choices=sorted(SWITCHES), default=None, help="Switches to flip (default: all).")
     p.add_argument("--shrink", type=int, default=8, help="Divide Crawler's buffer (20480) and batch (2048) by this.")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--envs-per-worker", type=int, default=8)
-    p.add_argument("--unroll-length", type=int, default=0, help="Steps per env per unroll; 0 = one round of unrolls per update (320 for sb3, 321 for mlagents with the defaults).")
+    p.add_argument("--unroll-length", type=int, default=0,
+                   help="Steps per env per unroll; 0 = launch_ppo's default for trajectory_handling 'mlagents', one round of unrolls per update for 'rollout'.")
+    p.add_argument("--jobs", type=int, default=1, help="Runs at once (each is an actor process and a learner).")
     p.add_argument("--runs-dir", default=str(ROOT / "runs" / "ablation_ppo"))
     p.add_argument("--out", default=str(ROOT / "docs" / "ppo_ablation.png"))
+    p.add_argument("--table", default=None, help="Markdown table path (default: RUNS_DIR/table.md).")
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--rerun", action="store_true", help="Run again even where a finished run exists.")
+    p.add_argument("--dry-run", action="store_true", help="Check every variant's launch_ppo options and print the commands; run nothing.")
     args = p.parse_args(argv)
-    runs_dir = Path(args.runs_dir)
+    runs = Path(args.runs_dir)
+    switches = [BASE] if args.mode == "presets" else [BASE, *(args.switches or SWITCHES)]
+    variants = [Variant(b, s) for b in args.bases for s in switches]
     buffer, batch = CRAWLER_BUFFER // args.shrink, CRAWLER_BATCH // args.shrink
-    print(
-        f"Ablation on {args.env}: Crawler hyperparameters (configs/Crawler.yaml) with buffer {CRAWLER_BUFFER}->{buffer} and "
-        f"batch {CRAWLER_BATCH}->{batch} (shrunk x{args.shrink}), max_steps 1e7->{args.steps} (schedules decay over the run), "
-        f"unroll {unroll_length('sb3', args)}/{unroll_length('mlagents', args)} (sb3/mlagents; time_horizon 1000), {args.workers} actor x {args.envs_per_worker} envs; "
-        f"seeds {args.seeds}; presets {', '.join(PRESETS)}",
-        flush=True,
-    )
+    print(f"Ablation ({args.mode}) on {args.env}: Crawler hyperparameters (configs/Crawler.yaml) with buffer {CRAWLER_BUFFER}->{buffer}, "
+          f"batch {CRAWLER_BATCH}->{batch} (shrunk x{args.shrink}), max_steps 1e7->{args.steps} (schedules decay over the run); "
+          f"{args.workers} actor x {args.envs_per_worker} envs; {len(variants)} variants x {len(args.seeds)} seeds x {args.steps:,} steps", flush=True)
+    if args.dry_run:
+        return dry_run(variants, args)
     if not args.plot_only:
         t0 = time.monotonic()
-        for seed in args.seeds:  # interleave presets so that machine load drifts hit both alike
-            for semantics in PRESETS:
-                logdir = runs_dir / f"{semantics}-seed{seed}"
-                logdir.mkdir(parents=True, exist_ok=True)
-                run_one(semantics, seed, args, logdir)
-        print(f"all runs: {time.monotonic() - t0:.0f}s", flush=True)
-    title = (f"{args.env}: PPO ML-Agents vs SB3 semantics, Crawler hyperparameters\n"
+        # Seed-major, variants interleaved: machine-load drifts hit every variant alike.
+        jobs = [(v, seed) for seed in args.seeds for v in variants]
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            infos = list(pool.map(lambda job: run_one(job[0], job[1], args), jobs))
+        total = time.monotonic() - t0
+        rate = float(np.mean([i["steps_per_s"] for i in infos]))
+        cpu_ms = 1000 * sum(i.get("cpu_s", 0.0) for i in infos) / sum(i["steps"] for i in infos)
+        print(f"all runs: {total:.0f}s; mean {rate:.0f} agent steps/s per run, {cpu_ms:.1f} CPU ms per agent step", flush=True)
+    rows = summarize(variants, args.seeds, args)
+    title = (f"{args.env}: PPO leave-one-out between ML-Agents and SB3 semantics\nCrawler hyperparameters "
              f"(buffer {buffer}, batch {batch}, 3x512), {args.steps:,} steps, seeds {args.seeds}")
-    summary = plot(runs_dir, args.seeds, args.steps, Path(args.out), title)
-    print(f"wrote {args.out}")
-    print(f"{'preset':10s} {'final mean':>11s} {'final min':>10s} {'final max':>10s} {'mean over run':>14s}")
-    for k, v in summary.items():
-        print(f"{k:10s} {v['final_mean']:11.1f} {v['final_min']:10.1f} {v['final_max']:10.1f} {v['auc_mean']:14.1f}")
-    (runs_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot(rows, Path(args.out), title)
+    md = table(rows, args.seeds, args)
+    table_path = Path(args.table) if args.table else runs / "table.md"
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(md)
+    (runs / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
+    print(md)
+    print(f"wrote {args.out}, {table_path}, {runs / 'summary.json'}")
+    rates = [r["steps_per_s"] for r in rows if math.isfinite(r["steps_per_s"])]
+    if rates:
+        full = len(SWITCHES) + 1
+        est = 2 * full * 3 * 300_000 / float(np.mean(rates))
+        print(f"a full leave-one-out ({2 * full} variants x 3 seeds x 300,000 steps) at {np.mean(rates):.0f} steps/s per run: "
+              f"{est / 3600:.1f} h one run at a time")
     return 0
 
 

@@ -34,7 +34,6 @@ import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable
-from unittest import mock
 
 import numpy as np
 import pytest
