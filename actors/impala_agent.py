@@ -21,7 +21,7 @@ class ImpalaAgent:
         obs_shape, obs_dtype = tuple(first_obs.shape[1:]), str(first_obs.dtype)
         num_actions, num_envs = int(envs.action_space.n), envs.num_envs
 
-        self.model = build_model(spec.model, obs_shape, num_actions, use_lstm=spec.use_lstm)
+        self.model = build_model(spec.model, obs_shape, num_actions, use_lstm=spec.use_lstm, num_tasks=spec.num_tasks)
         self.model.eval()
         if hasattr(self.model.torso, "to_channels_last"):
             # NHWC: a 4-env CPU forward pass takes 0.64 ms instead of 1.03 ms (oneDNN). The params
@@ -30,7 +30,7 @@ class ImpalaAgent:
         self.use_lstm = spec.use_lstm
         self.core_size = self.model.core.hidden_size if self.use_lstm else 0
         self.frame_stack = spec.frame_stack
-        self.schema = impala_unroll_schema(unroll_length, obs_shape, obs_dtype, num_actions, self.core_size, spec.frame_stack)
+        self.schema = impala_unroll_schema(unroll_length, obs_shape, obs_dtype, num_actions, self.core_size, spec.frame_stack, spec.num_tasks)
         self._last_obs: np.ndarray | None = None  # frame dedup: the previous observation, to check the stacking rule
         self.params_schema = state_dict_schema(self.model)
         self.generator = torch.Generator().manual_seed(seed)

@@ -60,6 +60,7 @@ class ActorConfig:
     curve: Any = None  # impala.curve.ClientKeys when the learner requires CURVE
     local_token: str = ""  # handed to the learner's own actors at spawn; proves a hello is theirs
     learner_timeout_s: float = 60.0  # no weights heartbeat for this long: the learner is gone, exit
+    task: int = 0  # multi-task runs: the index of this actor's env in the run's task list, sent with every unroll
 
 
 def exit_if_orphaned(parent_pid: int) -> None:
@@ -210,6 +211,8 @@ def run_actor(
             buf = {a.name: np.empty((K, *a.shape), dtype=a.dtype) for a in agent.schema.arrays}
             for name, value in agent.unroll_start(obs).items():
                 buf[name][:] = value
+            if "task" in buf:
+                buf["task"][:] = config.task
             for t in range(T):
                 for name, value in agent.observation(obs, first).items():
                     buf[name][:, t] = value

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [
             ActorConfig(
                 actor_id=options.first_id + i,
-                env=run.env,
+                env=run.task_envs[run.task_of(options.first_id + i)],  # multi-task: tasks are dealt by actor id
                 num_envs=run.envs_per_worker,
                 unroll_length=run.unroll_length,
                 trajectory_endpoint=trajectory_endpoint,
@@ -160,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
                 seed=config.seed + 1000 * (options.first_id + i),
                 curve=keys,
                 learner_timeout_s=options.learner_timeout,
+                task=run.task_of(options.first_id + i),
             )
             for i in range(config.workers)
         ]
         pool = ActorPool(configs, start_method=config.start_method)
     except (ValueError, TimeoutError, FileNotFoundError) as e:  # ConfigError and CurveError are ValueErrors
         return fail("impala-actors", e)
-    log.info("running %d actors for %s on %s", config.workers, run.env.id, trajectory_endpoint)
+    log.info("running %d actors for %s on %s", config.workers, ",".join(t.id for t in run.task_envs), trajectory_endpoint)
     pool.start()
     start = time.monotonic()
     try:

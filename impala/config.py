@@ -238,6 +238,7 @@ def fail(prog: str, error: BaseException | str) -> int:
 # --------------------------------------------------------------------------- RunConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_TASKS = 64  # tasks in one multi-task run (the ALE has 57 games)
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 StartMethod = Literal["spawn", "fork", "forkserver"]
 
@@ -251,7 +252,7 @@ class RunConfig:
     ML-Agents' ``max_steps``). Set at most one; the launcher picks its default.
     """
 
-    env: Optional[str] = option("PongDeterministic-v4", "Environment id (classic Atari ids such as PongDeterministic-v4, ale-py ids, or gymnasium ids such as CartPole-v1).")
+    env: Optional[str] = option("PongDeterministic-v4", "Environment id (classic Atari ids such as PongDeterministic-v4, ale-py ids, or gymnasium ids such as CartPole-v1). launch_impala also takes a comma-separated list for one multi-task agent (PopArt-IMPALA), e.g. PongDeterministic-v4,BreakoutDeterministic-v4: actor i runs task i %% N.")
     env_kwargs: str = option("", 'Env constructor overrides as a JSON object, e.g. \'{"frameskip": 4}\' for PongNoFrameskip-v4 with a 4-frame skip; checked in every worker like the registry settings.')
     workers: int = option(2, "Local actor processes; 0 runs no local actors and waits for remote ones (impala-actors).")
     envs_per_worker: int = option(4, "Environments stepped by each actor with one batched forward pass per step.")
@@ -318,12 +319,22 @@ class RunConfig:
         need(bool(self.curve) or self.bind in LOOPBACK or self.insecure_bind,
              f"--bind {self.bind} without --curve would let anyone who can reach the port send trajectories and read "
              "weights; pass --curve DIR (see README, Security), or --insecure-bind on a network you trust")
+        if self.env is not None:
+            tasks = self.env.split(",")
+            need(all(t.strip() for t in tasks), f"--env {self.env!r}: an empty env id in the list")
+            need(len(set(t.strip() for t in tasks)) == len(tasks), f"--env {self.env!r}: a task is listed twice")
+            need(len(tasks) <= MAX_TASKS, f"--env: at most {MAX_TASKS} tasks, got {len(tasks)}")
         if self.env_kwargs:
             try:
                 parsed = json.loads(self.env_kwargs)
             except ValueError as e:
                 raise ConfigError(f"--env-kwargs is not valid JSON ({e}); example: '{{\"frameskip\": 4}}'") from None
             need(isinstance(parsed, dict), f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The env ids of ``--env`` (one for a single-task run), in task order."""
+        return tuple(t.strip() for t in (self.env or "").split(",") if t.strip())
 
     @property
     def env_overrides(self) -> dict:

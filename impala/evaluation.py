@@ -15,6 +15,7 @@ processes through the actors' own agent code):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -68,6 +69,17 @@ class PolicyCheckpoint:
     env_frames: int | None
     agent_steps: int | None
     legacy: bool = False
+    tasks: tuple[EnvSpec, ...] = ()  # a multi-task checkpoint's envs in task order (``env`` is the first)
+
+    def select_tasks(self, task: str) -> list[EnvSpec]:
+        """The envs ``impala-eval --task`` asks for: every task when empty, else the one named."""
+        tasks = list(self.tasks) or [self.env]
+        if not task:
+            return tasks
+        chosen = [t for t in tasks if t.id == task]
+        if not chosen:
+            raise ConfigError(f"--task {task}: checkpoint {self.path} was trained on {', '.join(t.id for t in tasks)}")
+        return chosen
 
     def describe(self) -> dict[str, Any]:
         """Plain data for the result: which file, which learner, how far it was trained."""
@@ -111,6 +123,10 @@ def read_policy_checkpoint(path: str) -> PolicyCheckpoint:
             agent = agent_spec_from_dict(state.get("agent"))
             weights = trainer.get("model" if kind == "impala" else "policy")
             legacy = False
+            raw_tasks = state.get("tasks") or []
+            if not isinstance(raw_tasks, list):
+                raise ValueError("tasks must be a list of env specs")
+            tasks = tuple(EnvSpec.from_dict(t) for t in raw_tasks)
         else:
             # Written before the runtime recorded kind/env/agent: IMPALA's, with a flat config record.
             if not isinstance(config.get("env"), str) or not isinstance(config.get("model"), str) or "model" not in trainer:
@@ -124,6 +140,7 @@ def read_policy_checkpoint(path: str) -> PolicyCheckpoint:
             agent = ImpalaAgentSpec(config["model"], bool(config.get("use_lstm", False)), float(config.get("popart_beta", 3e-4)))
             weights = trainer["model"]
             legacy = True
+            tasks = ()
     except UnknownEnvError as e:
         raise CheckpointError(f"checkpoint {file} was trained on an env that is not installed here: {e}") from None
     except (ValueError, TypeError) as e:
@@ -132,7 +149,7 @@ def read_policy_checkpoint(path: str) -> PolicyCheckpoint:
         raise CheckpointError(f"checkpoint {file}: its env/agent record is unusable ({e})") from None
     params = _arrays(weights, f"checkpoint {file}: trainer['{'model' if kind == 'impala' else 'policy'}']")
     return PolicyCheckpoint(file, file_sha256(file), kind, env, agent, params, config,
-                            _int_or_none(state.get("env_frames")), _int_or_none(state.get("agent_steps")), legacy)
+                            _int_or_none(state.get("env_frames")), _int_or_none(state.get("agent_steps")), legacy, tasks)
 
 
 # ---------------------------------------------------------------------------
@@ -155,6 +172,7 @@ class EvalConfig:
     video_episodes: int = option(1, "Episodes recorded into --video, one after the other.")
     video_max_frames: int = option(0, "Stop recording after this many frames (0: whole episodes); the episodes are still played to their end.")
     video_scale: int = option(2, "Enlarge the recorded frames by this factor (nearest neighbour; 1 keeps a GIF small).")
+    task: str = option("", "Multi-task checkpoints: play only this task (its env id). Empty: every task in turn, each with its own table and result file (eval-PROTOCOL-POLICY-ENV.json; --out and --video names get -ENV too).")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -179,6 +197,17 @@ class EvalConfig:
 
     def result_path(self, checkpoint_file: str) -> str:
         return self.out or os.path.join(os.path.dirname(os.path.abspath(checkpoint_file)), f"eval-{self.protocol}-{self.policy}.json")
+
+    def for_task(self, env_id: str, checkpoint_file: str) -> "EvalConfig":
+        """This evaluation for one task of a multi-task checkpoint: its own result file and video."""
+        return dataclasses.replace(self, out=task_file(self.result_path(checkpoint_file), env_id),
+                                   video=task_file(self.video, env_id) if self.video else "")
+
+
+def task_file(path: str, env_id: str) -> str:
+    """``eval.json`` -> ``eval-PongDeterministic-v4.json`` (``/`` in ids such as ``ALE/Pong-v5`` becomes ``_``)."""
+    root, ext = os.path.splitext(path)
+    return f"{root}-{env_id.replace('/', '_')}{ext}"
 
 
 def check_writable(path: str, flag: str) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
 from impala.envs import EnvSpec
+from impala.config import MAX_TASKS
 from impala.ppo_config import PPOConfig
 
 
@@ -38,10 +39,12 @@ class ImpalaAgentSpec:
     use_lstm: bool = False
     popart_beta: float = 3e-4
     frame_stack: int = 0  # > 1: send each frame once (impala.trajectory.impala_unroll_schema)
+    num_tasks: int = 1  # > 1: multi-task; PopArt value heads, and every unroll carries its task index
     kind: str = dataclasses.field(default="impala", init=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": self.model, "use_lstm": self.use_lstm, "popart_beta": self.popart_beta, "frame_stack": self.frame_stack}
+        return {"kind": self.kind, "model": self.model, "use_lstm": self.use_lstm, "popart_beta": self.popart_beta,
+                "frame_stack": self.frame_stack, "num_tasks": self.num_tasks}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ImpalaAgentSpec":
@@ -55,7 +58,10 @@ class ImpalaAgentSpec:
         stack = d.get("frame_stack", 0)  # absent in checkpoints written before frames travelled once
         if isinstance(stack, bool) or not isinstance(stack, int) or not 0 <= stack <= 64:
             raise ValueError(f"{what}: frame_stack must be an int in [0, 64], got {stack!r}")
-        return cls(model, _get(d, "use_lstm", bool, what), beta, stack)
+        tasks = d.get("num_tasks", 1)  # absent before multi-task runs
+        if isinstance(tasks, bool) or not isinstance(tasks, int) or not 1 <= tasks <= MAX_TASKS:
+            raise ValueError(f"{what}: num_tasks must be an int in [1, {MAX_TASKS}], got {tasks!r}")
+        return cls(model, _get(d, "use_lstm", bool, what), beta, stack, tasks)
 
 
 @dataclass(frozen=True)
@@ -127,15 +133,25 @@ class RunInfo:
     learner process (actors say hello again)."""
 
     run_id: str
-    env: EnvSpec
+    env: EnvSpec  # task 0's env (the only one in a single-task run)
     agent: AgentSpec
     unroll_length: int
     envs_per_worker: int
+    tasks: tuple[EnvSpec, ...] = ()  # a multi-task run's envs, in task order; actor i runs task i % len(tasks)
+
+    @property
+    def task_envs(self) -> tuple[EnvSpec, ...]:
+        return self.tasks or (self.env,)
+
+    def task_of(self, actor_id: int) -> int:
+        """Tasks are dealt to actors round-robin by id (local and remote actors alike)."""
+        return actor_id % len(self.task_envs)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id, "env": self.env.to_dict(), "agent": self.agent.to_dict(),
             "unroll_length": self.unroll_length, "envs_per_worker": self.envs_per_worker,
+            "tasks": [t.to_dict() for t in self.tasks],
         }
 
     @classmethod
@@ -144,7 +160,13 @@ class RunInfo:
         T, K = _get(d, "unroll_length", int, what), _get(d, "envs_per_worker", int, what)
         if not (1 <= T <= 100_000 and 1 <= K <= 10_000):
             raise ValueError(f"{what}: unroll_length {T} / envs_per_worker {K} out of range")
+        tasks = d.get("tasks", [])  # absent before multi-task runs
+        if not isinstance(tasks, list) or len(tasks) > MAX_TASKS:
+            raise ValueError(f"{what}: tasks must be a list of at most {MAX_TASKS} env specs")
+        agent = agent_spec_from_dict(_get(d, "agent", Mapping, what))
+        if tasks and getattr(agent, "num_tasks", 1) != len(tasks):
+            raise ValueError(f"{what}: {len(tasks)} tasks but the agent has {getattr(agent, 'num_tasks', 1)} value heads")
         return cls(
             _get(d, "run_id", str, what), EnvSpec.from_dict(_get(d, "env", Mapping, what)),
-            agent_spec_from_dict(_get(d, "agent", Mapping, what)), T, K,
+            agent, T, K, tuple(EnvSpec.from_dict(t) for t in tasks),
         )

@@ -71,6 +71,7 @@ def impala_unroll_schema(
     num_actions: int,
     core_state_size: int = 0,
     frame_stack: int = 0,
+    num_tasks: int = 1,
 ) -> TrajectorySchema:
     """One actor unroll for V-trace.
 
@@ -85,6 +86,9 @@ def impala_unroll_schema(
     each frame travels once. ``frames[t]`` is the newest frame of ``obs[t]`` and ``obs_head`` the
     k - 1 older frames of ``obs[0]``; :func:`rebuild_frame_stacks` restores ``obs`` at the learner.
     An Atari unroll shrinks about k-fold (3 of every 4 frames were sent again before).
+
+    ``num_tasks`` > 1 (multi-task PopArt-IMPALA): ``task`` holds the unroll's task index (one per
+    unroll; an actor runs one task), which picks the PopArt statistics and value head the learner uses.
     """
     T = unroll_length
     if frame_stack > 1:
@@ -103,6 +107,8 @@ def impala_unroll_schema(
     ]
     if core_state_size:
         arrays.append(ArraySpec("core_state", "float32", (2, core_state_size)))
+    if num_tasks > 1:
+        arrays.append(ArraySpec("task", "int64", (1,)))
     return TrajectorySchema(tuple(arrays))
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -530,13 +531,20 @@ def main(argv: list[str] | None = None) -> int:
         options: EvalConfig = from_flags(EvalConfig, args)
         options.check_paths()
         ckpt = read_policy_checkpoint(args.checkpoint)
-        out = options.result_path(ckpt.path)
-        if not options.out:
-            check_writable(out, "the result file (--out)")
-        proto = eval_protocol(ckpt.env, options.protocol, max_frames=options.max_frames)
-        print(f"{PROG}: {ckpt.path} ({ckpt.kind}, {ckpt.env.id}); protocol {proto.summary()}", flush=True)
-        print(f"{PROG}: settings {json.dumps(proto.settings())}", flush=True)
-        result = evaluate_checkpoint(ckpt, options)
+        tasks = ckpt.select_tasks(options.task)
+        if len(tasks) > 1:
+            print(f"{PROG}: {ckpt.path} is a multi-task checkpoint: playing its {len(tasks)} tasks in turn", flush=True)
+        for spec in tasks:
+            one = dataclasses.replace(ckpt, env=spec)
+            task_options = options.for_task(spec.id, ckpt.path) if ckpt.tasks else options
+            out = task_options.result_path(ckpt.path)
+            if not options.out:
+                check_writable(out, "the result file (--out)")
+            proto = eval_protocol(spec, options.protocol, max_frames=options.max_frames)
+            print(f"{PROG}: {ckpt.path} ({ckpt.kind}, {spec.id}); protocol {proto.summary()}", flush=True)
+            print(f"{PROG}: settings {json.dumps(proto.settings())}", flush=True)
+            result = evaluate_checkpoint(one, task_options)
+            write_result(result, out)
     except (ConfigError, CheckpointError, UnknownEnvError) as e:
         return fail(PROG, e)
     except FingerprintMismatchError as e:
@@ -548,14 +556,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    data = result.to_dict()
+    return 0
+
+
+def write_result(result: EvalResult, out: str) -> None:
+    """The JSON result (atomically), the console table and where both went."""
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
-        f.write(result_json(data))
+        f.write(result_json(result.to_dict()))
     os.replace(tmp, out)
     print_result(result, json_path=out)
-    print(f"{PROG}: wrote {out}" + (f" and {result.video['path']}" if result.video else ""))
-    return 0
+    print(f"{PROG}: wrote {out}" + (f" and {result.video['path']}" if result.video else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 from impala.checkpoint import check_logdir, load_checkpoint
 from impala.config import ConfigError, FlagParser, ImpalaConfig, RunConfig, add_flags, fail, from_flags, load_preset, resolve_device
 from impala.envs import EnvSpec
-from impala.envs.probe import probe_env
+from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from learner.group import LearnerGroup, LearnerGroupError, exit_when_orphaned, init_group
 from impala.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, RunPlan, RunResult, run
@@ -57,15 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A multi-task run's defaults where they differ from one task's: the PopArt-IMPALA paper's agent
+# (Hessel et al. 2018) normalizes each task's values with PopArt and trains on unclipped rewards,
+# since clipping is what made tasks' reward scales look alike before PopArt.
+MULTI_TASK_DEFAULTS = {"popart": True, "reward_clip": 0.0}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Defaults < ``--config`` preset < explicit flags."""
+    """Defaults < ``--config`` preset < explicit flags. ``args.given`` names the ImpalaConfig options
+    set by a preset or a flag (the multi-task defaults apply only to the others)."""
     parser = build_parser()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
+    add_flags(pre, ImpalaConfig, only=MULTI_TASK_DEFAULTS, given_only=True)
     known, _ = pre.parse_known_args(argv)
-    if known.config:
-        parser.set_defaults(**load_preset(known.config, (RunConfig, ImpalaConfig)))
-    return parser.parse_args(argv)
+    preset = load_preset(known.config, (RunConfig, ImpalaConfig)) if known.config else {}
+    if preset:
+        parser.set_defaults(**preset)
+    args = parser.parse_args(argv)
+    args.given = set(preset) | {name for name in MULTI_TASK_DEFAULTS if name in vars(known)}
+    return args
 
 
 def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
@@ -77,12 +88,22 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
     if config.total_frames is None and config.total_steps is None:
         config = dataclasses.replace(config, total_frames=DEFAULT_TOTAL_FRAMES)
     impala = from_flags(ImpalaConfig, args)
+    if len(config.tasks) > 1:
+        impala = dataclasses.replace(impala, **{k: v for k, v in MULTI_TASK_DEFAULTS.items() if k not in getattr(args, "given", ())})
     if impala.batch_size % config.learners or (impala.batch_size // config.learners) % impala.minibatches:
         raise ConfigError(
             f"--learners {config.learners} splits each batch: --batch-size {impala.batch_size} must divide by it, "
             f"and each share by --minibatches {impala.minibatches}"
         )
     return config, impala
+
+
+def probe_run_envs(config: RunConfig) -> tuple[EnvInfo, tuple[EnvInfo, ...], str]:
+    """The run's env (task 0), its tasks (empty for one task) and a note on what a multi-task run changed."""
+    if len(config.tasks) == 1:
+        return probe_env(EnvSpec(config.env, config.env_overrides), seed=config.seed), (), ""
+    tasks, note = probe_tasks([EnvSpec(t, config.env_overrides) for t in config.tasks], seed=config.seed)
+    return tasks[0], tuple(tasks), note
 
 
 def start_group(config: RunConfig, argv: list[str]) -> LearnerGroup | None:
@@ -105,9 +126,9 @@ def follower_main(rank: int, world_size: int, store: str, argv: list[str], paren
     exit_when_orphaned(parent_pid)
     config, impala = resolve(parse_args(argv))
     torch.set_num_threads(max(1, config.cpu_threads() // config.learners))
-    env = probe_env(EnvSpec(config.env, config.env_overrides), seed=config.seed)
+    env, tasks, _ = probe_run_envs(config)
     backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
-    trainer = ImpalaTrainer(impala, config, env, group=init_group(rank, world_size, store, backend))
+    trainer = ImpalaTrainer(impala, config, env, group=init_group(rank, world_size, store, backend), tasks=tasks)
     if config.resume:  # rank 0 resumes from the same file
         trainer.load_state_dict(load_checkpoint(config.checkpoint_path, keys=("trainer",))["trainer"])
     trainer.follow()
@@ -123,11 +144,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torch.set_num_threads(max(1, config.cpu_threads() // config.learners))
         check_logdir(config.logdir)
-        env = probe_env(EnvSpec(config.env, config.env_overrides), seed=config.seed)
+        env, tasks, note = probe_run_envs(config)
         group = start_group(config, sys.argv[1:] if argv is None else list(argv))
-        trainer = ImpalaTrainer(impala, config, env, group=group)
-        plan = RunPlan(env, f"impala {config.env}", {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""})
-        log.info("%s; learner on %s", env.description, trainer.device)
+        trainer = ImpalaTrainer(impala, config, env, group=group, tasks=tasks)
+        plan = RunPlan(env, f"impala {config.env}", {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""},
+                       tasks=tasks)
+        if tasks:
+            log.info("multi-task: %d tasks, actor i runs task i %% %d (%s); %s; rewards %s (the PopArt-IMPALA paper trains "
+                     "on unclipped rewards; --popart/--no-popart and --reward-clip override)",
+                     len(tasks), len(tasks), ", ".join(f"{i}: {t.spec.id}" for i, t in enumerate(tasks)),
+                     "PopArt per task" if impala.popart else "no PopArt", f"clipped to +-{impala.reward_clip:g}" if impala.reward_clip else "unclipped")
+            if note:
+                log.info("multi-task: %s", note)
+            if config.workers and config.workers < len(tasks):
+                log.warning("--workers %d < %d tasks: tasks %s get no local actor", config.workers, len(tasks),
+                            ", ".join(t.spec.id for t in tasks[config.workers:]))
+        for info in tasks or (env,):
+            log.info("%s; learner on %s", info.description, trainer.device)
         result: RunResult = run(trainer, config, plan)
     except START_ERRORS as e:
         return fail("launch_impala", e)

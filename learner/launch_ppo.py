@@ -138,6 +138,8 @@ def probe(config: RunConfig, options: PPOLaunchOptions, seed: int) -> EnvInfo:
     if options.unity_build:
         return probe_unity(options.unity_build, worker_id=max(config.workers, 1), base_port=options.unity_base_port,
                            timeout=options.unity_timeout, behavior=options.unity_behavior, seed=seed)
+    if len(config.tasks) > 1:
+        raise ConfigError(f"--env {config.env}: launch_ppo trains one env; several tasks in one agent is launch_impala's multi-task PopArt-IMPALA")
     if config.env is None:
         print(
             f"launch_ppo: no --unity-build given: running the Crawler job (configs/Crawler.yaml) on gymnasium "

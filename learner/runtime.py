@@ -31,6 +31,7 @@ from impala import wire
 from impala.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from impala.config import ConfigError, RunConfig
 from impala.envs import UnknownEnvError
+from impala.envs.atari import human_normalized_score
 from impala.curve import prepare_server
 from impala.envs.fingerprint import EnvFingerprint, FingerprintMismatchError, compare_fingerprints
 from impala.envs.probe import EnvInfo
@@ -76,6 +77,7 @@ class RunPlan:
     config_record: dict[str, Any] = field(default_factory=dict)  # stored in every checkpoint
     hello_timeout: float = 180.0
     actor_class: type = Actor  # an Actor subclass to start instead (custom envs or instrumentation)
+    tasks: tuple[EnvInfo, ...] = ()  # a multi-task run's envs in task order (``env`` is the first); actor i runs task i % N
 
 
 @dataclass
@@ -91,18 +93,23 @@ class RunResult:
     reached_return: bool = False  # stopped early at --stop-at-return
 
 
-def _evaluation_worker(jobs: Any, results: Any, env: dict, agent: dict, episodes: int) -> None:
-    """The --eval-every process, started once and fed weight snapshots: greedy episodes of each, one summary
-    per job on ``results``. Living across evaluations, it pays its start-up (torch, the env) only once."""
+def _evaluation_worker(jobs: Any, results: Any, envs: list[dict], agent: dict, episodes: int) -> None:
+    """The --eval-every process, started once and fed weight snapshots: greedy episodes of each (of every
+    task in a multi-task run), one summary per job on ``results``. Living across evaluations, it pays its
+    start-up (torch, the env) only once."""
     os.nice(5)  # the actors and the learner come first
-    spec, agent_spec = EnvSpec.from_dict(env), agent_spec_from_dict(agent)
+    specs, agent_spec = [EnvSpec.from_dict(env) for env in envs], agent_spec_from_dict(agent)
     while (job := jobs.get()) is not None:
         frames, params, seed, video = job
         try:
-            result = evaluate_params(spec, agent_spec, params, protocol="train", policy="greedy", episodes=episodes, workers=0,
-                                     seed=seed, video=video, video_max_frames=600 if video else 0)
-            row = {f"eval/{k}_return": float(v) for k, v in result.stats.items()}
-            row.update({"eval/frames": float(result.total_frames), "eval/wall_s": float(result.wall_time_s)})
+            row: dict[str, float] = {}
+            for spec in specs:
+                prefix = f"eval/{spec.id}/" if len(specs) > 1 else "eval/"
+                task_video = video if spec is specs[0] else ""  # the first task's episode is recorded
+                result = evaluate_params(spec, agent_spec, params, protocol="train", policy="greedy", episodes=episodes, workers=0,
+                                         seed=seed, video=task_video, video_max_frames=600 if task_video else 0)
+                row.update({f"{prefix}{k}_return": float(v) for k, v in result.stats.items()})
+                row.update({f"{prefix}frames": float(result.total_frames), f"{prefix}wall_s": float(result.wall_time_s)})
             results.put((frames, row, video))
         except Exception as e:  # noqa: BLE001 - an evaluation that fails is reported, never stops training
             results.put((frames, {"error": f"{type(e).__name__}: {e}"}, ""))
@@ -131,7 +138,7 @@ class PeriodicEval:
             self.jobs, self.results = self.ctx.Queue(), self.ctx.Queue()
             self.proc = self.ctx.Process(
                 target=_evaluation_worker, name="eval", daemon=True,
-                args=(self.jobs, self.results, self.run_info.env.to_dict(), self.run_info.agent.to_dict(), self.episodes),
+                args=(self.jobs, self.results, [t.to_dict() for t in self.run_info.task_envs], self.run_info.agent.to_dict(), self.episodes),
             )
             self.proc.start()
         self.next_at = (frames // self.every + 1) * self.every
@@ -156,7 +163,8 @@ class PeriodicEval:
         if "error" in row:
             log.error("evaluation at %d frames failed: %s", frames, row["error"])
             return None
-        log.info("eval at %d frames: mean return %.2f over %d episodes", frames, row.get("eval/mean_return", float("nan")), self.episodes)
+        means = {k: v for k, v in row.items() if k.endswith("mean_return")}
+        log.info("eval at %d frames over %d episodes: %s", frames, self.episodes, ", ".join(f"{k} {v:.2f}" for k, v in means.items()))
         return frames, row, video
 
     def finish(self, wait_s: float = 30.0) -> tuple[int, dict[str, float], str] | None:
@@ -172,6 +180,24 @@ class PeriodicEval:
             if self.proc.is_alive():
                 self.proc.terminate()
                 self.proc.join(timeout=5)
+
+
+def task_rows(task_names: tuple[str, ...], task_frames: list[int], mean_returns: Mapping[str, float]) -> dict[str, float]:
+    """A multi-task run's per-task metrics: frames, and for Atari games the human-normalized score
+    of the mean return of the last 100 episodes, with the median and mean over the tasks that have one."""
+    row: dict[str, float] = {}
+    scores = []
+    for name, frames in zip(task_names, task_frames):
+        row[f"tasks/{name}/frames"] = float(frames)
+        if name in mean_returns:
+            hns = human_normalized_score(name, mean_returns[name])
+            if hns is not None:
+                row[f"tasks/{name}/human_normalized"] = hns
+                scores.append(hns)
+    if scores:
+        row["tasks/median_human_normalized"] = float(np.median(scores))
+        row["tasks/mean_human_normalized"] = float(np.mean(scores))
+    return row
 
 
 class _Stop:
@@ -205,8 +231,18 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
         raise ConfigError("the run needs a budget: --total-frames or --total-steps")
     env_frames = agent_steps = 0
     version = 0
+    task_infos = plan.tasks or (plan.env,)
+    task_names = tuple(t.spec.id for t in task_infos) if len(task_infos) > 1 else ()
+    task_frames = [0] * len(task_infos)
     if config.resume:
         state = load_checkpoint(config.checkpoint_path, keys=("trainer", "env_frames", "version"))
+        saved_tasks = [t.get("id") if isinstance(t, dict) else t for t in state.get("tasks") or []]
+        if saved_tasks != list(task_names):
+            raise CheckpointError(
+                f"checkpoint {config.checkpoint_path} was trained on {','.join(saved_tasks) if saved_tasks else 'one task'}; "
+                f"this run has --env {','.join(task_names) if task_names else task_infos[0].spec.id}: resume with the same task list"
+            )
+        task_frames = [int(f) for f in state.get("task_frames") or task_frames]
         try:
             trainer.load_state_dict(state["trainer"])
             env_frames = int(state["env_frames"])
@@ -224,7 +260,6 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
             config.total_steps is not None and steps >= config.total_steps
         )
 
-    reference = plan.env.fingerprint
     # Ids below --workers belong to this learner's own actors. A peer that merely reaches the port
     # could send a hello as actor 0; only the actors spawned here know this run's token.
     local_token = secrets.token_hex(16)
@@ -237,15 +272,17 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
             token = info.get("local_token")
             if not (isinstance(token, str) and hmac.compare_digest(token, local_token)):
                 return f"actor id {actor} is reserved for this learner's local actors and the hello has no valid local token"
-        reason = fingerprint_problem(info)
+        reason = fingerprint_problem(info, actor)
         if local:
             verified_local.add(actor)
             if reason is not None:
                 local_refusals[actor] = reason
         return reason
 
-    def fingerprint_problem(info: Mapping[str, Any]) -> str | None:
-        # The runtime guard of SEEDS.md part 1: a worker must never train on other dynamics.
+    def fingerprint_problem(info: Mapping[str, Any], actor: int) -> str | None:
+        # The runtime guard of SEEDS.md part 1: a worker must never train on other dynamics. In a
+        # multi-task run each actor is checked against its own task's env (tasks are dealt by id).
+        reference = task_infos[actor % len(task_infos)].fingerprint
         if reference is None:
             return None
         raw = info.get("fingerprint")
@@ -268,14 +305,17 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     server = TrajectoryServer(
         trainer.schema, bind=config.bind, port=config.port, queue_size=config.queue_size or trainer.queue_size, on_hello=on_hello,
         curve_dir=config.curve or None, validate=trainer.validate, protected_ids=verified_local, local_token=local_token,
+        task_names=task_names,
     )
     # Remote actors (impala-actors) learn what to run from this, sent with every weights message.
-    run_info = RunInfo(run_id, plan.env.spec, trainer.agent, config.unroll_length, config.envs_per_worker)
+    run_info = RunInfo(run_id, plan.env.spec, trainer.agent, config.unroll_length, config.envs_per_worker,
+                       tuple(t.spec for t in task_infos) if task_names else ())
     server.run_info = run_info.to_dict()
     configs = [
         ActorConfig(
             actor_id=i,
-            env=run_info.env,
+            env=run_info.task_envs[run_info.task_of(i)],
+            task=run_info.task_of(i),
             num_envs=run_info.envs_per_worker,
             unroll_length=run_info.unroll_length,
             trajectory_endpoint=server.trajectory_endpoint,
@@ -305,6 +345,7 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
                 {"trainer": trainer.state_dict(), "env_frames": env_frames, "agent_steps": agent_steps, "version": version,
                  # what the checkpoint is, for tools that play it (impala-eval): the actors' own env and agent specs
                  "kind": trainer.agent.kind, "env": run_info.env.to_dict(), "agent": run_info.agent.to_dict(),
+                 "tasks": [t.to_dict() for t in run_info.tasks], "task_frames": list(task_frames),
                  "config": plan.config_record},
             )
         except CheckpointError as e:  # diverged weights: keep the last good checkpoint
@@ -354,7 +395,10 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
                 lags.append(lag)
                 trainer.ingest(msg, version)
                 agent_steps += config.unroll_length
-                env_frames += int(round(config.unroll_length * trainer.frames_per_step))
+                frames = int(round(config.unroll_length * trainer.frames_per_step))
+                env_frames += frames
+                if task_names:
+                    task_frames[int(msg.arrays["task"][0])] += frames
                 if not trainer.ready():
                     continue
                 metrics = trainer.update(env_frames)
@@ -379,6 +423,8 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
                     row["charts/policy_lag"] = float(np.mean(lags)) if lags else 0.0
                     row["charts/policy_version"] = version
                     row["charts/actor_restarts"] = pool.restarts
+                    if task_names:
+                        row.update(task_rows(task_names, task_frames, server.task_mean_returns()))
                     logger.log(env_frames, row)
                     frames_at_last_log, last_log, lags = env_frames, now, []
                 if now - last_ckpt >= config.checkpoint_minutes * 60:

@@ -78,8 +78,12 @@ class TrajectoryServer:
         validate: Callable[[Mapping[str, np.ndarray]], str | None] | None = None,
         protected_ids: set[int] | None = None,
         local_token: str = "",
+        task_names: tuple[str, ...] = (),
     ) -> None:
+        """``task_names``: a multi-task run's tasks; actor ``i`` runs task ``i % len(task_names)`` and
+        each of its unrolls must say so (``task``); episode returns are also kept per task."""
         self.auth = None
+        self.task_names = tuple(task_names)
         # Accepted actors that a refused hello must not evict (the learner's own, verified actors):
         # otherwise anyone reaching the port could lock one out by sending a bad hello in its name.
         self.protected_ids = protected_ids if protected_ids is not None else set()
@@ -132,6 +136,8 @@ class TrajectoryServer:
         self.episode_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.episode_lengths: collections.deque[int] = collections.deque(maxlen=100)
         self.episodes_total = 0
+        self.task_returns: list[collections.deque[float]] = [collections.deque(maxlen=100) for _ in self.task_names]
+        self.task_episodes = [0] * len(self.task_names)
         self.run_info: dict[str, Any] = {}
         self.refused_hellos = 0
         self.joined = 0
@@ -270,6 +276,11 @@ class TrajectoryServer:
             self._drop("non_finite", actor, f"{bad} holds NaN/inf")
             return
         problem = self.validate(msg.arrays)
+        task = 0
+        if problem is None and self.task_names:
+            task, expected = int(msg.arrays["task"][0]), actor % len(self.task_names)
+            if task != expected:  # tasks are dealt by actor id: an unroll labelled otherwise is mislabelled
+                problem = f"unroll labelled task {task}, but actor {actor} runs task {expected}"
         if problem is not None:
             self._drop("schema", actor, problem)
             return
@@ -292,6 +303,9 @@ class TrajectoryServer:
             self.episode_returns.extend(returns)
             self.episode_lengths.extend(lengths)
             self.episodes_total += len(returns)
+            if self.task_names:
+                self.task_returns[task].extend(returns)
+                self.task_episodes[task] += len(returns)
         while not self._stop.is_set():
             try:
                 self.queue.put(msg, timeout=0.1)
@@ -345,10 +359,20 @@ class TrajectoryServer:
             }
             for reason in DROP_REASONS:
                 out[f"transport/dropped_{reason}"] = float(self.dropped.get(reason, 0))
+            per_task = [(name, list(r), n) for name, r, n in zip(self.task_names, self.task_returns, self.task_episodes)]
         if returns:
             out["charts/mean_return_100"] = float(np.mean(returns))
             out["charts/mean_length_100"] = float(np.mean(self.episode_lengths))
+        for name, task_returns, episodes in per_task:
+            out[f"tasks/{name}/episodes"] = float(episodes)
+            if task_returns:
+                out[f"tasks/{name}/mean_return_100"] = float(np.mean(task_returns))
         return out
+
+    def task_mean_returns(self) -> dict[str, float]:
+        """Each task's mean return over its last 100 episodes (tasks with none yet are left out)."""
+        with self._stats_lock:
+            return {name: float(np.mean(r)) for name, r in zip(self.task_names, self.task_returns) if r}
 
     def close(self) -> None:
         self._stop.set()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -87,11 +87,14 @@ class VTraceLearner:
     HEALTH_EVERY = 10
 
     def __init__(self, model: ImpalaNet, config: ImpalaConfig, device: torch.device, *, total_frames: int, seed: int = 0,
-                 group: LearnerGroup | None = None) -> None:
+                 group: LearnerGroup | None = None, task_names: tuple[str, ...] = ()) -> None:
         """``total_frames``: the run's length in env frames, over which the learning rate decays to 0.
         ``group``: a data-parallel learner group; this learner then holds one rank's share of each
-        batch, and its update equals one learner's update on the whole batch."""
+        batch, and its update equals one learner's update on the whole batch.
+        ``task_names``: a multi-task run's tasks (the model has one value head and one set of PopArt
+        statistics per task; batches carry a ``task`` index per unroll)."""
         self.config = config
+        self.task_names = tuple(task_names)
         self.total_frames = total_frames
         self.group = group
         self.device = device
@@ -182,8 +185,11 @@ class VTraceLearner:
         # every few seconds: measure them on every HEALTH_EVERY-th update and repeat the last values.
         measure = self.updates % self.HEALTH_EVERY == 0
         torso.track_activity = measure
+        task_ids = None
+        if "task" in batch:  # [1, B]: one task per unroll, for every step of it and its bootstrap
+            task_ids = batch["task"].expand(batch["first"].shape[0], -1)
         with autocast:
-            out, _ = self.model(batch["obs"], batch["first"], core_state)
+            out, _ = self.model(batch["obs"], batch["first"], core_state, task_ids)
         torso.track_activity = False
         logits = out.policy_logits.float()
         values = out.values.float()
@@ -199,7 +205,7 @@ class VTraceLearner:
         if cfg.popart:
             loss = popart_impala_loss(
                 batch["behaviour_logits"], logits[:-1], batch["actions"], discounts, rewards,
-                values[:-1], values[-1], self.model.baseline.state, **common,
+                values[:-1], values[-1], self.model.baseline.state, 0 if task_ids is None else task_ids[:-1], **common,
             )
         else:
             loss = impala_loss(
@@ -224,7 +230,8 @@ class VTraceLearner:
         if finite:
             self.optimizer.step()
             if cfg.popart:
-                self.model.baseline.update(loss.vtrace.vs, allreduce=self.group.allreduce_sum if self.group else None)
+                self.model.baseline.update(loss.vtrace.vs, 0 if task_ids is None else task_ids[:-1],
+                                           allreduce=self.group.allreduce_sum if self.group else None)
         else:
             # A batch whose loss or gradient is NaN/inf (finite but huge inputs overflow the forward
             # pass) must not reach the weights, the actors or a checkpoint: drop this step, go on.
@@ -240,9 +247,14 @@ class VTraceLearner:
             "losses/grad_norm": float(grad_norm),  # before clipping
             "learner/skipped_updates": float(self.skipped_updates),
             "charts/learning_rate": lr,
-            "popart/mu": float(state.mu[0]),
-            "popart/sigma": float(state.sigma[0]),
         }
+        if self.task_names:  # one value scale per task
+            for i, name in enumerate(self.task_names):
+                metrics[f"popart/mu/{name}"] = float(state.mu[i])
+                metrics[f"popart/sigma/{name}"] = float(state.sigma[i])
+        else:
+            metrics["popart/mu"] = float(state.mu[0])
+            metrics["popart/sigma"] = float(state.sigma[0])
         if measure:
             self._health = self._measure_health(loss, logits, values, torso)
         metrics.update(self._health)
@@ -282,10 +294,15 @@ class VTraceLearner:
 class ImpalaTrainer:
     """The runtime's Trainer for IMPALA: collects B unrolls, stacks them time-major, runs one V-trace update."""
 
-    def __init__(self, config: ImpalaConfig, run: RunConfig, env: EnvInfo, group: LearnerGroup | None = None) -> None:
+    def __init__(self, config: ImpalaConfig, run: RunConfig, env: EnvInfo, group: LearnerGroup | None = None,
+                 tasks: Sequence[EnvInfo] = ()) -> None:
         """``group``: this process is one rank of a data-parallel learner group (``learner.group``);
-        rank 0 scatters each batch, the other ranks run :meth:`follow`."""
+        rank 0 scatters each batch, the other ranks run :meth:`follow`. ``tasks``: a multi-task
+        run's envs in task order (``env`` is the first; ``impala.envs.probe.probe_tasks`` checked
+        that one network fits them all)."""
         env.require_discrete("launch_impala")
+        self.num_tasks = max(1, len(tasks))
+        task_names = tuple(t.spec.id for t in tasks) if len(tasks) > 1 else ()
         self.group = group
         self.config = config
         self.max_abs_value = run.max_abs_value
@@ -295,19 +312,20 @@ class ImpalaTrainer:
             raise ConfigError("IMPALA needs a run length (--total-frames or --total-steps) for its learning-rate schedule")
         torch.manual_seed(run.seed)  # the network's initialization is part of the run's seed
         try:
-            model = build_model(config.model, env.obs_shape, env.num_actions, use_lstm=config.use_lstm, init=config.init, beta=config.popart_beta)
+            model = build_model(config.model, env.obs_shape, env.num_actions, use_lstm=config.use_lstm, init=config.init, beta=config.popart_beta,
+                                num_tasks=self.num_tasks)
         except ValueError as e:  # the model kind does not fit this env's observations
             raise ConfigError(f"--model {config.model}: {e}") from None
         device = resolve_device(run.device)
         if group is not None and device.type == "cuda":
             device = torch.device("cuda", group.rank)  # one GPU per rank
-        self.learner = VTraceLearner(model, config, device, total_frames=total_frames, seed=run.seed, group=group)
+        self.learner = VTraceLearner(model, config, device, total_frames=total_frames, seed=run.seed, group=group, task_names=task_names)
         core = model.core.hidden_size if config.use_lstm else 0
         # Atari's stacked frames: each frame travels once (the actors check their env stacks that way)
         stacked = env.spec.atari and env.obs_dtype == "uint8" and len(env.obs_shape) == 3 and env.obs_shape[0] > 1
         frame_stack = env.obs_shape[0] if stacked and config.frame_dedup else 0
-        self.schema = impala_unroll_schema(run.unroll_length, env.obs_shape, env.obs_dtype, env.num_actions, core, frame_stack)
-        self.agent = ImpalaAgentSpec(config.model, config.use_lstm, config.popart_beta, frame_stack)
+        self.schema = impala_unroll_schema(run.unroll_length, env.obs_shape, env.obs_dtype, env.num_actions, core, frame_stack, self.num_tasks)
+        self.agent = ImpalaAgentSpec(config.model, config.use_lstm, config.popart_beta, frame_stack, self.num_tasks)
         self._pending: list[Mapping[str, np.ndarray]] = []
         self._sources: list[int] = []  # actor id of each pending unroll, to name them if a batch is bad
 
@@ -380,6 +398,8 @@ class ImpalaTrainer:
         n = arrays["behaviour_logits"].shape[-1]
         if actions.size and (actions.min() < 0 or actions.max() >= n):
             return f"actions outside [0, {n})"
+        if "task" in arrays and not 0 <= int(arrays["task"][0]) < self.num_tasks:
+            return f"task {int(arrays['task'][0])} outside [0, {self.num_tasks})"
         return wire.check_bounded(arrays, self.max_abs_value, tuple(n for n in ("obs", "behaviour_logits", "rewards") if n in arrays))
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from impala.envs import catch
+from impala.envs import catch, scaled
 from impala.envs.atari import is_atari, make_atari, register_classic_ids
 
 
@@ -71,6 +71,7 @@ class EnvSpec:
 def _ensure_registries() -> None:
     register_classic_ids()
     catch.register()
+    scaled.register()
 
 
 def check_env_id(env_id: str) -> None:

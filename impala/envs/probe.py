@@ -49,6 +49,7 @@ class EnvInfo:
     fingerprint: EnvFingerprint | None = None  # None for Unity builds (the build is the reference)
     agents_per_instance: int | None = None  # Unity: the build decides how many agents one instance steps
     description: str = ""
+    action_meanings: tuple[str, ...] = ()  # Atari: what each action index does (multi-task runs compare them)
 
     @property
     def obs_dim(self) -> int:
@@ -122,6 +123,8 @@ def probe_env(spec: EnvSpec, *, seed: int = 0, check_config: bool = True) -> Env
     try:
         fp = measure_fingerprint(env, seed=seed)
         obs_space, act_space = env.observation_space, env.action_space
+        meanings = getattr(env.unwrapped, "get_action_meanings", None)
+        action_meanings = tuple(meanings()) if spec.atari and meanings is not None else ()
     finally:
         env.close()
     if check_config:
@@ -144,7 +147,38 @@ def probe_env(spec: EnvSpec, *, seed: int = 0, check_config: bool = True) -> Env
         f"{spec.id}: obs {fp.obs_shape} {fp.obs_dtype}, {actions}, frameskip {fp.frameskip_text()}, sticky {fp.sticky}, "
         f"episode limit {fp.max_episode_steps}"
     )
-    return EnvInfo(spec, tuple(fp.obs_shape), fp.obs_dtype, type(obs_space).__name__, kind, num_actions, low, high, fp, None, description)
+    return EnvInfo(spec, tuple(fp.obs_shape), fp.obs_dtype, type(obs_space).__name__, kind, num_actions, low, high, fp, None, description,
+                   action_meanings)
+
+
+def probe_tasks(specs: list[EnvSpec], *, seed: int = 0) -> tuple[list[EnvInfo], str]:
+    """Probe every task of a multi-task run; one network must fit them all.
+
+    Returns the tasks' :class:`EnvInfo` (Atari games whose minimal action sets differ are probed
+    again with the ALE's full 18-action set, so one action index means one joystick move in every
+    game) and a note saying so ("" when nothing changed). Observation shapes, dtypes, frame skips and
+    action counts that still differ are a :class:`ConfigError` naming the task.
+    """
+    infos = [probe_env(spec, seed=seed) for spec in specs]
+    note = ""
+    atari = [info.spec.atari for info in infos]
+    if len(infos) > 1 and all(atari) and len({info.action_meanings for info in infos}) > 1:
+        minimal = ", ".join(f"{info.spec.id}: {info.num_actions}" for info in infos)
+        full = [EnvSpec(info.spec.id, {**info.spec.kwargs, "full_action_space": True}, info.spec.preprocess) for info in infos]
+        infos = [probe_env(spec, seed=seed) for spec in full]
+        note = f"the games' minimal action sets differ ({minimal}): every task uses the ALE's full set of {infos[0].num_actions} actions"
+    first = infos[0]
+    for info in infos[1:]:
+        what = None
+        if (info.obs_shape, info.obs_dtype) != (first.obs_shape, first.obs_dtype):
+            what = f"observations {info.obs_shape} {info.obs_dtype}, but {first.spec.id} has {first.obs_shape} {first.obs_dtype}"
+        elif info.action_space != first.action_space or info.num_actions != first.num_actions or info.action_dim != first.action_dim:
+            what = f"{info.num_actions or info.action_dim} {info.action_space} actions, but {first.spec.id} has {first.num_actions or first.action_dim}"
+        elif info.frames_per_step != first.frames_per_step:
+            what = f"{info.frames_per_step:g} frames per step, but {first.spec.id} has {first.frames_per_step:g}"
+        if what:
+            raise ConfigError(f"--env: task {info.spec.id} has {what}; one multi-task network needs the same observations, actions and frame skip in every task")
+    return infos, note
 
 
 def probe_unity(build: str, *, worker_id: int, base_port: int, timeout: int, behavior: str | None, seed: int) -> EnvInfo:
