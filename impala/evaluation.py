@@ -27,7 +27,7 @@ import numpy as np
 
 from impala.checkpoint import CheckpointError, load_checkpoint
 from impala.config import ConfigError, available_cpus, check_fields, need, option
-from impala.envs import EnvSpec, UnknownEnvError
+from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.protocols import ProtocolName
 from impala.messages import AgentSpec, ImpalaAgentSpec, agent_spec_from_dict
 
@@ -188,6 +188,8 @@ class EvalConfig:
                  f"--video {self.video}: the name must end in .mp4 or .gif")
         if self.out:
             need(not os.path.isdir(self.out), f"--out {self.out} is a directory; give a file name")
+        if self.task:  # which tasks the checkpoint has is known only once it is read; the id can be checked now
+            check_env_id(self.task)
 
     def check_paths(self) -> None:
         """Fail before playing when --out or --video cannot be written."""

@@ -57,6 +57,7 @@ TEXT_BAD = {
     "--checkpoint": "/no/such/checkpoint.pt",
     "--out": "/proc/no-such-dir/eval.json",
     "--video": "/proc/no-such-dir/episode.mp4",
+    "--task": "NoSuchEnv-v9",
 }
 # Numeric flags where a negative number is a legitimate value.
 ANY_SIGN = {"--stop-at-return"}
