@@ -36,6 +36,15 @@ CONSOLE_KEYS = (
 )
 
 
+def task_returns_text(row: Mapping[str, float]) -> str:
+    """A multi-task run's returns (last 100 episodes) per task, and the median human-normalized score."""
+    parts = [f"{k[len('tasks/'):-len('/mean_return_100')]}={v:.2f}" for k, v in row.items()
+             if k.startswith("tasks/") and k.endswith("/mean_return_100")]
+    if "tasks/median_human_normalized" in row:
+        parts.append(f"median human-normalized={row['tasks/median_human_normalized']:.3f}")
+    return " ".join(parts)
+
+
 class MetricsLogger:
     def __init__(self, logdir: str, *, progress: bool = True, title: str = "training", tracker: Any = None) -> None:
         """``tracker``: an optional experiment tracker (``impala.tracking.WandbTracker``) that gets every row too."""
@@ -63,7 +72,12 @@ class MetricsLogger:
         table = Table(title=f"{self.title}  ({time.time() - self._start:,.0f}s)")
         for _, label, _ in CONSOLE_KEYS:
             table.add_column(label, justify="right")
-        table.add_row(*[fmt.format(row[k]) if k in row else "-" for k, _, fmt in CONSOLE_KEYS])
+        cells = [fmt.format(row[k]) if k in row else "-" for k, _, fmt in CONSOLE_KEYS]
+        tasks = task_returns_text(row)
+        if tasks:
+            table.add_column("per task", justify="left")
+            cells.append(tasks)
+        table.add_row(*cells)
         return table
 
     def log(self, step: int, row: Mapping[str, float]) -> None:
@@ -82,7 +96,8 @@ class MetricsLogger:
             self._live.update(self._table(row))
         else:
             parts = [f"{label}={fmt.format(row[k])}" for k, label, fmt in CONSOLE_KEYS if k in row]
-            print(f"[{self.title}] " + " ".join(parts), flush=True)
+            tasks = task_returns_text(row)
+            print(f"[{self.title}] " + " ".join(parts) + (f" | {tasks}" if tasks else ""), flush=True)
 
     def _open_csv(self) -> None:
         exists = os.path.exists(self.csv_path) and os.path.getsize(self.csv_path) > 0
