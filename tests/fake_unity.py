@@ -93,19 +93,25 @@ from typing import Sequence
 
 import grpc
 import numpy as np
-from mlagents_envs.communicator_objects.agent_info_pb2 import AgentInfoProto
-from mlagents_envs.communicator_objects.brain_parameters_pb2 import (
+
+# mlagents-envs 0.28's messages from the current protobuf's compiled runtime (its own _pb2 files
+# need protobuf<3.21): the hook must be in place before the first communicator import.
+from impala.envs.mlagents_proto import install as _install_mlagents_proto
+
+_install_mlagents_proto()
+from mlagents_envs.communicator_objects.agent_info_pb2 import AgentInfoProto  # noqa: E402
+from mlagents_envs.communicator_objects.brain_parameters_pb2 import (  # noqa: E402
     ActionSpecProto,
     BrainParametersProto,
 )
-from mlagents_envs.communicator_objects.capabilities_pb2 import UnityRLCapabilitiesProto
-from mlagents_envs.communicator_objects.command_pb2 import QUIT, RESET, STEP
-from mlagents_envs.communicator_objects.observation_pb2 import ObservationProto
-from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto
-from mlagents_envs.communicator_objects.unity_rl_initialization_output_pb2 import (
+from mlagents_envs.communicator_objects.capabilities_pb2 import UnityRLCapabilitiesProto  # noqa: E402
+from mlagents_envs.communicator_objects.command_pb2 import QUIT, RESET, STEP  # noqa: E402
+from mlagents_envs.communicator_objects.observation_pb2 import ObservationProto  # noqa: E402
+from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto  # noqa: E402
+from mlagents_envs.communicator_objects.unity_rl_initialization_output_pb2 import (  # noqa: E402
     UnityRLInitializationOutputProto,
 )
-from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import (
+from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import (  # noqa: E402
     UnityToExternalProtoStub,
 )
 

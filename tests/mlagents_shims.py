@@ -30,6 +30,10 @@ What breaks without the shims, and what each shim does (nothing else is patched)
 5. ``mlagents/trainers/buffer.py`` annotates ``pad_value: np.float`` (evaluated when the module
    is imported); numpy 2 removed that alias. Shim: ``np.float = float`` while that module is
    imported, removed again afterwards (no ML-Agents code reads it at run time).
+6. ML-Agents imports mlagents-envs' communicator messages, whose protoc-3.x modules need
+   protobuf<3.21; this stack has a current protobuf. Shim: ``impala.envs.mlagents_proto``'s import
+   hook, which builds those modules from the descriptors they ship (what ``impala.envs.unity``
+   installs for the Unity client too).
 """
 
 from __future__ import annotations
@@ -90,6 +94,10 @@ def install() -> None:
     """Apply the shims and import ML-Agents' torch utilities once; idempotent."""
     import numpy as np
     import torch
+
+    from impala.envs.mlagents_proto import install as install_mlagents_proto
+
+    install_mlagents_proto()
 
     # The stand-in whether or not this setuptools still ships pkg_resources (a fresh venv's does):
     # the same code path everywhere, and none of the real one's deprecation warnings.

@@ -74,7 +74,12 @@ from typing import Any
 
 import numpy as np
 
+from impala.envs import mlagents_proto
 from impala.envs.vector import EpisodeTracker, StepResult  # one StepResult type for the whole project
+
+# mlagents-envs' communicator messages from the current protobuf's compiled (upb) runtime instead
+# of its protoc-3.x files, which need the pure-Python protobuf<3.21 (impala/envs/mlagents_proto.py).
+mlagents_proto.install()
 
 __all__ = ["UnityEnvError", "UnityVecEnv", "StepResult"]
 
@@ -154,7 +159,7 @@ class UnityVecEnv:
             )
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise UnityEnvError(
-                "UnityVecEnv needs mlagents-envs==0.28.0 and protobuf<3.21 "
+                "UnityVecEnv needs mlagents-envs==0.28.0 and a protobuf>=6.31 "
                 f"(pip install -e '.[unity]'): {exc}") from exc
 
         self._UnityException = UnityException
