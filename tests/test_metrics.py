@@ -60,25 +60,43 @@ def test_track_logs_rows_config_and_commit_to_wandb_offline(tmp_path, monkeypatc
     assert (logdir / "wandb_id").read_text().strip() == runs[0].name.rsplit("-", 1)[-1]
 
 
-def _read_offline_run(path) -> tuple[list[dict], dict]:
-    """History rows and config of an offline W&B run, read with wandb's own record reader."""
+def _read_offline_run(path, timeout: float = 30.0) -> tuple[list[dict], dict]:
+    """History rows and config of an offline W&B run, read with wandb's own record reader.
+
+    ``run.finish()`` can return before wandb's writer process has flushed the file (seen with
+    wandb 0.19-0.29: an empty or half-written file for tens of ms), so the file is read again
+    until it holds the run's closing ``exit`` record.
+    """
     import json
+    import time
 
     from wandb.proto import wandb_internal_pb2
     from wandb.sdk.internal.datastore import DataStore
 
-    store = DataStore()
-    store.open_for_scan(str(path))
-    history, config = [], {}
-    while (data := store.scan_data()) is not None:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
-        elif kind == "run":
-            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
-    return history, config
+    deadline = time.monotonic() + timeout
+    while True:
+        history, config, finished = [], {}, False
+        store = DataStore()
+        try:
+            store.open_for_scan(str(path))
+            while (data := store.scan_data()) is not None:
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(data)
+                kind = record.WhichOneof("record_type")
+                if kind == "history":
+                    history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+                elif kind == "run":
+                    config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+                elif kind == "exit":
+                    finished = True
+        except AssertionError:  # a header or block not fully written yet
+            pass
+        finally:
+            if getattr(store, "_fp", None) is not None:
+                store._fp.close()
+        if finished or time.monotonic() > deadline:
+            return history, config
+        time.sleep(0.05)
 
 
 def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
