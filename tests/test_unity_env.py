@@ -244,6 +244,37 @@ def test_crawler_like_two_specs(unity):
                                rtol=1e-5)
 
 
+def test_fast_client_steps_like_mlagents_environment(unity):
+    """UnityVecEnv on FastUnityEnvironment (the default) == on mlagents' own UnityEnvironment.
+
+    10 Crawler-shaped agents through episode ends (terminated and interrupted), same actions:
+    every StepResult array is bitwise equal, and the player received the same actions.
+    """
+    from impala.envs.unity_client import FastUnityEnvironment
+
+    base = fu.preset("crawler")
+    cfg = FakeUnityConfig(agents=[base.agents[i % 5] for i in range(10)], obs_sizes=base.obs_sizes,
+                          action_size=base.action_size, behavior_name=base.behavior_name)
+    fast, p_fast = unity(cfg, worker_id=13)
+    slow, p_slow = unity(cfg, worker_id=14, fast_client=False)
+    assert isinstance(fast._env, FastUnityEnvironment)
+    assert type(slow._env) is not FastUnityEnvironment
+    rng = np.random.default_rng(5)
+    np.testing.assert_array_equal(fast.reset(), slow.reset())
+    n_term = n_trunc = 0
+    for _ in range(125):
+        acts = rng.uniform(-1, 1, size=(10, 20)).astype(np.float32)
+        a, b = fast.step(acts), slow.step(acts)
+        for field in ("obs", "reward", "terminated", "truncated", "final_obs"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), field
+        n_term, n_trunc = n_term + int(a.terminated.sum()), n_trunc + int(a.truncated.sum())
+    assert (n_trunc, n_term) == (2, 2)  # agents 0, 5 interrupted at 100 steps; 1, 6 end at 120
+    assert len(p_fast.actions) == len(p_slow.actions)
+    for x, y in zip(p_fast.actions, p_slow.actions):
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+
 def test_close_sends_quit_and_releases_port(unity):
     env, player = unity(FakeUnityConfig(), worker_id=5)
     env.reset()

@@ -64,6 +64,16 @@ One ``step``
 
 Other behaviors of the same build (when ``behavior_name`` picks one) receive
 zero actions, as ``UnityEnvironment.step`` fills them.
+
+Client cost
+    mlagents-envs 0.28's generated message modules need protobuf<3.21, which is pure Python
+    on Python 3.11 (~5 ms of client work per step for 10 Crawler agents). Importing this
+    module installs ``impala.envs.mlagents_proto``, which serves those messages from the
+    current protobuf's compiled upb runtime (same descriptors, same bytes on the wire), and
+    ``fast_client=True`` (the default) uses ``impala.envs.unity_client.FastUnityEnvironment``:
+    mlagents' ``UnityEnvironment`` with actions encoded and float observations decoded in bulk
+    (numpy straight from the packed bytes). Together ~0.3 ms per step; BENCHMARKS.md, "Unity
+    client", has the figures. ``fast_client=False`` runs mlagents' own ``UnityEnvironment``.
 """
 
 from __future__ import annotations
@@ -143,6 +153,7 @@ class UnityVecEnv:
         time_scale: float = 20.0,
         behavior_name: str | None = None,
         max_wait_steps: int = 1000,
+        fast_client: bool = True,
     ) -> None:
         try:
             from mlagents_envs import env_utils
@@ -157,6 +168,7 @@ class UnityVecEnv:
             from mlagents_envs.side_channel.engine_configuration_channel import (
                 EngineConfigurationChannel,
             )
+            from impala.envs.unity_client import FastUnityEnvironment
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise UnityEnvError(
                 "UnityVecEnv needs mlagents-envs==0.28.0 and a protobuf>=6.31 "
@@ -180,8 +192,9 @@ class UnityVecEnv:
         self._engine_channel.set_configuration_parameters(
             time_scale=time_scale, target_frame_rate=TARGET_FRAME_RATE,
             capture_frame_rate=CAPTURE_FRAME_RATE)
+        env_cls = FastUnityEnvironment if fast_client else UnityEnvironment
         try:
-            self._env = UnityEnvironment(
+            self._env = env_cls(
                 file_name=file_name, worker_id=worker_id, base_port=base_port, seed=seed,
                 no_graphics=no_graphics, timeout_wait=timeout_wait,
                 side_channels=[self._engine_channel])
