@@ -136,6 +136,10 @@ class PeriodicEval:
             return
         if self.proc is None or not self.proc.is_alive():
             self.jobs, self.results = self.ctx.Queue(), self.ctx.Queue()
+            # A snapshot the evaluation process never read (it died) must not hold this process at exit:
+            # multiprocessing joins the queue's feeder thread then, which blocks for good writing megabytes
+            # of weights into a pipe no one reads. stop() hands the process its None before it goes.
+            self.jobs.cancel_join_thread()
             self.proc = self.ctx.Process(
                 target=_evaluation_worker, name="eval", daemon=True,
                 args=(self.jobs, self.results, [t.to_dict() for t in self.run_info.task_envs], self.run_info.agent.to_dict(), self.episodes),

@@ -95,3 +95,31 @@ def test_eval_every_logs_eval_rows_while_training_goes_on(tmp_path):
         # training went on while the episodes played: the row lands at a later step than its snapshot
         # (except an evaluation the run waited for at its end)
         assert int(row["step"]) > float(row["eval/at_frames"]) or int(row["step"]) == 40000
+
+
+def test_a_dead_evaluation_process_does_not_hold_the_launcher_at_exit(tmp_path):
+    """The --eval-every process dies before reading its snapshot (megabytes, more than a pipe holds):
+    the launcher still exits. (It used to hang for good at exit, in multiprocessing's join of the
+    jobs queue's feeder thread; a whole pytest session once sat there for 17 minutes.)"""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dead_eval.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from types import SimpleNamespace\n"
+        "from impala.config import RunConfig\n"
+        "from impala.envs import EnvSpec\n"
+        "from learner.runtime import PeriodicEval\n"
+        "if __name__ == '__main__':\n"
+        "    # an agent spec the evaluation process cannot read: it dies before taking the job\n"
+        "    ev = PeriodicEval(RunConfig(env='CartPole-v1', eval_every=1, device='cpu'),\n"
+        "                      SimpleNamespace(task_envs=[EnvSpec('CartPole-v1')], agent=SimpleNamespace(to_dict=dict)))\n"
+        "    ev.maybe_start(1, {'w': np.zeros(1_000_000, np.float32)})\n"
+        "    ev.proc.join(60)\n"
+        "    assert ev.proc.exitcode not in (None, 0), ev.proc.exitcode\n"
+        "    assert ev.finish(wait_s=1) is None\n"
+        "    print('exiting', flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "exiting" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
