@@ -26,6 +26,7 @@ from impala.envs.probe import probe_tasks
 from impala.messages import ImpalaAgentSpec, RunInfo
 from impala.models import build_model
 from impala.trajectory import impala_unroll_schema
+from learner import launch_impala, launch_ppo
 from learner.server import TrajectoryServer
 from learner.vtrace_learner import VTraceLearner
 from procs import run
@@ -124,17 +125,20 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
     ("CartPole-v1,,Acrobot-v1", "an empty env id in the list"),
     ("CartPole-v1,CartPole-v9", "unknown env id 'CartPole-v9'"),
 ])
-def test_a_task_list_that_cannot_share_one_network_is_one_line(env, message, tmp_path):
-    out = run(["launch_impala", "--env", env, "--logdir", str(tmp_path)], timeout=120)
-    assert out.returncode == 2
-    lines = [line for line in out.stderr.splitlines() if line.startswith("launch_impala")]
-    assert len(lines) == 1 and message in lines[0], out.stderr
-    assert "Traceback" not in out.stderr
+def test_a_task_list_that_cannot_share_one_network_is_one_line(env, message, tmp_path, capsys):
+    # in-process (the launcher's real main; the exit-2 contract of the console scripts is walked by test_bad_flags)
+    rc = launch_impala.main(["--env", env, "--logdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.startswith("launch_impala")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
 
 
-def test_launch_ppo_refuses_a_task_list(tmp_path):
-    out = run(["launch_ppo", "--env", "Pendulum-v1,MountainCarContinuous-v0", "--logdir", str(tmp_path)], timeout=120)
-    assert out.returncode == 2 and "launch_ppo trains one env" in out.stderr and "Traceback" not in out.stderr
+def test_launch_ppo_refuses_a_task_list(tmp_path, capsys):
+    rc = launch_ppo.main(["--env", "Pendulum-v1,MountainCarContinuous-v0", "--logdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "launch_ppo trains one env" in err and "Traceback" not in err
 
 
 def test_atari_games_with_different_minimal_action_sets_use_the_full_set():
