@@ -88,6 +88,9 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
     if config.total_frames is None and config.total_steps is None:
         config = dataclasses.replace(config, total_frames=DEFAULT_TOTAL_FRAMES)
     impala = from_flags(ImpalaConfig, args)
+    if len(config.tasks) > 1 and config.stop_at_return is not None:
+        raise ConfigError("--stop-at-return compares one mean return; tasks' returns have different scales, so a multi-task "
+                          "run stops at --total-frames or --max-seconds")
     if len(config.tasks) > 1:
         impala = dataclasses.replace(impala, **{k: v for k, v in MULTI_TASK_DEFAULTS.items() if k not in getattr(args, "given", ())})
     if impala.batch_size % config.learners or (impala.batch_size // config.learners) % impala.minibatches:

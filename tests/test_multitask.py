@@ -124,10 +124,12 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
     ("CartPole-v1,CartPole-v1", "a task is listed twice"),
     ("CartPole-v1,,Acrobot-v1", "an empty env id in the list"),
     ("CartPole-v1,CartPole-v9", "unknown env id 'CartPole-v9'"),
+    ("CartPole-v1,Acrobot-v1 --stop-at-return 100", "--stop-at-return compares one mean return"),
 ])
 def test_a_task_list_that_cannot_share_one_network_is_one_line(env, message, tmp_path, capsys):
     # in-process (the launcher's real main; the exit-2 contract of the console scripts is walked by test_bad_flags)
-    rc = launch_impala.main(["--env", env, "--logdir", str(tmp_path)])
+    env, *more = env.split()
+    rc = launch_impala.main(["--env", env, *more, "--logdir", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2
     lines = [line for line in err.splitlines() if line.startswith("launch_impala")]
