@@ -471,3 +471,86 @@ def test_fast_path_taken_on_good_input_and_mlagents_code_on_the_rest(monkeypatch
         "one_agent_short", "one_agent_short_shape_says_so", "all_agents_wrong_size",
         "all_agents_wrong_size_shape_unchanged", "missing_second_observation",
         "compressed_instead_of_floats"}
+
+
+# -- the communicator's in-process channel ------------------------------------------------------
+def test_channel_behaves_like_a_pipe():
+    import threading
+    import time
+
+    from impala.envs.unity_client import _QueueServicer
+
+    s = _QueueServicer()
+    parent, child = s.parent_conn, s.child_conn
+    assert not parent.poll(0) and not parent.poll(0.05)
+    msg = object()
+    child.send(msg)
+    assert parent.poll(0) and parent.poll(1) and parent.recv() is msg  # by reference, no copy
+    threading.Timer(0.1, child.send, args=("late",)).start()
+    t0 = time.monotonic()
+    assert parent.poll(5) and time.monotonic() - t0 < 4 and parent.recv() == "late"
+
+    parent.send("400")  # what RpcCommunicator.close sends before closing its end
+    parent.close()
+    assert child.recv() == "400"  # sent before close: still delivered
+    for _ in range(2):
+        with pytest.raises(EOFError):
+            child.recv()
+    with pytest.raises(BrokenPipeError):
+        child.send("request after close")
+    with pytest.raises(EOFError):
+        parent.recv()
+
+
+def test_handler_never_waits_after_close(monkeypatch):
+    """A request arriving after close fails at once instead of holding a gRPC worker thread
+    (whose executor the interpreter joins at exit)."""
+    import socket
+    import threading
+
+    import fake_unity as fu
+
+    players = fu.install_in_process(monkeypatch, fu.FakeUnityConfig(), connect_timeout=10)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = UnityVecEnv("FakeUnity", base_port=port, timeout_wait=10)
+    env.reset()
+    env.step(np.zeros((3, 2), np.float32))
+    servicer = env._env._communicator.unity_to_external
+    env.close()
+    assert players[0].join(5) and players[0].shutdown == "quit"
+    errors: list[BaseException] = []
+
+    def late_exchange():
+        try:
+            servicer.Exchange(object(), None)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            errors.append(exc)
+
+    t = threading.Thread(target=late_exchange, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], BrokenPipeError)
+
+
+def test_process_exits_after_close_with_the_fast_communicator(tmp_path):
+    code = f"""
+import sys, socket
+sys.path.insert(0, {str(HERE)!r})
+import numpy as np
+import fake_unity as fu
+from impala.envs.unity import UnityVecEnv
+build = fu.write_fake_build({str(tmp_path / 'FakeCrawler.x86_64')!r}, preset="crawler")
+with socket.socket() as s:
+    s.bind(("localhost", 0)); port = s.getsockname()[1]
+env = UnityVecEnv(str(build), base_port=port, timeout_wait=30)
+env.reset()
+for _ in range(5):
+    env.step(np.zeros((5, 20), np.float32))
+env.close()
+print("closed")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert res.returncode == 0 and "closed" in res.stdout, res.stderr[-2000:]

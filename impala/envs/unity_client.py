@@ -1,8 +1,8 @@
-"""``UnityEnvironment`` with its two per-step hot spots done in bulk; everything else is mlagents'.
+"""``UnityEnvironment`` with its per-step hot spots done in bulk; everything else is mlagents'.
 
 ``FastUnityEnvironment`` is mlagents-envs 0.28's ``UnityEnvironment`` (same constructor, same
-low-level API, same communicator, same messages) with two methods replaced by equivalents
-that produce the same results with fewer Python-level operations per float:
+low-level API, same gRPC server, same messages) with three methods replaced by equivalents
+that produce the same results with less Python work per step:
 
 ``_generate_step_input`` (actions -> ``UnityInputProto``)
     mlagents extends two repeated float fields per agent from numpy rows (each numpy scalar is
@@ -18,14 +18,27 @@ that produce the same results with fewer Python-level operations per float:
     calls mlagents' own ``steps_from_proto``, so results and errors are mlagents' own. The
     NaN / inf checks are mlagents' ``_raise_on_nan_and_inf``, called in mlagents' order.
 
+``_get_communicator`` -> :class:`FastRpcCommunicator`
+    mlagents' ``RpcCommunicator`` (same gRPC server, settings, timeouts and close message)
+    hands each message between the gRPC handler thread and the caller through a
+    ``multiprocessing.Pipe``, which pickles it: every step serializes and parses both messages
+    once more than gRPC already does, and pays a socket round trip. Here the two threads
+    share a pair of in-process queues with the Pipe's ``send/recv/poll/close`` behaviour (a
+    closed end makes the other's ``recv`` raise ``EOFError`` and its ``send``
+    ``BrokenPipeError``, so a handler thread never waits forever after ``close``).
+
 Import this module only after :func:`impala.envs.mlagents_proto.install` (``impala.envs.unity``
 does both).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Tuple
 
+import grpc
 import numpy as np
 from mlagents_envs import rpc_utils
 from mlagents_envs.base_env import ActionTuple, BehaviorSpec, DecisionSteps, TerminalSteps
@@ -33,9 +46,14 @@ from mlagents_envs.communicator_objects.command_pb2 import STEP
 from mlagents_envs.communicator_objects.unity_input_pb2 import UnityInputProto
 from mlagents_envs.communicator_objects.unity_rl_input_pb2 import UnityRLInputProto
 from mlagents_envs.communicator_objects.unity_rl_output_pb2 import UnityRLOutputProto
+from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import (
+    add_UnityToExternalProtoServicer_to_server,
+)
 from mlagents_envs.environment import UnityEnvironment
+from mlagents_envs.exception import UnityWorkerInUseException
+from mlagents_envs.rpc_communicator import RpcCommunicator, UnityToExternalServicerImplementation
 
-__all__ = ["FastUnityEnvironment", "steps_from_proto"]
+__all__ = ["FastRpcCommunicator", "FastUnityEnvironment", "steps_from_proto"]
 
 _FLOAT_DATA_TAG = b"\x0a"  # FloatData.data: field 1, wire type 2 (packed)
 
@@ -125,8 +143,90 @@ def steps_from_proto(agent_info_list, behavior_spec: BehaviorSpec
     )
 
 
+_CLOSED = object()
+
+
+class _End:
+    """One end of an in-process two-way channel with the ``multiprocessing.Connection`` calls
+    ``RpcCommunicator`` makes (``send``, ``recv``, ``poll``, ``close``); objects are passed by
+    reference. As with a Pipe, what was sent before ``close`` is still received, after that
+    ``recv`` raises ``EOFError`` and ``send`` raises ``BrokenPipeError``."""
+
+    def __init__(self, inbox: "queue.SimpleQueue[Any]", outbox: "queue.SimpleQueue[Any]",
+                 closed: threading.Event) -> None:
+        self._inbox, self._outbox, self._closed = inbox, outbox, closed
+        self._peeked: List[Any] = []
+
+    def send(self, obj: Any) -> None:
+        if self._closed.is_set():
+            raise BrokenPipeError("the communicator is closed")
+        self._outbox.put(obj)
+
+    def poll(self, timeout: Optional[float] = 0.0) -> bool:
+        if self._peeked:
+            return True
+        try:
+            if timeout is None:
+                item = self._inbox.get()
+            elif timeout > 0:
+                item = self._inbox.get(timeout=timeout)
+            else:
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return False
+        self._peeked.append(item)
+        return True
+
+    def recv(self) -> Any:
+        item = self._peeked.pop() if self._peeked else self._inbox.get()
+        if item is _CLOSED:
+            self._inbox.put(_CLOSED)  # every later recv fails too
+            raise EOFError("the communicator is closed")
+        return item
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._outbox.put(_CLOSED)
+            self._inbox.put(_CLOSED)
+
+
+class _QueueServicer(UnityToExternalServicerImplementation):
+    """mlagents' servicer (its Initialize/Exchange) over an in-process channel, not a Pipe."""
+
+    def __init__(self) -> None:  # no super().__init__(): it would open a Pipe
+        a: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        b: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        closed = threading.Event()
+        self.parent_conn = _End(a, b, closed)
+        self.child_conn = _End(b, a, closed)
+
+
+class FastRpcCommunicator(RpcCommunicator):
+    """mlagents' ``RpcCommunicator`` with the handler-to-caller Pipe replaced by in-process queues."""
+
+    def create_server(self) -> None:
+        # RpcCommunicator.create_server with _QueueServicer
+        self.check_port(self.port)
+        try:
+            self.server = grpc.server(thread_pool=ThreadPoolExecutor(max_workers=10),
+                                      options=(("grpc.so_reuseport", 1),))
+            self.unity_to_external = _QueueServicer()
+            add_UnityToExternalProtoServicer_to_server(self.unity_to_external, self.server)
+            self.server.add_insecure_port("[::]:" + str(self.port))
+            self.server.start()
+            self.is_open = True
+        except Exception:
+            raise UnityWorkerInUseException(self.worker_id)
+
+
 class FastUnityEnvironment(UnityEnvironment):
-    """mlagents' ``UnityEnvironment`` with bulk action encoding and observation decoding."""
+    """mlagents' ``UnityEnvironment`` with bulk action encoding and observation decoding, over
+    :class:`FastRpcCommunicator`."""
+
+    @staticmethod
+    def _get_communicator(worker_id, base_port, timeout_wait):
+        return FastRpcCommunicator(worker_id, base_port, timeout_wait)
 
     def _update_state(self, output: UnityRLOutputProto) -> None:
         # UnityEnvironment._update_state with this module's steps_from_proto
