@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import multiprocessing
@@ -60,9 +61,16 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints`` once per class: it compiles every (string) annotation of the class on
+    each call, and asked once per field it was most of a parser's build and a config's check."""
+    return typing.get_type_hints(cls)
+
+
 def field_kind(cls: type, name: str) -> tuple[tuple[Any, ...] | None, type, bool]:
     """(Literal choices or None, base type, whether None is allowed) of a dataclass field."""
-    tp = typing.get_type_hints(cls)[name]
+    tp = _type_hints(cls)[name]
     optional = False
     if typing.get_origin(tp) in (Union, types.UnionType):
         args = typing.get_args(tp)
