@@ -1,10 +1,15 @@
 #!/usr/bin/env python
-"""Client-side cost of one ``UnityVecEnv.step`` for 10 Crawler-shaped agents, and what protobuf does to it.
+"""Client-side cost of one ``UnityVecEnv.step`` for 10 Crawler-shaped agents, before and after.
 
-Three measurements, each run in its own interpreter, once with the pure-Python protobuf
-(``PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python``: what mlagents-envs 0.28 ran on Python 3.11
-with its protobuf<3.21) and once with the compiled upb runtime (the default with the current
-protobuf), side by side:
+Each measurement runs in its own interpreter, for each variant, interleaved, side by side:
+
+python+mlagents  mlagents-envs' own ``UnityEnvironment`` on the pure-Python protobuf
+                 (``PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python``): what ran before, since the
+                 protobuf<3.21 that mlagents-envs 0.28's modules need is pure Python on 3.11
+upb+mlagents     the same code on the compiled upb runtime (the protobuf move alone)
+upb+fast         ``FastUnityEnvironment`` on upb: the default now (``UnityVecEnv(fast_client=True)``)
+
+Modes:
 
 replay
     No transport and no player. ``UnityEnvironment`` (the real one) talks to a replaying
@@ -14,9 +19,10 @@ replay
     UnityVecEnv's bookkeeping + ``set_actions`` + building and encoding the actions + decoding
     the reply + ``steps_from_proto``: everything the client does except moving bytes.
 grpc
-    The real ``RpcCommunicator`` (gRPC server, its thread pool and its Pipe) and a player in a
-    second process that replays the same pre-encoded replies as raw bytes (no protobuf on
-    its side, so it costs only its gRPC call). Wall time per step and the client process's
+    The real gRPC server (mlagents' ``RpcCommunicator``, or ``FastRpcCommunicator`` for
+    upb+fast: the same server without the pickling Pipe) and a player in a second process
+    that replays the same pre-encoded replies as raw bytes (no protobuf on its side, so it
+    costs only its gRPC call). Wall time per step and the client process's
     CPU time per step (all its threads).
 transport
     The gRPC floor under ``grpc``: a server with ``RpcCommunicator``'s settings whose handler
@@ -29,8 +35,8 @@ fake
     messages in Python, so it is slower than a real build would be; it uses the same protobuf
     implementation as the client.
 
-    .venv/bin/python scripts/bench_unity_client.py                  # all three, both implementations
-    .venv/bin/python scripts/bench_unity_client.py --modes replay --profile   # + cProfile of the upb run
+    .venv/bin/python scripts/bench_unity_client.py                       # every mode and variant
+    .venv/bin/python scripts/bench_unity_client.py --modes replay,grpc --variants upb+fast --profile
 """
 
 from __future__ import annotations
