@@ -69,7 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
-    add_flags(pre, ImpalaConfig, only=MULTI_TASK_DEFAULTS, given_only=True)
+    # only whether they were given: the values are parsed (and a bad one reported) by the real parser
+    pre.add_argument("--popart", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+    pre.add_argument("--reward-clip", dest="reward_clip", default=argparse.SUPPRESS)
     known, _ = pre.parse_known_args(argv)
     preset = load_preset(known.config, (RunConfig, ImpalaConfig)) if known.config else {}
     if preset:

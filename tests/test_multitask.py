@@ -247,3 +247,18 @@ def test_human_normalized_scores_use_the_standard_references():
     assert row["tasks/median_human_normalized"] == pytest.approx(1.0)  # of 0.5, 1.0, 2.0 (CartPole has no reference)
     assert row["tasks/mean_human_normalized"] == pytest.approx(3.5 / 3)
     assert "tasks/CartPole-v1/human_normalized" not in row and row["tasks/CartPole-v1/frames"] == 40.0
+
+
+def test_multi_task_defaults_yield_to_flags_and_presets(tmp_path):
+    """PopArt on and rewards unclipped for several tasks, unless a flag or a preset says otherwise."""
+    def resolved(*argv):
+        _, impala = launch_impala.resolve(launch_impala.parse_args(list(argv)))
+        return impala.popart, impala.reward_clip
+
+    assert resolved("--env", "CartPole-v1") == (False, 1.0)  # one task: the single-task defaults
+    assert resolved("--env", TASKS) == (True, 0.0)
+    assert resolved("--env", TASKS, "--no-popart") == (False, 0.0)
+    assert resolved("--env", TASKS, "--reward-clip=1") == (True, 1.0)
+    preset = tmp_path / "p.yaml"
+    preset.write_text("popart: false\nreward_clip: 5\n")
+    assert resolved("--config", str(preset), "--env", TASKS) == (False, 5.0)
