@@ -15,18 +15,20 @@ from learner.server import TrajectoryServer
 from procs import free_port_pair, kill_group, run, start, wait_for
 
 CARTPOLE = ["--env", "CartPole-v1", "--unroll-length", "20", "--batch-size", "8", "--no-progress"]
+FRAMES = 6000  # the remote actors' run: 37 updates of 8 unrolls (about 8 s of a 2-core box once they have joined)
 
 
 def _learner_then_actors(tmp_path, learner_extra, actor_extra):
     port = free_port_pair()
     # The "other machine" is this one: a learner taking every core (its default with --workers 0)
     # would time-slice its threads against the actors' (about 30x slower on 2 loaded cores).
-    learner = start(["launch_impala", "--workers", "0", *CARTPOLE, "--total-frames", "20000", "--port", str(port),
+    learner = start(["launch_impala", "--workers", "0", *CARTPOLE, "--total-frames", str(FRAMES), "--port", str(port),
                      "--logdir", str(tmp_path / "run"), "--max-seconds", "120", "--torch-threads", "1", *learner_extra])
     try:
         if "--curve" in learner_extra:
             keys = learner_extra[learner_extra.index("--curve") + 1]
-            assert wait_for(lambda: os.path.exists(os.path.join(keys, "server.key")), 60)
+            # prepare_server writes server.key before it makes authorized/: wait for both
+            assert wait_for(lambda: os.path.exists(os.path.join(keys, "server.key")) and os.path.isdir(os.path.join(keys, "authorized")), 60)
             client_dir = actor_extra[actor_extra.index("--curve") + 1]
             public = make_client_keys(client_dir)
             shutil.copy(os.path.join(keys, "server.key"), client_dir)
@@ -45,13 +47,13 @@ def test_remote_actors_learn_the_run_from_the_learner(tmp_path):
     assert rc == 0, out[-3000:]
     assert "running 2 actors for CartPole-v1" in actors.stderr
     frames = int(re.search(r"done: (\d+) env frames", out).group(1))
-    assert frames >= 20000
+    assert frames >= FRAMES
 
 
 def test_remote_actors_with_curve_keys(tmp_path):
     rc, out, actors = _learner_then_actors(tmp_path, ["--curve", str(tmp_path / "learner-keys")], ["--curve", str(tmp_path / "actor-keys")])
     assert rc == 0, out[-3000:] + actors.stderr[-2000:]
-    assert int(re.search(r"done: (\d+) env frames", out).group(1)) >= 20000
+    assert int(re.search(r"done: (\d+) env frames", out).group(1)) >= FRAMES
 
 
 def test_curve_server_refuses_clients_without_an_authorized_key(tmp_path):
@@ -97,7 +99,9 @@ def test_remote_learner_without_curve_is_refused_before_connecting():
     assert "--curve" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_bad_values_are_one_line_errors_before_connecting():
+def test_bad_values_are_one_line_errors_before_connecting(capsys):
+    from actors.remote import main
+
     cases = [
         (["--timeout", "nan"], "--timeout must be a finite number"),
         (["--learner-timeout", "-1"], "--learner-timeout must be a number of seconds > 0"),
@@ -107,26 +111,36 @@ def test_bad_values_are_one_line_errors_before_connecting():
         (["--first-id", "1048576", "--workers", "2"], "actor ids must stay <= 1048576"),
         (["--workers", "0"], "--workers must be >= 1"),
     ]
-    for argv, message in cases:
-        # every case must fail before waiting for weights from the (absent) learner
-        out = run(["impala-actors", "--learner", "tcp://127.0.0.1:1", *argv], timeout=60)
-        lines = out.stderr.strip().splitlines()
-        assert out.returncode == 2 and len(lines) == 1 and message in lines[0], (argv, out.stderr)
+    # The first case as a real process (the console script's exit status and stderr), the others
+    # through its main in this process; every case must fail before waiting for weights from the
+    # (absent) learner.
+    for i, (argv, message) in enumerate(cases):
+        if i == 0:
+            out = run(["impala-actors", "--learner", "tcp://127.0.0.1:1", *argv], timeout=60)
+            rc, err = out.returncode, out.stderr
+        else:
+            rc, err = main(["--learner", "tcp://127.0.0.1:1", *argv]), capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and message in lines[0], (argv, err)
 
 
 def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
     """launch_ppo with --curve: impala-actors learns from the weights message that it runs a PPO
-    agent, joins through the CURVE handshake with an authorized key, and trains with the local actor."""
+    agent, joins through the CURVE handshake with an authorized key, and trains with the local actor.
+
+    The keys are made and exchanged before either side starts (the learner keeps the keys it finds;
+    test_remote_actors_with_curve_keys has the learner make them), so the actors start up alongside
+    the learner and a 25 s run leaves them most of it."""
     port = free_port_pair()
     keys, client = tmp_path / "learner-keys", tmp_path / "actor-keys"
+    prepare_server(str(keys))
+    public = make_client_keys(str(client))
+    shutil.copy(os.path.join(keys, "server.key"), client)
+    shutil.copy(public, os.path.join(keys, "authorized", "remote.key"))
     learner = start(["launch_ppo", "--env", "Pendulum-v1", "--workers", "1", "--envs-per-worker", "2", "--curve", str(keys),
-                     "--port", str(port), "--logdir", str(tmp_path / "run"), "--max-seconds", "45", "--no-progress",
+                     "--port", str(port), "--logdir", str(tmp_path / "run"), "--max-seconds", "25", "--no-progress",
                      "--torch-threads", "1"])
     try:
-        assert wait_for(lambda: os.path.exists(os.path.join(keys, "server.key")), 60)
-        public = make_client_keys(str(client))
-        shutil.copy(os.path.join(keys, "server.key"), client)
-        shutil.copy(public, os.path.join(keys, "authorized", "remote.key"))
         actors = run(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1", "--curve", str(client),
                       "--learner-timeout", "8"], timeout=180)
         out, _ = learner.communicate(timeout=60)
@@ -138,8 +152,10 @@ def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
     assert int(re.search(r"done: (\d+) agent steps", out).group(1)) > 0
 
 
-def test_secret_keys_are_private_and_loose_ones_are_refused(tmp_path):
+def test_secret_keys_are_private_and_loose_ones_are_refused(tmp_path, capsys):
     import stat
+
+    from actors.remote import main as actors_main
 
     keys = tmp_path / "learner-keys"
     prepare_server(str(keys))
@@ -153,10 +169,10 @@ def test_secret_keys_are_private_and_loose_ones_are_refused(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"secret key {keys / 'server.key_secret'} is readable by others (mode 0644); run: chmod 600" in lines[-1]
-    # the actor side too
+    # the actor side too (its main in this process: the other tests run impala-actors for real)
     client = tmp_path / "actor-keys"
     make_client_keys(str(client))
     shutil.copy(keys / "server.key", client)
     os.chmod(client / "client.key_secret", 0o640)
-    out = run(["impala-actors", "--learner", "tcp://127.0.0.1:5555", "--curve", str(client)], timeout=60)
-    assert out.returncode == 2 and "readable by others (mode 0640)" in out.stderr and "Traceback" not in out.stderr
+    rc, err = actors_main(["--learner", "tcp://127.0.0.1:5555", "--curve", str(client)]), capsys.readouterr().err
+    assert rc == 2 and "readable by others (mode 0640)" in err and len(err.strip().splitlines()) == 1, err
