@@ -1,7 +1,7 @@
 """``impala-eval``: real checkpoints (trained here for a few seconds), real worker processes, no mocks.
 
 Each checkpoint is made by the real launcher (CartPole and Pong with launch_impala, Pendulum
-with launch_ppo) once per module. Episodes are kept short with ``--max-frames`` so that a
+with launch_ppo: its ``main``, in this process with ``--in-process``) once per module. Episodes are kept short with ``--max-frames`` so that a
 tiny Pong agent's games end quickly.
 """
 
@@ -40,8 +40,15 @@ TINY_PPO = ["launch_ppo", "--env", "Pendulum-v1", "--semantics", "sb3", "--worke
 
 
 def _train(cmd: list[str], logdir: Path) -> Path:
-    r = run([*cmd, "--logdir", str(logdir)], timeout=180)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    """The launcher's main in this process (the runs are --in-process; impala-eval's own CLI runs as a real process below)."""
+    from learner import launch_impala, launch_ppo
+
+    launcher = {"launch_impala": launch_impala.main, "launch_ppo": launch_ppo.main}[cmd[0]]
+    threads = torch.get_num_threads()
+    try:
+        assert launcher([*cmd[1:], "--logdir", str(logdir)]) == 0
+    finally:
+        torch.set_num_threads(threads)
     assert (logdir / "checkpoint.pt").is_file()
     return logdir / "checkpoint.pt"
 
