@@ -131,7 +131,10 @@ def test_resume_from_another_networks_checkpoint_is_one_line_and_exit_2(tmp_path
 def test_sigkill_and_resume_ten_times(tmp_path):
     """Kill the learner at random points, resume at once on the same port (its orphans may still
     be running): the checkpoint always loads, frames and versions never go backwards, no temp file
-    is left, no orphaned actor outlives 15 s, and no orphan's unroll is trained on (lag >= 0)."""
+    is left, no orphaned actor outlives 15 s, and no orphan's unroll is trained on (lag >= 0).
+
+    Ten rounds is docs/RELIABILITY.md's number. Each kill lands up to 1 s after a new checkpoint
+    was seen: checkpoints come every 0.6 s, so kills still fall anywhere in the write cycle."""
     import csv
     import random
     import signal
@@ -150,7 +153,7 @@ def test_sigkill_and_resume_ten_times(tmp_path):
         try:
             before = history[-1][0] if history else 0
             assert wait_for(lambda: ckpt.exists() and load_checkpoint(str(ckpt))["env_frames"] > before, 90), f"round {round_}"
-            time.sleep(rng.uniform(0.0, 2.0))
+            time.sleep(rng.uniform(0.0, 1.0))
             orphans += actor_pids(proc.pid)
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
