@@ -105,27 +105,45 @@ def test_bad_checkpoint_files_are_one_clear_error(tmp_path):
         assert str(path) in message and "weights_only" not in message, (name, message)
 
 
+def _launch_impala(argv: list[str], capsys, *, real_process: bool) -> tuple[int, str]:
+    """(exit status, stderr) of launch_impala: the console script, or its main in this process."""
+    if real_process:
+        out = run(["launch_impala", *argv], timeout=120)
+        return out.returncode, out.stderr
+    from learner.launch_impala import main
+
+    threads = torch.get_num_threads()
+    try:
+        rc = main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    return rc, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kind", ["truncated", "random", "missing keys"])
-def test_resume_from_a_bad_checkpoint_is_one_line_and_exit_2(tmp_path, kind):
+def test_resume_from_a_bad_checkpoint_is_one_line_and_exit_2(tmp_path, kind, capsys):
+    """The first kind through the real console script, the others through its main in this process."""
     bad = _bad_files(tmp_path)[kind]
     logdir = tmp_path / "run"
     logdir.mkdir()
     os.replace(bad, logdir / "checkpoint.pt")
-    out = run(["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], timeout=120)
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr and "weights_only" not in out.stderr
+    rc, err = _launch_impala(["--env", "CartPole-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], capsys,
+                             real_process=kind == "truncated")
+    lines = err.strip().splitlines()
+    assert rc == 2, err[-2000:]
+    assert "Traceback" not in err and "weights_only" not in err
     assert lines[-1].startswith("launch_impala: error: checkpoint ") and str(logdir / "checkpoint.pt") in lines[-1], lines
 
 
-def test_resume_from_another_networks_checkpoint_is_one_line_and_exit_2(tmp_path):
+def test_resume_from_another_networks_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
+    """A CartPole checkpoint (made in this process) resumed as Acrobot by the real console script."""
     logdir = tmp_path / "run"
-    first = run(["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--unroll-length", "8", "--batch-size", "4",
-                 "--total-frames", "2000", "--logdir", str(logdir), "--no-progress"], timeout=120)
-    assert first.returncode == 0, first.stderr[-2000:]
-    out = run(["launch_impala", "--env", "Acrobot-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], timeout=120)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert "does not fit this run (another env or network?)" in out.stderr.strip().splitlines()[-1]
+    rc, err = _launch_impala(["--env", "CartPole-v1", "--workers", "1", "--in-process", "--unroll-length", "8", "--batch-size", "4",
+                              "--total-frames", "2000", "--logdir", str(logdir), "--no-progress", "--device", "cpu"], capsys, real_process=False)
+    assert rc == 0, err[-2000:]
+    rc, err = _launch_impala(["--env", "Acrobot-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], capsys, real_process=True)
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert "does not fit this run (another env or network?)" in err.strip().splitlines()[-1]
 
 
 def test_sigkill_and_resume_ten_times(tmp_path):
