@@ -55,7 +55,7 @@ def main() -> None:
             xs, ys = series(rows, f"tasks/{task}/frames", f"tasks/{task}/mean_return_100")
             axes[0][col].plot([x / 1e6 for x in xs], ys, label=label)
             xs, ys = series(rows, f"tasks/{task}/frames", f"popart/sigma/{task}")
-            if ys:
+            if ys and max(ys) != min(ys):  # without PopArt the statistics stay at their initial 1: nothing to draw
                 axes[1][col].plot([x / 1e6 for x in xs], ys, label=label)
         axes[0][col].set_title(task)
         axes[0][col].set_ylabel("mean return, last 100 episodes")
