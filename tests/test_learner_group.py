@@ -47,7 +47,8 @@ def _learner(config: ImpalaConfig, group=None):
     return VTraceLearner(model, config, torch.device("cpu"), total_frames=10**6, group=group)
 
 
-def _rank(rank: int, world: int, store: str, name: str, out: str) -> None:
+def _rank(rank: int, world: int, store: str, outs: dict[str, str]) -> None:
+    """One rank of the group: for each config in turn, a fresh learner on its half of the batch."""
     import torch.distributed as dist
 
     from learner.group import LearnerGroup
@@ -55,28 +56,35 @@ def _rank(rank: int, world: int, store: str, name: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        learner = _learner(CONFIGS[name], LearnerGroup())
-        share = B // world
-        batch = {k: v[:, rank * share : (rank + 1) * share].contiguous() for k, v in _batch().items()}
-        for _ in range(2):  # two updates: the second starts from the first's PopArt statistics and optimizer state
-            learner.step(batch, frames_done=0)
-        torch.save(learner.model.state_dict(), out)
+        for name, out in outs.items():
+            learner = _learner(CONFIGS[name], LearnerGroup())
+            share = B // world
+            batch = {k: v[:, rank * share : (rank + 1) * share].contiguous() for k, v in _batch().items()}
+            for _ in range(2):  # two updates: the second starts from the first's PopArt statistics and optimizer state
+                learner.step(batch, frames_done=0)
+            torch.save(learner.model.state_dict(), out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_two_ranks_on_half_batches_equal_one_learner_on_the_whole_batch(name, tmp_path):
-    world = 2
-    outs = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
+@pytest.fixture(scope="module")
+def group_results(tmp_path_factory) -> dict[str, list[str]]:
+    """Each config's state dict from each of 2 real rank processes (gloo), started once for all configs."""
+    tmp, world = tmp_path_factory.mktemp("group"), 2
+    outs = {name: [str(tmp / f"{name}-rank{r}.pt") for r in range(world)] for name in CONFIGS}
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, str(tmp_path / "store"), name, outs[r])) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, str(tmp / "store"), {name: o[r] for name, o in outs.items()})) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=240)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return outs
 
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_ranks_on_half_batches_equal_one_learner_on_the_whole_batch(name, group_results):
+    outs = group_results[name]
     torch.set_num_threads(1)
     single = _learner(CONFIGS[name])
     for _ in range(2):
