@@ -130,7 +130,11 @@ def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
 
     The keys are made and exchanged before either side starts (the learner keeps the keys it finds;
     test_remote_actors_with_curve_keys has the learner make them), so the actors start up alongside
-    the learner and a 25 s run leaves them most of it."""
+    the learner. The learner is stopped (SIGTERM: it finishes its update, checkpoints, exits 0) a few
+    seconds after the remote actor joined, rather than at a --max-seconds long enough for a slow start."""
+    import signal
+    import threading
+
     port = free_port_pair()
     keys, client = tmp_path / "learner-keys", tmp_path / "actor-keys"
     prepare_server(str(keys))
@@ -138,17 +142,34 @@ def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
     shutil.copy(os.path.join(keys, "server.key"), client)
     shutil.copy(public, os.path.join(keys, "authorized", "remote.key"))
     learner = start(["launch_ppo", "--env", "Pendulum-v1", "--workers", "1", "--envs-per-worker", "2", "--curve", str(keys),
-                     "--port", str(port), "--logdir", str(tmp_path / "run"), "--max-seconds", "25", "--no-progress",
+                     "--port", str(port), "--logdir", str(tmp_path / "run"), "--max-seconds", "120", "--no-progress",
                      "--torch-threads", "1"])
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in learner.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        actors = run(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1", "--curve", str(client),
-                      "--learner-timeout", "8"], timeout=180)
-        out, _ = learner.communicate(timeout=60)
+        actors = start(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1", "--curve", str(client),
+                        "--learner-timeout", "8"])
+        try:
+            assert wait_for(lambda: any("actor 1000 joined" in line for line in lines), 120), "".join(lines)[-3000:]
+            time.sleep(3.0)  # the remote actor plays alongside the local one for a while
+            learner.send_signal(signal.SIGTERM)
+            actors_out, _ = actors.communicate(timeout=120)  # no --max-seconds: they notice by themselves that the learner is gone
+        finally:
+            kill_group(actors)
+        learner.wait(timeout=60)
+        reader.join(timeout=10)
     finally:
         kill_group(learner)
+    out = "".join(lines)
     assert learner.returncode == 0, out[-3000:]
     assert "actor 0 joined" in out and "actor 1000 joined (2 envs;" in out, out[-3000:]
-    assert "running 1 actors for Pendulum-v1" in actors.stderr and "the learner is gone" in actors.stderr, actors.stderr[-2000:]
+    assert actors.returncode == 0 and "running 1 actors for Pendulum-v1" in actors_out and "the learner is gone" in actors_out, actors_out[-2000:]
     assert int(re.search(r"done: (\d+) agent steps", out).group(1)) > 0
 
 
