@@ -80,21 +80,22 @@ def test_eval_every_logs_eval_rows_while_training_goes_on(tmp_path):
 
     from learner.launch_impala import main
 
+    every, total = 5000, 20000
     assert main(["--env", "CartPole-v1", "--workers", "1", "--unroll-length", "20", "--batch-size", "8", "--learning-rate", "2e-3",
-                 "--total-frames", "40000", "--eval-every", "10000", "--eval-episodes", "2", "--log-interval", "1",
+                 "--total-frames", str(total), "--eval-every", str(every), "--eval-episodes", "2", "--log-interval", "1",
                  "--no-progress", "--logdir", str(tmp_path), "--device", "cpu"]) == 0
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     evals = [(i, r) for i, r in enumerate(rows) if r.get("eval/mean_return")]
     assert len(evals) >= 2, [r for r in rows if any(k.startswith("eval/") and r[k] for k in r)]
     steps = [int(float(r["eval/at_frames"])) for _, r in evals]
-    # a snapshot at the first update past each multiple of 10,000 (later if the previous evaluation still ran)
-    assert steps[0] >= 10000 and all(b // 10000 > a // 10000 for a, b in zip(steps, steps[1:])), steps
+    # a snapshot at the first update past each multiple of --eval-every (later if the previous evaluation still ran)
+    assert steps[0] >= every and all(b // every > a // every for a, b in zip(steps, steps[1:])), steps
     for i, row in evals:
         assert 9 <= float(row["eval/min_return"]) <= float(row["eval/mean_return"]) <= float(row["eval/max_return"]) <= 500
         # training went on while the episodes played: the row lands at a later step than its snapshot
         # (except an evaluation the run waited for at its end)
-        assert int(row["step"]) > float(row["eval/at_frames"]) or int(row["step"]) == 40000
+        assert int(row["step"]) > float(row["eval/at_frames"]) or int(row["step"]) == total
 
 
 def test_a_dead_evaluation_process_does_not_hold_the_launcher_at_exit(tmp_path):
