@@ -200,9 +200,23 @@ def assert_clean_error(out: subprocess.CompletedProcess, *needles: str) -> None:
         assert n in err[0], (n, err[0])
 
 
-def test_missing_build(tmp_path):
+def launch_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """launch_ppo's main in this process, as a CompletedProcess (for errors raised before any process starts;
+    test_build_that_never_answers and test_bad_log_level_is_an_argparse_error_not_a_traceback run the real command)."""
+    from learner.launch_ppo import main
+
+    threads = torch.get_num_threads()
+    try:
+        rc = main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+    cap = capsys.readouterr()
+    return subprocess.CompletedProcess(["launch_ppo", *args], rc, cap.out, cap.err)
+
+
+def test_missing_build(tmp_path, capsys):
     missing = tmp_path / "nowhere" / "Crawler.x86_64"
-    out = launch("--unity-build", str(missing), "--logdir", str(tmp_path / "r"), "--unity-base-port", str(free_base_port(3)))
+    out = launch_here(capsys, "--unity-build", str(missing), "--logdir", str(tmp_path / "r"), "--unity-base-port", str(free_base_port(3)))
     assert_clean_error(out, str(missing), "not found")
 
 
@@ -216,11 +230,11 @@ def test_build_that_never_answers(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_unknown_yaml_key(tmp_path):
+def test_unknown_yaml_key(tmp_path, capsys):
     bad = tmp_path / "Crawler.yaml"
     text = (HERE.parent / "configs" / "Crawler.yaml").read_text().replace("      num_epoch: 3\n", "      num_epoch: 3\n      num_epochs: 5\n")
     bad.write_text(text)
-    out = launch("--mlagents-config", str(bad), "--logdir", str(tmp_path / "r"))
+    out = launch_here(capsys, "--mlagents-config", str(bad), "--logdir", str(tmp_path / "r"))
     assert_clean_error(out, "behaviors.Crawler.hyperparameters.num_epochs", "unknown key")
 
 
