@@ -474,9 +474,10 @@ def from_mlagents_yaml(
         "lambd": full["lambd"],
         "num_epoch": full["num_epoch"],
         "lr_schedule": lr_sched,
-        # ML-Agents: beta/epsilon schedules follow learning_rate_schedule unless set (#6).
-        "epsilon_schedule": full.get("epsilon_schedule", lr_sched),
-        "beta_schedule": full.get("beta_schedule", lr_sched),
+        # #6: beta/epsilon following learning_rate_schedule is ML-Agents' rule. Under sb3 semantics a
+        # schedule the file does not name keeps SB3's meaning: clip_range and ent_coef constant.
+        "epsilon_schedule": full.get("epsilon_schedule", lr_sched if semantics == "mlagents" else preset["epsilon_schedule"]),
+        "beta_schedule": full.get("beta_schedule", lr_sched if semantics == "mlagents" else preset["beta_schedule"]),
         "hidden_units": full["hidden_units"],
         "num_layers": full["num_layers"],
         "gamma": full["gamma"],

@@ -134,6 +134,19 @@ def test_crawler_yaml_with_sb3_semantics_and_overrides():
         cfg = from_mlagents_yaml(str(CRAWLER), "Crawler", semantics="sb3", beta=2.5e-4)
     assert cfg.ratio == "summed" and cfg.obs_norm == "vecnormalize"
     assert cfg.batch_size == 2048 and cfg.beta == 2.5e-4 and cfg.lr_schedule == "linear"
+    # Beta/epsilon following the lr schedule is ML-Agents' rule (#6); SB3's clip_range and ent_coef stay
+    # constant unless the file names their schedules.
+    assert cfg.epsilon_schedule == cfg.beta_schedule == "constant"
+
+
+def test_sb3_semantics_keep_a_schedule_the_yaml_names(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CRAWLER.read_text().replace("learning_rate_schedule: linear",
+                                                "learning_rate_schedule: linear\n      epsilon_schedule: linear"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = from_mlagents_yaml(str(path), "Crawler", semantics="sb3")
+    assert (cfg.lr_schedule, cfg.epsilon_schedule, cfg.beta_schedule) == ("linear", "linear", "constant")
 
 
 def _write(tmp_path, body: str) -> str:
