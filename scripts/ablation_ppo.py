@@ -142,6 +142,7 @@ def command(v: Variant, seed: int, args: argparse.Namespace, logdir: Path) -> li
         "--workers", str(args.workers), "--envs-per-worker", str(args.envs_per_worker),
         "--unroll-length", str(unroll_length(v, args)),
         "--device", "cpu", "--logdir", str(logdir), "--log-interval", "0", "--no-progress",
+        "--torch-threads", str(args.torch_threads if args.torch_threads is not None else (0 if args.jobs == 1 else 1)),
     ]
     for name, value in v.overrides.items():
         cmd += flag_value(name, value)
@@ -295,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unroll-length", type=int, default=0,
                    help="Steps per env per unroll; 0 = launch_ppo's default for trajectory_handling 'mlagents', one round of unrolls per update for 'rollout'.")
     p.add_argument("--jobs", type=int, default=1, help="Runs at once (each is an actor process and a learner).")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="Learner threads per run (launch_ppo --torch-threads); default 0 (all cores) with --jobs 1, else 1.")
     p.add_argument("--runs-dir", default=str(ROOT / "runs" / "ablation_ppo"))
     p.add_argument("--out", default=str(ROOT / "docs" / "ppo_ablation.png"))
     p.add_argument("--table", default=None, help="Markdown table path (default: RUNS_DIR/table.md).")
