@@ -1,4 +1,4 @@
-"""Atomic checkpoints: write to a temporary file beside the target, fsync, then rename.
+"""Atomic checkpoints: write to an unnamed file beside the target (O_TMPFILE), fsync, name it, then rename.
 
 A crash mid-write leaves the previous checkpoint intact; readers never see a
 half-written file. A state holding a NaN or infinite float tensor is refused before
@@ -10,6 +10,7 @@ cannot execute code; a file that is not such a checkpoint is one ``CheckpointErr
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 from typing import Any
 
@@ -31,22 +32,71 @@ def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
 
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
+    tmp: str | None = None
     bad = non_finite_tensors(state)
     if bad:
         raise CheckpointError(f"not writing {path}: {len(bad)} tensor(s) hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
+    fd = _unnamed_file(directory)
+    if fd is None:  # no O_TMPFILE here (filesystem or OS): a named temp file, removed on any error we see
+        fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+            if tmp is None:
+                # The file gets a name only now, written and synced: a kill can leave a stray temp file only
+                # in the microseconds between this link and the rename, not during the whole write.
+                tmp = _link_into(f.fileno(), directory)
         os.replace(tmp, path)
+        _fsync_directory(directory)
     except BaseException:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _unnamed_file(directory: str) -> int | None:
+    """An open, nameless file in ``directory`` (Linux O_TMPFILE), or None where that is not supported."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None:
+        return None
+    try:
+        return os.open(directory, flag | os.O_WRONLY, 0o600)
+    except OSError:  # EOPNOTSUPP / EISDIR / EINVAL: filesystem or kernel without O_TMPFILE
+        return None
+
+
+def _link_into(fd: int, directory: str) -> str:
+    """Give the unnamed file ``fd`` a fresh temporary name in ``directory``: linkat(AT_SYMLINK_FOLLOW) of
+    /proc/self/fd/N (a directory fd makes os.link call linkat; plain link() would link the /proc symlink)."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        while True:
+            name = f".checkpoint-{secrets.token_hex(8)}.tmp"
+            try:
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
+                return os.path.join(directory, name)
+            except FileExistsError:
+                continue
+    finally:
+        os.close(dfd)
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename itself durable (best effort: not every platform can open a directory)."""
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
 
 
 def load_checkpoint(path: str, map_location: str | torch.device = "cpu", *, keys: tuple[str, ...] = ()) -> dict[str, Any]:
