@@ -198,25 +198,40 @@ def summarize(variants: list[Variant], seeds: list[int], args: argparse.Namespac
         finals, means, rates = [], [], []
         for seed in seeds:
             d = run_dir(Path(args.runs_dir), v, seed)
-            if not (d / "metrics.csv").exists():
+            if not (d / "run.json").exists():  # not finished (or still running): not in the table
                 continue
             s, r = read_curve(d)
             if len(r):
                 finals.append(float(r[-1]))
                 means.append(float(np.mean(r)))
-            info = d / "run.json"
-            if info.exists():
-                rates.append(json.loads(info.read_text())["steps_per_s"])
+            rates.append(json.loads((d / "run.json").read_text())["steps_per_s"])
         if not finals:
             continue
         rows.append({"base": v.base, "switch": v.switch, "label": v.label, "overrides": v.overrides, "seeds": len(finals),
                      "final_mean": float(np.mean(finals)), "final_min": float(np.min(finals)), "final_max": float(np.max(finals)),
-                     "final_std": float(np.std(finals)), "run_mean": float(np.mean(means)),
+                     "final_std": float(np.std(finals, ddof=1)) if len(finals) > 1 else 0.0, "finals": finals,
+                     "run_mean": float(np.mean(means)),
                      "steps_per_s": float(np.mean(rates)) if rates else float("nan")})
-    for r in rows:  # difference to its base preset
+    for r in rows:  # difference to its base preset, and whether it stands out of the seed-to-seed spread
         base = next((b for b in rows if b["base"] == r["base"] and b["switch"] == BASE), None)
         r["delta"] = r["final_mean"] - base["final_mean"] if base else float("nan")
+        r["effect"], r["verdict"] = verdict(r, base)
     return rows
+
+
+def verdict(row: dict, base: dict | None) -> tuple[float, str]:
+    """(standardized difference, word) of a variant against its preset.
+
+    effect = delta / pooled seed std (sample std of the final returns, both sides). 'moves': every seed of
+    the variant lies beyond every seed of the preset (the ranges do not overlap) AND |effect| >= 2;
+    'maybe': one of the two; 'no': neither. With 3 seeds a side no claim is finer than that."""
+    if base is None or row["switch"] == BASE or row["seeds"] < 2 or base["seeds"] < 2:
+        return float("nan"), ""
+    pooled = math.sqrt((row["final_std"] ** 2 + base["final_std"] ** 2) / 2)
+    effect = row["delta"] / pooled if pooled > 0 else math.copysign(math.inf, row["delta"])
+    apart = row["final_min"] > base["final_max"] or row["final_max"] < base["final_min"]
+    big = abs(effect) >= 2
+    return effect, "moves" if apart and big else "maybe" if apart or big else "no"
 
 
 def plot(rows: list[dict], out_png: Path, title: str) -> None:
@@ -255,13 +270,14 @@ def plot(rows: list[dict], out_png: Path, title: str) -> None:
 def table(rows: list[dict], seeds: list[int], args: argparse.Namespace) -> str:
     lines = [f"Ant-v5, Crawler hyperparameters shrunk x{args.shrink}, {args.steps:,} agent steps per run, seeds {seeds}; "
              "final = mean return of the last 100 episodes at the end of the run.", "",
-             "| from | switch (options set to the other preset's values) | final return: mean ± std | min..max | Δ vs preset | mean over the run | steps/s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| from | switch (options set to the other preset's values) | final return: mean ± std | min..max | Δ vs preset | Δ / pooled std | moves? | mean over the run | steps/s |",
+             "|---|---|---:|---:|---:|---:|:-:|---:|---:|"]
     for r in rows:
         what = "— (the preset)" if r["switch"] == BASE else f"`{r['switch']}`: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items())
         delta = "" if r["switch"] == BASE else f"{r['delta']:+.1f}"
+        effect = "" if not math.isfinite(r["effect"]) else f"{r['effect']:+.1f}"
         lines.append(f"| {r['base']} | {what} | {r['final_mean']:.1f} ± {r['final_std']:.1f} | {r['final_min']:.1f}..{r['final_max']:.1f} | "
-                     f"{delta} | {r['run_mean']:.1f} | {r['steps_per_s']:.0f} |")
+                     f"{delta} | {effect} | {r['verdict']} | {r['run_mean']:.1f} | {r['steps_per_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
