@@ -267,6 +267,64 @@ def plot(rows: list[dict], out_png: Path, title: str) -> None:
     fig.savefig(out_png, dpi=120)
 
 
+def mean_curve(runs: Path, v: Variant, seeds: list[int], grid: np.ndarray) -> np.ndarray | None:
+    """Per-seed curves of the finished runs, interpolated onto ``grid`` (agent steps): [n_seeds, len(grid)]."""
+    curves = []
+    for seed in seeds:
+        d = run_dir(runs, v, seed)
+        if (d / "run.json").exists():
+            s, r = read_curve(d)
+            if len(r) > 1:
+                curves.append(np.interp(grid, s, r, left=np.nan))
+    return np.asarray(curves) if curves else None
+
+
+def plot_curves(rows: list[dict], seeds: list[int], args: argparse.Namespace, out_png: Path) -> None:
+    """Small multiples: for every switch, the preset's curve (grey) and the switched variant's (colour), mean over
+    seeds with a min..max band: where two curves separate, and whether they come back together."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, grid = Path(args.runs_dir), np.linspace(0, args.steps, 120)
+    bases = [b for b in PRESETS if any(r["base"] == b for r in rows)]
+    switched = {b: [r for r in rows if r["base"] == b and r["switch"] != BASE] for b in bases}
+    ncol = min(6, max((len(v) for v in switched.values()), default=0))
+    if not ncol:
+        return
+    rows_of = {b: max(1, math.ceil(len(switched[b]) / ncol)) for b in bases}  # panel rows per base preset
+    fig, axes = plt.subplots(sum(rows_of.values()), ncol, figsize=(2.2 * ncol, 2.0 * sum(rows_of.values())), squeeze=False)
+    top = 0
+    for b in bases:
+        base = mean_curve(runs, Variant(b, BASE), seeds, grid)
+        color = "tab:blue" if b == "mlagents" else "tab:orange"
+        panels = axes[top:top + rows_of[b]].ravel()
+        top += rows_of[b]
+        for j, ax in enumerate(panels):
+            if j >= len(switched[b]):
+                ax.axis("off")
+                continue
+            r = switched[b][j]
+            for curves, c, lw in ((base, "tab:gray", 1.0), (mean_curve(runs, Variant(b, r["switch"]), seeds, grid), color, 1.4)):
+                if curves is None:
+                    continue
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns before the first episode
+                    ax.plot(grid / 1e3, np.nanmean(curves, 0), color=c, lw=lw)
+                    ax.fill_between(grid / 1e3, np.nanmin(curves, 0), np.nanmax(curves, 0), color=c, alpha=0.2, lw=0)
+            ax.set_title(f"{b}: {r['switch']}" + (f" ({r['verdict']})" if r["verdict"] else ""), fontsize=7, color=color)
+            ax.tick_params(labelsize=6)
+            ax.grid(alpha=0.3)
+            if j % ncol == 0:
+                ax.set_ylabel("mean return (100 ep.)", fontsize=7)
+            ax.set_xlabel("agent steps (k)", fontsize=6)
+    fig.suptitle(f"{args.env}: each preset (grey) vs the same preset with one switch flipped to the other's value\n"
+                 f"(blue: from mlagents, orange: from sb3); mean over seeds {seeds}, band min..max; (verdict) as in the table", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
 def table(rows: list[dict], seeds: list[int], args: argparse.Namespace) -> str:
     lines = [f"Ant-v5, Crawler hyperparameters shrunk x{args.shrink}, {args.steps:,} agent steps per run, seeds {seeds}; "
              "final = mean return of the last 100 episodes at the end of the run.", "",
@@ -344,13 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{args.env}: PPO leave-one-out between ML-Agents and SB3 semantics\nCrawler hyperparameters "
              f"(buffer {buffer}, batch {batch}, 3x512), {args.steps:,} steps, seeds {args.seeds}")
     plot(rows, Path(args.out), title)
+    curves_png = Path(args.out).with_name(Path(args.out).stem + "_curves.png")
+    plot_curves(rows, args.seeds, args, curves_png)
     md = table(rows, args.seeds, args)
     table_path = Path(args.table) if args.table else runs / "table.md"
     table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(md)
     (runs / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
     print(md)
-    print(f"wrote {args.out}, {table_path}, {runs / 'summary.json'}")
+    print(f"wrote {args.out}, {curves_png}, {table_path}, {runs / 'summary.json'}")
     rates = [r["steps_per_s"] for r in rows if math.isfinite(r["steps_per_s"])]
     if rates:
         full = len(SWITCHES) + 1
