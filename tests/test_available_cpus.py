@@ -1,0 +1,82 @@
+"""available_cpus: affinity capped by a CFS quota (docker --cpus, Kubernetes limits), read the way the kernel exposes it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from impala.config import available_cpus, cgroup_cpu_quota
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_V1 = Path("/sys/fs/cgroup/cpu")
+
+
+def _can_make_v1_cpu_cgroups() -> bool:
+    return os.geteuid() == 0 and (CPU_V1 / "cpu.cfs_quota_us").exists() and os.access(CPU_V1, os.W_OK)
+
+
+@pytest.mark.skipif(not _can_make_v1_cpu_cgroups(), reason="needs root and a writable cgroup-v1 cpu hierarchy")
+@pytest.mark.parametrize("quota_us, expected_quota", [(50_000, 0.5), (150_000, 1.5)])
+def test_a_quota_on_a_parent_cgroup_caps_a_process_in_its_child(quota_us, expected_quota):
+    """A real cgroup: the quota sits on the parent, the process runs in a child without one (the tightest
+    ancestor counts); 0.5 CPU -> 1, 1.5 CPUs -> 2 (rounded up), never more than the affinity allows."""
+    parent = CPU_V1 / f"impala-test-{uuid.uuid4().hex[:8]}"
+    child = parent / "job"
+    child.mkdir(parents=True)
+    try:
+        (parent / "cpu.cfs_period_us").write_text("100000")
+        (parent / "cpu.cfs_quota_us").write_text(str(quota_us))
+        code = "from impala.config import available_cpus, cgroup_cpu_quota; print(available_cpus(), cgroup_cpu_quota())"
+        out = subprocess.run(["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$0" -c "$1"', sys.executable, code],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        cpus, quota = out.stdout.split()
+        assert float(quota) == expected_quota
+        assert int(cpus) == min(len(os.sched_getaffinity(0)), -(-quota_us // 100_000))
+    finally:
+        for d in (child, parent):
+            for _ in range(50):  # the short-lived process may still be leaving the cgroup
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    import time
+
+                    time.sleep(0.1)
+
+
+def _fake_proc(tmp_path: Path, cgroup: str, mountinfo: str) -> str:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(mountinfo)
+    return str(proc)
+
+
+def test_cgroup_v2_cpu_max_is_read_and_max_means_no_quota(tmp_path):
+    """cgroup v2 (the layout of current Docker / Kubernetes nodes), written as files: 'max' is no quota, a
+    number over the period is a quota, the tightest of the process's cgroup and its ancestors wins."""
+    mount = tmp_path / "cg2"
+    (mount / "kubepods" / "pod1").mkdir(parents=True)
+    (mount / "cpu.max").write_text("max 100000\n")
+    (mount / "kubepods" / "cpu.max").write_text("400000 100000\n")
+    (mount / "kubepods" / "pod1" / "cpu.max").write_text("max 100000\n")
+    proc = _fake_proc(tmp_path, "0::/kubepods/pod1\n",
+                      f"30 23 0:26 / {mount} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n")
+    assert cgroup_cpu_quota(proc) == 4.0
+    (mount / "kubepods" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(proc) is None
+    (mount / "kubepods" / "pod1" / "cpu.max").write_text("250000 100000\n")
+    assert cgroup_cpu_quota(proc) == 2.5
+
+
+def test_unreadable_or_unrelated_cgroup_files_mean_no_quota(tmp_path):
+    assert cgroup_cpu_quota(str(tmp_path / "missing")) is None
+    proc = _fake_proc(tmp_path, "4:memory:/x\n", f"30 23 0:26 / {tmp_path} rw - cgroup cgroup rw,memory\n")
+    assert cgroup_cpu_quota(proc) is None
+    assert 1 <= available_cpus() <= (os.cpu_count() or 1)
