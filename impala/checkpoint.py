@@ -32,30 +32,62 @@ def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
 
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
-    tmp: str | None = None
     bad = non_finite_tensors(state)
     if bad:
         raise CheckpointError(f"not writing {path}: {len(bad)} tensor(s) hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd = _unnamed_file(directory)
-    if fd is None:  # no O_TMPFILE here (filesystem or OS): a named temp file, removed on any error we see
+    tmp = _write_unnamed_then_name(directory, state)
+    if tmp is None:  # no O_TMPFILE or no usable /proc here: a named temp file, removed on any error we see
         fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                _write(f, state)
+        except BaseException:
+            _remove(tmp)
+            raise
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-            if tmp is None:
-                # The file gets a name only now, written and synced: a kill can leave a stray temp file only
-                # in the microseconds between this link and the rename, not during the whole write.
-                tmp = _link_into(f.fileno(), directory)
         os.replace(tmp, path)
         _fsync_directory(directory)
     except BaseException:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+        _remove(tmp)
         raise
+
+
+def _write(f: Any, state: dict[str, Any]) -> None:
+    torch.save(state, f)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _remove(name: str) -> None:
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
+
+
+def _write_unnamed_then_name(directory: str, state: dict[str, Any]) -> str | None:
+    """Write and sync ``state`` into a nameless file in ``directory`` (Linux O_TMPFILE), then give it a temporary
+    name: a kill can strand a temp file only in the microseconds between that link and the caller's rename,
+    not during the whole write. None where the filesystem, kernel or a missing /proc rule this out."""
+    global _link_works
+    fd = _unnamed_file(directory) if _link_works else None
+    if fd is None:
+        return None
+    with os.fdopen(fd, "wb") as f:
+        if not os.path.exists(f"/proc/self/fd/{f.fileno()}"):  # no /proc mounted: nothing to link from
+            _link_works = False
+            return None
+        _write(f, state)
+        try:
+            return _link_into(f.fileno(), directory)
+        except OSError:  # linkat refused (EPERM under some sandboxes): named files from now on, written once each
+            _link_works = False
+            return None
+
+
+_link_works = True  # False once naming an unnamed file failed in this process
 
 
 def _unnamed_file(directory: str) -> int | None:
