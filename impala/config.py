@@ -30,6 +30,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import sys
 import types
 import typing
@@ -77,7 +78,9 @@ def cgroup_cpu_quota(proc: str = "/proc/self") -> float | None:
         sep = fields.index("-")
         if len(fields) < sep + 4:
             continue
-        mount_root, mount_point, fstype, options = fields[3], fields[4], fields[sep + 1], fields[sep + 3].split(",")
+        # mountinfo escapes space, tab, newline and backslash as octal (\\040 ...); /proc/self/cgroup does not.
+        mount_root, mount_point = _unescape_mountinfo(fields[3]), _unescape_mountinfo(fields[4])
+        fstype, options = fields[sep + 1], fields[sep + 3].split(",")
         if fstype == "cgroup2":
             paths = [path for hierarchy, controllers, path in memberships if hierarchy == "0" and controllers == ""]
         elif fstype == "cgroup" and "cpu" in options:
@@ -96,6 +99,10 @@ def cgroup_cpu_quota(proc: str = "/proc/self") -> float | None:
                     break
                 directory = os.path.dirname(directory)
     return min(quotas) if quotas else None
+
+
+def _unescape_mountinfo(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def _cfs_quota(directory: str, v2: bool) -> float | None:
