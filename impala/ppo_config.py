@@ -462,6 +462,7 @@ def from_mlagents_yaml(
 
     full = {**_MLAGENTS_DEFAULTS, **vals}
     lr_sched = full["learning_rate_schedule"]
+    follow = overrides.get("lr_schedule", lr_sched)
     preset = dict(_PRESETS[semantics]) if semantics in SEMANTICS else None
     if preset is None:
         raise ConfigError(f"semantics: must be one of {SEMANTICS}, got {semantics!r}")
@@ -476,8 +477,9 @@ def from_mlagents_yaml(
         "lr_schedule": lr_sched,
         # #6: beta/epsilon following learning_rate_schedule is ML-Agents' rule. Under sb3 semantics a
         # schedule the file does not name keeps SB3's meaning: clip_range and ent_coef constant.
-        "epsilon_schedule": full.get("epsilon_schedule", lr_sched if semantics == "mlagents" else preset["epsilon_schedule"]),
-        "beta_schedule": full.get("beta_schedule", lr_sched if semantics == "mlagents" else preset["beta_schedule"]),
+        # An lr schedule given as an override (--lr-schedule) is followed as if the file said it.
+        "epsilon_schedule": full.get("epsilon_schedule", follow if semantics == "mlagents" else preset["epsilon_schedule"]),
+        "beta_schedule": full.get("beta_schedule", follow if semantics == "mlagents" else preset["beta_schedule"]),
         "hidden_units": full["hidden_units"],
         "num_layers": full["num_layers"],
         "gamma": full["gamma"],

@@ -227,7 +227,10 @@ def verdict(row: dict, base: dict | None) -> tuple[float, str]:
     'maybe': one of the two; 'no': neither. With 3 seeds a side no claim is finer than that."""
     if base is None or row["switch"] == BASE or row["seeds"] < 2 or base["seeds"] < 2:
         return float("nan"), ""
-    pooled = math.sqrt((row["final_std"] ** 2 + base["final_std"] ** 2) / 2)
+    n1, n2 = row["seeds"], base["seeds"]
+    pooled = math.sqrt(((n1 - 1) * row["final_std"] ** 2 + (n2 - 1) * base["final_std"] ** 2) / (n1 + n2 - 2))
+    if row["delta"] == 0:
+        return 0.0, "no"
     effect = row["delta"] / pooled if pooled > 0 else math.copysign(math.inf, row["delta"])
     apart = row["final_min"] > base["final_max"] or row["final_max"] < base["final_min"]
     big = abs(effect) >= 2
@@ -334,7 +337,8 @@ def table(rows: list[dict], seeds: list[int], args: argparse.Namespace) -> str:
         what = "— (the preset)" if r["switch"] == BASE else f"`{r['switch']}`: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items())
         delta = "" if r["switch"] == BASE else f"{r['delta']:+.1f}"
         effect = "" if not math.isfinite(r["effect"]) else f"{r['effect']:+.1f}"
-        lines.append(f"| {r['base']} | {what} | {r['final_mean']:.1f} ± {r['final_std']:.1f} | {r['final_min']:.1f}..{r['final_max']:.1f} | "
+        spread = f" ± {r['final_std']:.1f}" if r["seeds"] > 1 else " (1 seed)"
+        lines.append(f"| {r['base']} | {what} | {r['final_mean']:.1f}{spread} | {r['final_min']:.1f}..{r['final_max']:.1f} | "
                      f"{delta} | {effect} | {r['verdict']} | {r['run_mean']:.1f} | {r['steps_per_s']:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -139,6 +139,17 @@ def test_crawler_yaml_with_sb3_semantics_and_overrides():
     assert cfg.epsilon_schedule == cfg.beta_schedule == "constant"
 
 
+def test_an_lr_schedule_override_is_followed_as_if_the_yaml_said_it():
+    """ML-Agents: beta/epsilon follow learning_rate_schedule unless set; --lr-schedule on top of a trainer
+    config is that key edited, so they follow it; an explicit --epsilon-schedule still wins."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = from_mlagents_yaml(str(CRAWLER), semantics="mlagents", lr_schedule="constant")
+        assert (cfg.lr_schedule, cfg.epsilon_schedule, cfg.beta_schedule) == ("constant", "constant", "constant")
+        cfg = from_mlagents_yaml(str(CRAWLER), semantics="mlagents", lr_schedule="constant", epsilon_schedule="linear")
+        assert (cfg.lr_schedule, cfg.epsilon_schedule, cfg.beta_schedule) == ("constant", "linear", "constant")
+
+
 def test_sb3_semantics_keep_a_schedule_the_yaml_names(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(CRAWLER.read_text().replace("learning_rate_schedule: linear",
