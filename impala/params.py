@@ -27,5 +27,8 @@ def state_dict_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
 
 
 def load_state_arrays(module: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
-    # Copy: the arrays are views over received ZeroMQ frames.
-    module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+    # Copy: the arrays are views over received ZeroMQ frames. Tensors (a checkpoint's) are cloned directly:
+    # np.array(tensor) goes through Tensor.__array__, which numpy 2 deprecates for lacking a copy keyword.
+    module.load_state_dict(
+        {k: v.detach().clone() if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v)) for k, v in arrays.items()}
+    )
