@@ -21,6 +21,13 @@ Output: per run ``RUNS/<base>/<variant>/seed<s>/`` with launch_ppo's ``metrics.c
 (agent steps, mean return of the last 100 episodes); one figure (``--out``: final return per variant,
 mean and min..max over seeds, one panel per base preset); a markdown table (``--table``) for
 docs/PPO_ABLATION.md; ``summary.json``. Runs that exist are reused (``--rerun`` to redo them).
+
+Every finished run is also kept, small, in the committed archive (``--archive``, docs/ppo_ablation_runs.json:
+final return, mean over the run, speed, the curve thinned to 120 points), and the table and figures are made
+from the archive, so they survive the loss of ``runs/`` (which is not committed) and can be redone with
+``--plot-only`` on any clone. A record covers one or more seeds (``seeds``, ``finals``); a record without
+per-seed curves comes from an earlier table (its ``source`` says which) and enters the table but not the
+curve figure.
 """
 
 from __future__ import annotations
@@ -192,19 +199,72 @@ def run_one(v: Variant, seed: int, args: argparse.Namespace) -> dict:
     return info
 
 
-def summarize(variants: list[Variant], seeds: list[int], args: argparse.Namespace) -> list[dict]:
-    rows = []
+CURVE_POINTS = 120
+
+
+def record_of(v: Variant, seed: int, logdir: Path) -> dict:
+    """A finished run as an archive record: what the table and figures need, small enough to commit."""
+    info = json.loads((logdir / "run.json").read_text())
+    steps, returns = read_curve(logdir)
+    keep = np.unique(np.linspace(0, len(steps) - 1, min(CURVE_POINTS, len(steps))).round().astype(int)) if len(steps) else []
+    return {"base": v.base, "switch": v.switch, "seeds": [seed], "steps": info["steps"],
+            "finals": [float(returns[-1])] if len(returns) else [],
+            "run_mean": float(np.mean(returns)) if len(returns) else None,
+            "steps_per_s": info["steps_per_s"], "wall_s": info["wall_s"],
+            "date": time.strftime("%Y-%m-%d", time.gmtime((logdir / "run.json").stat().st_mtime)),
+            "curves": {str(seed): [[int(steps[i]), round(float(returns[i]), 3)] for i in keep]},
+            "cmd": info["cmd"]}
+
+
+def load_archive(path: Path) -> list[dict]:
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def archive_runs(variants: list[Variant], seeds: list[int], args: argparse.Namespace) -> list[dict]:
+    """Add every finished run under RUNS_DIR to the archive (a run replaces an earlier record of the same
+    base, switch, steps and seed) and write it back; returns the whole archive."""
+    path = Path(args.archive)
+    records = load_archive(path)
     for v in variants:
-        finals, means, rates = [], [], []
         for seed in seeds:
             d = run_dir(Path(args.runs_dir), v, seed)
-            if not (d / "run.json").exists():  # not finished (or still running): not in the table
+            if not (d / "run.json").exists():
                 continue
-            s, r = read_curve(d)
-            if len(r):
-                finals.append(float(r[-1]))
-                means.append(float(np.mean(r)))
-            rates.append(json.loads((d / "run.json").read_text())["steps_per_s"])
+            new = record_of(v, seed, d)
+            if not new["finals"]:
+                continue
+            for r in records:
+                if (r["base"], r["switch"], r["steps"]) == (v.base, v.switch, new["steps"]) and seed in r["seeds"]:
+                    if len(r["seeds"]) > 1:
+                        raise SystemExit(f"{path}: seed {seed} of {v.base}/{v.switch} is in a multi-seed record "
+                                         f"({r.get('source', '?')}); remove that record before re-running its seeds")
+                    records.remove(r)
+                    break
+            records.append(new)
+    records.sort(key=lambda r: (PRESETS.index(r["base"]), r["switch"] != BASE, r["switch"], r["steps"], min(r["seeds"])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(records, indent=None, separators=(",", ":")).replace("},{", "},\n{") + "\n")
+    tmp.replace(path)
+    return records
+
+
+def records_for(records: list[dict], v: Variant, seeds: list[int], steps: int) -> list[dict]:
+    """The archive records of a variant at this budget that cover only requested seeds."""
+    return [r for r in records if (r["base"], r["switch"], r["steps"]) == (v.base, v.switch, steps)
+            and set(r["seeds"]) <= set(seeds)]
+
+
+def summarize(variants: list[Variant], seeds: list[int], args: argparse.Namespace,
+              records: list[dict]) -> list[dict]:
+    rows = []
+    for v in variants:
+        finals, means, rates = [], [], []  # per seed; a record of n seeds counts n times in the means
+        for r in records_for(records, v, seeds, args.steps):
+            n = len(r["finals"])
+            finals += r["finals"]
+            means += [r["run_mean"]] * n
+            rates += [r["steps_per_s"]] * n
         if not finals:
             continue
         rows.append({"base": v.base, "switch": v.switch, "label": v.label, "overrides": v.overrides, "seeds": len(finals),
@@ -270,19 +330,18 @@ def plot(rows: list[dict], out_png: Path, title: str) -> None:
     fig.savefig(out_png, dpi=120)
 
 
-def mean_curve(runs: Path, v: Variant, seeds: list[int], grid: np.ndarray) -> np.ndarray | None:
-    """Per-seed curves of the finished runs, interpolated onto ``grid`` (agent steps): [n_seeds, len(grid)]."""
+def mean_curve(records: list[dict], v: Variant, seeds: list[int], steps: int, grid: np.ndarray) -> np.ndarray | None:
+    """Per-seed curves in the archive, interpolated onto ``grid`` (agent steps): [n_seeds, len(grid)]."""
     curves = []
-    for seed in seeds:
-        d = run_dir(runs, v, seed)
-        if (d / "run.json").exists():
-            s, r = read_curve(d)
-            if len(r) > 1:
-                curves.append(np.interp(grid, s, r, left=np.nan))
+    for r in records_for(records, v, seeds, steps):
+        for points in r.get("curves", {}).values():
+            if len(points) > 1:
+                s, ret = np.asarray(points, dtype=float).T
+                curves.append(np.interp(grid, s, ret, left=np.nan))
     return np.asarray(curves) if curves else None
 
 
-def plot_curves(rows: list[dict], seeds: list[int], args: argparse.Namespace, out_png: Path) -> None:
+def plot_curves(rows: list[dict], records: list[dict], seeds: list[int], args: argparse.Namespace, out_png: Path) -> None:
     """Small multiples: for every switch, the preset's curve (grey) and the switched variant's (colour), mean over
     seeds with a min..max band: where two curves separate, and whether they come back together."""
     import matplotlib
@@ -290,7 +349,7 @@ def plot_curves(rows: list[dict], seeds: list[int], args: argparse.Namespace, ou
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs, grid = Path(args.runs_dir), np.linspace(0, args.steps, 120)
+    grid = np.linspace(0, args.steps, 120)
     bases = [b for b in PRESETS if any(r["base"] == b for r in rows)]
     switched = {b: [r for r in rows if r["base"] == b and r["switch"] != BASE] for b in bases}
     ncol = min(6, max((len(v) for v in switched.values()), default=0))
@@ -300,7 +359,7 @@ def plot_curves(rows: list[dict], seeds: list[int], args: argparse.Namespace, ou
     fig, axes = plt.subplots(sum(rows_of.values()), ncol, figsize=(2.2 * ncol, 2.0 * sum(rows_of.values())), squeeze=False)
     top = 0
     for b in bases:
-        base = mean_curve(runs, Variant(b, BASE), seeds, grid)
+        base = mean_curve(records, Variant(b, BASE), seeds, args.steps, grid)
         color = "tab:blue" if b == "mlagents" else "tab:orange"
         panels = axes[top:top + rows_of[b]].ravel()
         top += rows_of[b]
@@ -309,7 +368,7 @@ def plot_curves(rows: list[dict], seeds: list[int], args: argparse.Namespace, ou
                 ax.axis("off")
                 continue
             r = switched[b][j]
-            for curves, c, lw in ((base, "tab:gray", 1.0), (mean_curve(runs, Variant(b, r["switch"]), seeds, grid), color, 1.4)):
+            for curves, c, lw in ((base, "tab:gray", 1.0), (mean_curve(records, Variant(b, r["switch"]), seeds, args.steps, grid), color, 1.4)):
                 if curves is None:
                     continue
                 with warnings.catch_warnings():
@@ -322,8 +381,10 @@ def plot_curves(rows: list[dict], seeds: list[int], args: argparse.Namespace, ou
             if j % ncol == 0:
                 ax.set_ylabel("mean return (100 ep.)", fontsize=7)
             ax.set_xlabel("agent steps (k)", fontsize=6)
+    with_curves = sorted({int(k) for r in records if r["steps"] == args.steps for k in r.get("curves", {}) if int(k) in seeds})
     fig.suptitle(f"{args.env}: each preset (grey) vs the same preset with one switch flipped to the other's value\n"
-                 f"(blue: from mlagents, orange: from sb3); mean over seeds {seeds}, band min..max; (verdict) as in the table", fontsize=9)
+                 f"(blue: from mlagents, orange: from sb3); mean over seeds {with_curves} (the archived curves), band min..max; "
+                 "(verdict) as in the table, over all seeds", fontsize=9)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
 
@@ -379,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", default=str(ROOT / "runs" / "ablation_ppo"))
     p.add_argument("--out", default=str(ROOT / "docs" / "ppo_ablation.png"))
     p.add_argument("--table", default=None, help="Markdown table path (default: RUNS_DIR/table.md).")
+    p.add_argument("--archive", default=str(ROOT / "docs" / "ppo_ablation_runs.json"),
+                   help="Committed record of every finished run (finished runs under RUNS_DIR are added); the table and figures are made from it.")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--rerun", action="store_true", help="Run again even where a finished run exists.")
     p.add_argument("--dry-run", action="store_true", help="Check every variant's launch_ppo options and print the commands; run nothing.")
@@ -402,19 +465,21 @@ def main(argv: list[str] | None = None) -> int:
         rate = float(np.mean([i["steps_per_s"] for i in infos]))
         cpu_ms = 1000 * sum(i.get("cpu_s", 0.0) for i in infos) / sum(i["steps"] for i in infos)
         print(f"all runs: {total:.0f}s; mean {rate:.0f} agent steps/s per run, {cpu_ms:.1f} CPU ms per agent step", flush=True)
-    rows = summarize(variants, args.seeds, args)
+    records = archive_runs(variants, args.seeds, args)
+    rows = summarize(variants, args.seeds, args, records)
     title = (f"{args.env}: PPO leave-one-out between ML-Agents and SB3 semantics\nCrawler hyperparameters "
              f"(buffer {buffer}, batch {batch}, 3x512), {args.steps:,} steps, seeds {args.seeds}")
     plot(rows, Path(args.out), title)
     curves_png = Path(args.out).with_name(Path(args.out).stem + "_curves.png")
-    plot_curves(rows, args.seeds, args, curves_png)
+    plot_curves(rows, records, args.seeds, args, curves_png)
     md = table(rows, args.seeds, args)
     table_path = Path(args.table) if args.table else runs / "table.md"
     table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(md)
+    runs.mkdir(parents=True, exist_ok=True)
     (runs / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
     print(md)
-    print(f"wrote {args.out}, {curves_png}, {table_path}, {runs / 'summary.json'}")
+    print(f"wrote {args.out}, {curves_png}, {table_path}, {runs / 'summary.json'}, {args.archive}")
     rates = [r["steps_per_s"] for r in rows if math.isfinite(r["steps_per_s"])]
     if rates:
         full = len(SWITCHES) + 1
