@@ -244,7 +244,8 @@ def archive_runs(variants: list[Variant], seeds: list[int], args: argparse.Names
     records.sort(key=lambda r: (PRESETS.index(r["base"]), r["switch"] != BASE, r["switch"], r["steps"], min(r["seeds"])))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(records, indent=None, separators=(",", ":")).replace("},{", "},\n{") + "\n")
+    # one record per line: a new run shows in a diff as the lines it changed
+    tmp.write_text("[\n" + ",\n".join(json.dumps(r, separators=(",", ":")) for r in records) + "\n]\n")
     tmp.replace(path)
     return records
 
