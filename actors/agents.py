@@ -15,8 +15,8 @@ import numpy as np
 from actors.impala_agent import ImpalaAgent
 from actors.ppo_agent import PPOAgent
 from impala.envs.vector import StepResult
-from impala.messages import AgentSpec, ImpalaAgentSpec, PPOAgentSpec
-from impala.trajectory import TrajectorySchema
+from impala.transport.messages import AgentSpec, ImpalaAgentSpec, PPOAgentSpec
+from impala.transport.trajectory import TrajectorySchema
 
 
 class Agent(Protocol):

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from impala.envs.vector import StepResult
-from impala.messages import ImpalaAgentSpec
-from impala.models import build_model
-from impala.params import load_state_arrays, state_dict_schema
-from impala.trajectory import impala_unroll_schema
+from impala.transport.messages import ImpalaAgentSpec
+from impala.nets.impala_net import build_model
+from impala.transport.params import load_state_arrays, state_dict_schema
+from impala.transport.trajectory import impala_unroll_schema
 
 
 class ImpalaAgent:
@@ -59,7 +59,7 @@ class ImpalaAgent:
         return {"frames": obs[:, -1], "first": first}
 
     def _check_stacking(self, obs: np.ndarray, first: np.ndarray) -> None:
-        """The learner rebuilds stacks by a rule (``impala.trajectory.rebuild_frame_stacks``); an env that
+        """The learner rebuilds stacks by a rule (``impala.transport.trajectory.rebuild_frame_stacks``); an env that
         stacks otherwise would train on wrong observations, so say so instead of sending frames."""
         prev = self._last_obs
         for k in range(obs.shape[0]):

@@ -19,13 +19,13 @@ import numpy as np
 import zmq
 
 from actors.agents import make_agent
-from impala import wire
-from impala.curve import make_client_socket
+from impala.transport import wire
+from impala.transport.curve import make_client_socket
 from impala.envs import EnvSpec
 from impala.envs.probe import measure_env_fingerprint
 from impala.envs.vector import EpisodeTracker, GymVecEnv
-from impala.messages import AgentSpec
-from impala.metrics import log_this_one
+from impala.transport.messages import AgentSpec
+from impala.run.metrics import log_this_one
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class ActorConfig:
     num_envs: envs stepped together with one batched forward pass.
     unroll_length: steps per env per unroll (T).
     trajectory_endpoint / params_endpoint: the learner's ZeroMQ endpoints.
-    agent: which agent adapter to run, with its settings (``impala.messages``).
+    agent: which agent adapter to run, with its settings (``impala.transport.messages``).
     seed: base seed of this incarnation (restarts get a new one).
     fingerprint_steps: random steps used to measure the env fingerprint.
     """
@@ -57,7 +57,7 @@ class ActorConfig:
     fingerprint_steps: int = 300
     send_hwm: int = 2
     params_timeout_s: float = 120.0
-    curve: Any = None  # impala.curve.ClientKeys when the learner requires CURVE
+    curve: Any = None  # impala.transport.curve.ClientKeys when the learner requires CURVE
     local_token: str = ""  # handed to the learner's own actors at spawn; proves a hello is theirs
     learner_timeout_s: float = 60.0  # no weights heartbeat for this long: the learner is gone, exit
     task: int = 0  # multi-task runs: the index of this actor's env in the run's task list, sent with every unroll

@@ -1,7 +1,7 @@
 """The PPO agent adapter: a Gaussian actor-critic copy in the actor, filling ``ppo_unroll_schema``.
 
 Built inside the actor's process by ``actors.agents.make_agent`` from a
-:class:`impala.messages.PPOAgentSpec` (the PPO trainer makes it in the learner).
+:class:`impala.transport.messages.PPOAgentSpec` (the PPO trainer makes it in the learner).
 
 What it records per step (PPO_SEMANTICS.md #9, #10, #12):
 
@@ -24,10 +24,10 @@ import torch
 
 from impala.envs.probe import flat_obs_dim
 from impala.envs.vector import StepResult
-from impala.messages import PPOAgentSpec
-from impala.params import load_state_arrays, state_dict_schema
-from impala.ppo_policy import env_action, make_policy
-from impala.trajectory import ppo_unroll_schema
+from impala.transport.messages import PPOAgentSpec
+from impala.transport.params import load_state_arrays, state_dict_schema
+from impala.nets.ppo_policy import env_action, make_policy
+from impala.transport.trajectory import ppo_unroll_schema
 
 class PPOAgent:
     """Samples continuous actions from the broadcast policy; records what ``ppo_unroll_schema`` needs."""

@@ -23,11 +23,12 @@ import zmq
 
 from actors.loop import ActorConfig
 from actors.pool import ActorPool
-from impala import wire
-from impala.config import LOOPBACK, ConfigError, FlagParser, available_cpus, RunConfig, add_flags, check_fields, fail, flag_name, from_flags, need, option
-from impala.curve import client_keys, make_client_keys, make_client_socket
-from impala.messages import RunInfo
-from impala.metrics import LOG_FORMAT, log_this_one
+from impala.transport import wire
+from impala.run.cpus import available_cpus
+from impala.run.config import LOOPBACK, ConfigError, FlagParser, RunConfig, add_flags, check_fields, fail, flag_name, from_flags, need, option
+from impala.transport.curve import client_keys, make_client_keys, make_client_socket
+from impala.transport.messages import RunInfo
+from impala.run.metrics import LOG_FORMAT, log_this_one
 
 log = logging.getLogger("impala-actors")
 

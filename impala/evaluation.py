@@ -1,6 +1,6 @@
 """Judging a trained policy: what a checkpoint holds for playing, the options of an evaluation, its result.
 
-The pure parts of ``impala-eval`` (``learner.evaluate`` plays the episodes in worker
+The pure parts of ``impala-eval`` (``learner.evaluator`` plays the episodes in worker
 processes through the actors' own agent code):
 
 - :func:`read_policy_checkpoint`: a ``checkpoint.pt`` of either learner (or a run's logdir)
@@ -8,7 +8,7 @@ processes through the actors' own agent code):
   weights as named arrays (what a weights message carries). Checkpoints written before the
   runtime recorded ``kind``/``env``/``agent`` are IMPALA's; their flat config record says
   the same (``env``, ``env_kwargs``, ``model``, ``use_lstm``).
-- :class:`EvalConfig`: the options, one flag each (``impala.config.add_flags``).
+- :class:`EvalConfig`: the options, one flag each (``impala.run.config.add_flags``).
 - :class:`EpisodeRecord`, :class:`EvalResult`: per-episode figures and the summary, with
   ``to_dict()`` for the JSON file; every result names its protocol and its settings.
 """
@@ -25,11 +25,12 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 
-from impala.checkpoint import CheckpointError, load_checkpoint
-from impala.config import ConfigError, available_cpus, check_fields, need, option
+from impala.run.checkpoint import CheckpointError, load_checkpoint
+from impala.run.config import ConfigError, check_fields, need, option
+from impala.run.cpus import available_cpus
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.protocols import ProtocolName
-from impala.messages import AgentSpec, ImpalaAgentSpec, agent_spec_from_dict
+from impala.transport.messages import AgentSpec, ImpalaAgentSpec, agent_spec_from_dict
 
 RESULT_SCHEMA = "impala-eval/1"
 VIDEO_SUFFIXES = (".mp4", ".gif")
@@ -56,7 +57,7 @@ def file_sha256(path: str) -> str:
 @dataclass(frozen=True)
 class PolicyCheckpoint:
     """What playing a checkpoint needs. ``params``: ``{name: array}`` of the network's state dict
-    (``impala.params.state_dict_arrays``' format); ``legacy``: read from an older IMPALA
+    (``impala.transport.params.state_dict_arrays``' format); ``legacy``: read from an older IMPALA
     checkpoint's flat config record."""
 
     path: str

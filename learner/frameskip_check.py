@@ -43,15 +43,15 @@ import gymnasium as gym
 from actors.actor import Actor
 from actors.loop import ActorConfig
 from actors.pool import ActorPool
-from impala.checkpoint import CheckpointError
-from impala.config import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
+from impala.run.checkpoint import CheckpointError
+from impala.run.config import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip, envs_held_by, obs_mismatches
 from impala.envs.fingerprint import ConfiguredSettings, EnvFingerprint, Mismatch, check_against_config, configured_settings
 from impala.envs.probe import expected_observation
 from impala.evaluation import checkpoint_path
-from impala.messages import ImpalaAgentSpec
-from impala.trajectory import impala_unroll_schema
+from impala.transport.messages import ImpalaAgentSpec
+from impala.transport.trajectory import impala_unroll_schema
 from learner.frameskip_plot import check_checkpoint, plot_episodes, run_episodes, summary_lines
 from learner.server import TrajectoryServer
 

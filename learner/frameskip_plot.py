@@ -5,7 +5,7 @@ The twin is the same game with the dynamics the historical worker silently ran
 random policy or by a launch_impala checkpoint, through the actor's own agent
 adapter (``actors.agents.make_agent`` + ``agent.act``), so the plot samples actions
 exactly as a training actor does. The checkpoint is read and turned into an agent by
-``impala.evaluation.read_policy_checkpoint`` and ``learner.evaluate.checkpoint_agent``, as
+``impala.evaluation.read_policy_checkpoint`` and ``learner.evaluator.checkpoint_agent``, as
 ``impala-eval`` does.
 """
 
@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from impala.checkpoint import CheckpointError
-from impala.config import available_cpus
+from impala.run.checkpoint import CheckpointError
+from impala.run.cpus import available_cpus
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import ConfiguredSettings, configured_settings
 from impala.envs.vector import GymVecEnv
 from impala.evaluation import PolicyCheckpoint, read_policy_checkpoint
-from learner.evaluate import checkpoint_agent
+from learner.evaluator import checkpoint_agent
 
 TWIN_OVERRIDES: dict[str, Any] = {"frameskip": (2, 5), "repeat_action_probability": 0.25}
 

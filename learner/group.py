@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from impala.trajectory import TrajectorySchema
+from impala.transport.trajectory import TrajectorySchema
 
 log = logging.getLogger(__name__)
 

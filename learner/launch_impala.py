@@ -19,12 +19,12 @@ import sys
 
 import torch
 
-from impala.checkpoint import check_logdir, load_checkpoint
-from impala.config import ConfigError, FlagParser, ImpalaConfig, RunConfig, add_flags, fail, from_flags, load_preset, resolve_device
+from impala.run.checkpoint import check_logdir, load_checkpoint
+from impala.run.config import ConfigError, FlagParser, ImpalaConfig, RunConfig, add_flags, fail, from_flags, load_preset, resolve_device
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from learner.group import LearnerGroup, LearnerGroupError, exit_when_orphaned, init_group
-from impala.metrics import LOG_FORMAT
+from impala.run.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, RunPlan, RunResult, run
 from learner.vtrace_learner import ImpalaTrainer
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("multi-task: %d tasks, actor i runs task i %% %d (%s); %s; rewards %s (the PopArt-IMPALA paper trains "
                      "on unclipped rewards; --popart/--no-popart and --reward-clip override)",
                      len(tasks), len(tasks), ", ".join(f"{i}: {t.spec.id}" for i, t in enumerate(tasks)),
-                     "PopArt per task" if impala.popart else "no PopArt", f"clipped to +-{impala.reward_clip:g}" if impala.reward_clip else "unclipped")
+                     "PopArt per task" if impala.algos.popart else "no PopArt", f"clipped to +-{impala.reward_clip:g}" if impala.reward_clip else "unclipped")
             if note:
                 log.info("multi-task: %s", note)
             if config.workers and config.workers < len(tasks):

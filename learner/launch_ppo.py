@@ -67,14 +67,14 @@ from typing import Optional
 
 import torch
 
-from impala.checkpoint import check_logdir
-from impala.config import ConfigError, FlagParser, RunConfig, add_flags, check_fields, fail, from_flags, need, option
+from impala.run.checkpoint import check_logdir
+from impala.run.config import ConfigError, FlagParser, RunConfig, add_flags, check_fields, fail, from_flags, need, option
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_unity
 from impala.envs.unity import UnityEnvError
-from impala.ppo_config import config_from_args, config_to_argparse
+from impala.run.ppo_config import config_from_args, config_to_argparse
 from learner.ppo_learner import MAX_UNROLL, MLAGENTS_UNROLL, PPOTrainer, choose_unroll_length
-from impala.metrics import LOG_FORMAT
+from impala.run.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, RunPlan, RunResult, run
 
 log = logging.getLogger("launch_ppo")

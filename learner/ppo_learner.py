@@ -14,8 +14,8 @@ Data flow (serial or distributed, the same calls)::
 trajectories end at an episode end or ``time_horizon`` steps after their own start, whatever the pieces'
 sizes, and an unfinished one waits across updates.
 
-Which semantics each step follows is read from :class:`impala.ppo_config.PPOConfig`
-(rows #n of docs/PPO_SEMANTICS.md); the math lives in :mod:`impala.ppo`.
+Which semantics each step follows is read from :class:`impala.run.ppo_config.PPOConfig`
+(rows #n of docs/PPO_SEMANTICS.md); the math lives in :mod:`impala.algos.ppo`.
 """
 
 from __future__ import annotations
@@ -28,16 +28,18 @@ from typing import Any, Hashable, Mapping, NamedTuple
 import numpy as np
 import torch
 
-from impala import ppo, wire
-from impala.checkpoint import CheckpointError
-from impala.config import ConfigError, RunConfig, resolve_device
+from impala.algos import ppo
+
+from impala.transport import wire
+from impala.run.checkpoint import CheckpointError
+from impala.run.config import ConfigError, RunConfig, resolve_device
 from impala.envs.probe import EnvInfo
-from impala.messages import PPOAgentSpec
-from impala.normalizers import RewardNormalizer, RunningMeanStd
-from impala.ppo_config import PPOConfig
-from impala.params import state_dict_arrays
-from impala.ppo_policy import env_action, make_policy
-from impala.trajectory import ppo_unroll_schema
+from impala.transport.messages import PPOAgentSpec
+from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
+from impala.run.ppo_config import PPOConfig
+from impala.transport.params import state_dict_arrays
+from impala.nets.ppo_policy import env_action, make_policy
+from impala.transport.trajectory import ppo_unroll_schema
 
 
 class TrajectoryPiece(NamedTuple):

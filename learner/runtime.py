@@ -27,20 +27,20 @@ import numpy as np
 from actors.actor import Actor
 from actors.loop import ActorConfig
 from actors.pool import ActorPool, ThreadActors
-from impala import wire
-from impala.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from impala.config import ConfigError, RunConfig
+from impala.transport import wire
+from impala.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from impala.run.config import ConfigError, RunConfig
 from impala.envs import UnknownEnvError
 from impala.envs.atari import human_normalized_score
-from impala.curve import prepare_server
+from impala.transport.curve import prepare_server
 from impala.envs.fingerprint import EnvFingerprint, FingerprintMismatchError, compare_fingerprints
 from impala.envs.probe import EnvInfo
 from impala.envs import EnvSpec
-from impala.messages import AgentSpec, RunInfo, agent_spec_from_dict
-from impala.metrics import MetricsLogger
-from impala.tracking import WandbTracker
-from impala.trajectory import TrajectorySchema
-from learner.evaluate import evaluate_params
+from impala.transport.messages import AgentSpec, RunInfo, agent_spec_from_dict
+from impala.run.metrics import MetricsLogger
+from impala.run.tracking import WandbTracker
+from impala.transport.trajectory import TrajectorySchema
+from learner.evaluator import evaluate_params
 from learner.server import PortInUseError, TrajectoryServer
 
 log = logging.getLogger(__name__)

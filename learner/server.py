@@ -23,11 +23,11 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import zmq
 
-from impala import wire
-from impala.curve import make_server_socket, start_authenticator
+from impala.transport import wire
+from impala.transport.curve import make_server_socket, start_authenticator
 from impala.envs.fingerprint import EnvFingerprint
-from impala.metrics import log_this_one
-from impala.trajectory import TrajectorySchema
+from impala.run.metrics import log_this_one
+from impala.transport.trajectory import TrajectorySchema
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class TrajectoryServer:
             then dropped and ``refused`` records why).
         validate: the learner's own check of a decoded unroll's values (e.g. action
             ranges); returns a reason to drop it, or None.
-        curve_dir: a CURVE keys directory (impala.curve); when given, only actors
+        curve_dir: a CURVE keys directory (impala.transport.curve); when given, only actors
             holding an authorized key can connect, and traffic is encrypted.
     """
 

@@ -17,14 +17,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from impala import wire
-from impala.config import ConfigError, ImpalaConfig, RunConfig, resolve_device
+from impala.transport import wire
+from impala.run.config import ConfigError, ImpalaConfig, RunConfig, resolve_device
 from impala.envs.probe import EnvInfo
-from impala.messages import ImpalaAgentSpec
-from impala.models import ImpalaNet, build_model
-from impala.params import state_dict_arrays
-from impala.popart import impala_loss, popart_impala_loss
-from impala.trajectory import TrajectorySchema, impala_unroll_schema, rebuild_frame_stacks, stack_time_major
+from impala.transport.messages import ImpalaAgentSpec
+from impala.nets.impala_net import ImpalaNet, build_model
+from impala.transport.params import state_dict_arrays
+from impala.algos.impala_losses import impala_loss, popart_impala_loss
+from impala.transport.trajectory import TrajectorySchema, impala_unroll_schema, rebuild_frame_stacks, stack_time_major
 from learner.group import STOP, UPDATE, LearnerGroup, LearnerGroupError, lost_peer
 
 log = logging.getLogger(__name__)

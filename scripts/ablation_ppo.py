@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from impala.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
+from impala.run.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
 
 CRAWLER_BUFFER, CRAWLER_BATCH = 20480, 2048
 PRESETS = ("mlagents", "sb3")
@@ -408,7 +408,7 @@ def table(rows: list[dict], seeds: list[int], args: argparse.Namespace) -> str:
 def dry_run(variants: list[Variant], args: argparse.Namespace) -> int:
     """Parse each variant's command with launch_ppo's own parser and build its PPOConfig: a typo'd option or an
     invalid combination fails here, not hours into the ablation."""
-    from impala.ppo_config import config_from_args
+    from impala.run.ppo_config import config_from_args
     from learner.launch_ppo import build_parser
 
     for v in variants:

@@ -25,7 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from impala import models, popart  # noqa: E402
+from impala.nets import impala_net  # noqa: E402
+
+from impala.algos import impala_losses  # noqa: E402
 
 OBS_SHAPE = (4, 84, 84)
 NUM_ACTIONS = 6  # Pong
@@ -81,7 +83,7 @@ def bench(kind: str, args: argparse.Namespace) -> dict:
     cuda = device.type == "cuda"
     T, B = args.unroll_length, args.batch_size
     torch.manual_seed(0)
-    net = models.build_model(kind, OBS_SHAPE, NUM_ACTIONS, use_lstm=args.lstm).to(device)
+    net = impala_net.build_model(kind, OBS_SHAPE, NUM_ACTIONS, use_lstm=args.lstm).to(device)
     if args.channels_last:
         net.torso.to_channels_last()
     model = torch.compile(net) if args.compile else net
@@ -93,7 +95,7 @@ def bench(kind: str, args: argparse.Namespace) -> dict:
         batch = {k: v.to(device, non_blocking=True) for k, v in host.items()} if args.h2d else host
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16):
             out, _ = model(batch["obs"], batch["first"])
-        loss = popart.popart_impala_loss(
+        loss = impala_losses.popart_impala_loss(
             batch["behaviour_logits"],
             out.policy_logits[:-1],
             batch["actions"],

@@ -107,7 +107,7 @@ def main() -> None:
 
     import torch
 
-    from impala.trajectory import impala_unroll_schema
+    from impala.transport.trajectory import impala_unroll_schema
 
     cpu = platform.processor() or platform.machine()
     try:

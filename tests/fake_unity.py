@@ -105,12 +105,9 @@ from mlagents_envs.communicator_objects.brain_parameters_pb2 import (  # noqa: E
     BrainParametersProto,
 )
 from mlagents_envs.communicator_objects.capabilities_pb2 import UnityRLCapabilitiesProto  # noqa: E402
-from mlagents_envs.communicator_objects.command_pb2 import QUIT, RESET, STEP  # noqa: E402
+from mlagents_envs.communicator_objects.command_pb2 import QUIT, RESET  # noqa: E402
 from mlagents_envs.communicator_objects.observation_pb2 import ObservationProto  # noqa: E402
 from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto  # noqa: E402
-from mlagents_envs.communicator_objects.unity_rl_initialization_output_pb2 import (  # noqa: E402
-    UnityRLInitializationOutputProto,
-)
 from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import (  # noqa: E402
     UnityToExternalProtoStub,
 )

@@ -113,7 +113,7 @@ class LegacyActor(Actor):
     def run(self) -> None:  # runs in the child, on the unpickled (spawn/forkserver) or copied (fork) env
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         from actors.loop import ActorLink
-        from impala import wire
+        from impala.transport import wire
         from impala.envs.fingerprint import measure_fingerprint
 
         cfg = self.config

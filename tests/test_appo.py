@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from impala import popart
-from impala.config import ConfigError, ImpalaConfig, RunConfig
+from impala.algos import impala_losses, popart
+from impala.run.config import ConfigError, ImpalaConfig, RunConfig
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo
-from impala.models import build_model
+from impala.nets.impala_net import build_model
 from learner.vtrace_learner import VTraceLearner
 
 
@@ -25,7 +25,7 @@ def test_clipped_surrogate_matches_the_ppo_formula_and_its_gradient():
     logp_pi = (logp_mu + torch.linspace(np.log(0.5), np.log(1.5), 50)).requires_grad_(True)
     adv = torch.randn(50, generator=g)
     eps = 0.2
-    loss = popart.clipped_surrogate_loss(logp_pi, logp_mu, adv, eps, "sum")
+    loss = impala_losses.clipped_surrogate_loss(logp_pi, logp_mu, adv, eps, "sum")
     loss.backward()
     ratio = np.exp(logp_pi.detach().numpy() - logp_mu.numpy())
     a = adv.numpy()
@@ -37,15 +37,15 @@ def test_clipped_surrogate_matches_the_ppo_formula_and_its_gradient():
     np.testing.assert_allclose(logp_pi.grad.numpy(), want_grad, rtol=1e-5, atol=1e-7)
     assert clipped.any() and (~clipped).any()
     with pytest.raises(ValueError, match="clip must be > 0"):
-        popart.clipped_surrogate_loss(logp_pi, logp_mu, adv, 0.0)
+        impala_losses.clipped_surrogate_loss(logp_pi, logp_mu, adv, 0.0)
 
 
 def test_normalized_advantages():
     x = torch.tensor([1.0, 2.0, 3.0, 10.0])
-    n = popart.normalized(x)
+    n = impala_losses.normalized(x)
     assert float(n.mean()) == pytest.approx(0.0, abs=1e-6)
     assert float(n.std()) == pytest.approx(1.0, rel=1e-5)
-    assert float(popart.normalized(torch.tensor([3.0]))) == 0.0
+    assert float(impala_losses.normalized(torch.tensor([3.0]))) == 0.0
 
 
 def _loss_inputs(seed=0, T=6, B=4, A=3):
@@ -62,11 +62,11 @@ def _loss_inputs(seed=0, T=6, B=4, A=3):
 
 def test_surrogate_uses_advantages_without_the_rho_factor():
     behaviour, target, actions, discounts, rewards, values, bootstrap = _loss_inputs()
-    out = popart.impala_loss(behaviour, target, actions, discounts, rewards, values, bootstrap, pg_clip=0.1)
+    out = impala_losses.impala_loss(behaviour, target, actions, discounts, rewards, values, bootstrap, pg_clip=0.1)
     vs_tp1 = torch.cat([out.vtrace.vs[1:], bootstrap[None]])
     want = rewards + discounts * vs_tp1 - values.detach()
     torch.testing.assert_close(out.pg_advantages, want)
-    plain = popart.impala_loss(behaviour, target, actions, discounts, rewards, values, bootstrap)
+    plain = impala_losses.impala_loss(behaviour, target, actions, discounts, rewards, values, bootstrap)
     rho_bar = out.vtrace.log_rhos.exp().clamp(max=1.0)
     torch.testing.assert_close(plain.pg_advantages, rho_bar * want)
 
@@ -77,17 +77,17 @@ def test_popart_surrogate_advantages_are_divided_by_sigma():
         mu=torch.tensor([0.5], dtype=torch.float64), nu=torch.tensor([4.25], dtype=torch.float64),
         sigma=torch.tensor([2.0], dtype=torch.float64),
     )
-    out = popart.popart_impala_loss(
+    out = impala_losses.popart_impala_loss(
         behaviour, target, actions, discounts, rewards, values, bootstrap, state, pg_clip=0.2, normalize_advantages=False
     )
     v = values.detach() * 2.0 + 0.5
     boot = bootstrap * 2.0 + 0.5
     vs_tp1 = torch.cat([out.vtrace.vs[1:], boot[None]])
     torch.testing.assert_close(out.pg_advantages, (rewards + discounts * vs_tp1 - v) / 2.0)
-    normed = popart.popart_impala_loss(
+    normed = impala_losses.popart_impala_loss(
         behaviour, target, actions, discounts, rewards, values, bootstrap, state, pg_clip=0.2, normalize_advantages=True
     )
-    torch.testing.assert_close(normed.pg_advantages, popart.normalized(out.pg_advantages))
+    torch.testing.assert_close(normed.pg_advantages, impala_losses.normalized(out.pg_advantages))
 
 
 def test_epochs_and_clip_are_validated():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from impala.config import available_cpus, cgroup_cpu_quota
+from impala.run.cpus import available_cpus, cgroup_cpu_quota
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_V1 = Path("/sys/fs/cgroup/cpu")
@@ -34,7 +34,7 @@ def test_a_quota_on_a_parent_cgroup_caps_a_process_in_its_child(quota_us, expect
     try:
         (parent / "cpu.cfs_period_us").write_text("100000")
         (parent / "cpu.cfs_quota_us").write_text(str(quota_us))
-        code = "from impala.config import available_cpus, cgroup_cpu_quota; print(available_cpus(), cgroup_cpu_quota())"
+        code = "from impala.run.cpus import available_cpus, cgroup_cpu_quota; print(available_cpus(), cgroup_cpu_quota())"
         out = subprocess.run(["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$0" -c "$1"', sys.executable, code],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from impala.checkpoint import CheckpointError, load_checkpoint, non_finite_tensors, save_checkpoint
-from impala.config import ImpalaConfig
+from impala.run.checkpoint import CheckpointError, load_checkpoint, non_finite_tensors, save_checkpoint
+from impala.run.config import ImpalaConfig
 from procs import run
 
 T, B = 5, 4
 
 
 def _learner():
-    from impala.config import RunConfig
+    from impala.run.config import RunConfig
     from impala.envs import EnvSpec
     from impala.envs.probe import EnvInfo
     from learner.vtrace_learner import ImpalaTrainer
@@ -99,7 +99,7 @@ def _bad_files(tmp_path):
 
 _SAVE_FOREVER = """
 import sys, torch
-from impala.checkpoint import save_checkpoint
+from impala.run.checkpoint import save_checkpoint
 state = {"w": torch.randn(4_000_000), "step": 0}
 print("ready", flush=True)
 while True:
@@ -109,7 +109,7 @@ while True:
 
 
 def _has_o_tmpfile(directory) -> bool:
-    from impala.checkpoint import _unnamed_file
+    from impala.run.checkpoint import _unnamed_file
 
     fd = _unnamed_file(str(directory))
     if fd is None:
@@ -134,7 +134,7 @@ def test_a_writer_killed_mid_save_leaves_the_last_checkpoint_and_no_temp_file(tm
     rng = random.Random(0)
     path = tmp_path / "checkpoint.pt"
     code = _SAVE_FOREVER if unnamed else _SAVE_FOREVER.replace(
-        "from impala.checkpoint import save_checkpoint", "import impala.checkpoint as c; c._unnamed_file = lambda d: None; save_checkpoint = c.save_checkpoint")
+        "from impala.run.checkpoint import save_checkpoint", "import impala.run.checkpoint as c; c._unnamed_file = lambda d: None; save_checkpoint = c.save_checkpoint")
     for _ in range(8 if unnamed else 3):
         proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
         try:
@@ -167,7 +167,7 @@ def test_without_proc_a_checkpoint_is_still_written_once_and_whole(tmp_path):
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare")
     code = ("import os, sys, torch\n"
-            "import impala.checkpoint as c\n"
+            "import impala.run.checkpoint as c\n"
             "for step in range(3):\n"
             "    c.save_checkpoint(sys.argv[1], {'w': torch.full((5,), float(step)), 'step': step})\n"
             "print(c._link_works, sorted(os.listdir(os.path.dirname(sys.argv[1]))))\n")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from impala.config import ConfigError, RunConfig, from_flags
+from impala.run.config import ConfigError, RunConfig, from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("launch_impala", "launch_ppo", "impala-actors")
@@ -243,7 +243,7 @@ def check_command(name: str, argv: list[str]) -> str | None:
 
                 launch_impala.resolve(launch_impala.parse_args(argv))
             elif name == "launch_ppo":
-                from impala.ppo_config import config_from_args
+                from impala.run.ppo_config import config_from_args
                 from learner import launch_ppo
 
                 args = launch_ppo.build_parser().parse_args(argv)

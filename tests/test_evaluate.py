@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from impala.checkpoint import CheckpointError
-from impala.config import ConfigError
+from impala.run.checkpoint import CheckpointError
+from impala.run.config import ConfigError
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.protocols import FRAME_CAP, NetworkActions, ProtocolError, action_index_map, eval_protocol
 from impala.evaluation import RESULT_SCHEMA, EvalConfig, read_policy_checkpoint
-from learner.evaluate import EvalJob, checkpoint_agent, evaluate_params, main, run_episodes
+from learner.eval_cli import main
+from learner.evaluator import EvalJob, checkpoint_agent, evaluate_params, run_episodes
 from procs import run
 
 BIN = Path(sys.executable).parent
@@ -161,7 +162,7 @@ def test_greedy_and_sample_switch_in_both_agents(cartpole, ppo):
         else:
             import torch as t
 
-            from impala.ppo_policy import env_action
+            from impala.nets.ppo_policy import env_action
 
             mu = a.policy.mean(t.from_numpy(obs.astype(np.float32))).detach().numpy()
             np.testing.assert_allclose(greedy[0], env_action(mu, mode=a.config.action_clip, low=a.action_low, high=a.action_high))

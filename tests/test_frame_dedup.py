@@ -10,7 +10,7 @@ import torch
 
 from impala.envs import EnvSpec
 from impala.envs.vector import GymVecEnv
-from impala.trajectory import impala_unroll_schema, rebuild_frame_stacks
+from impala.transport.trajectory import impala_unroll_schema, rebuild_frame_stacks
 
 
 def reference(head, frames, first):
@@ -69,7 +69,7 @@ def test_the_actor_refuses_to_send_frames_alone_from_an_env_that_stacks_otherwis
     """The actor's agent checks the stacking rule on every observation it records: real Pong frames
     stacked newest-first (another wrapper's convention) are refused with the flag that turns dedup off."""
     from actors.agents import make_agent
-    from impala.messages import ImpalaAgentSpec
+    from impala.transport.messages import ImpalaAgentSpec
 
     envs = GymVecEnv(EnvSpec("PongDeterministic-v4"), 1, seed=0)
     obs = envs.reset()

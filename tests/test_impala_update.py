@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from impala.config import ImpalaConfig, RunConfig, load_preset
-from impala.models import build_model
+from impala.run.config import ImpalaConfig, RunConfig, load_preset
+from impala.nets.impala_net import build_model
 from learner.vtrace_learner import VTraceLearner
 
 T, B, A = 80, 32, 6

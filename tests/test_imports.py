@@ -76,7 +76,7 @@ def test_the_graph_reader_sees_known_edges():
     # guards against a reader that finds nothing and so passes everything below
     assert ("actors.actor", "actors.loop") in edges
     assert ("learner.runtime", "actors.actor") in edges
-    assert ("impala.vtrace", "impala.vtrace") not in edges
+    assert ("impala.algos.vtrace", "impala.algos.vtrace") not in edges
     assert _cycles({("a", "b"), ("b", "c"), ("c", "a")}) == [["a", "b", "c", "a"]]
 
 

@@ -147,7 +147,7 @@ def test_help_documents_every_option():
 
 
 def test_env_kwargs_override_is_applied_and_validated(tmp_path):
-    from impala.config import ConfigError, RunConfig
+    from impala.run.config import ConfigError, RunConfig
     from impala.envs import EnvSpec
     from impala.envs.probe import probe_env
 
@@ -210,7 +210,7 @@ def test_preset_values_are_defaults_that_flags_override(tmp_path):
     args = parse_args(["--config", str(preset), "--unroll-length", "20"])
     assert (args.learning_rate, args.unroll_length, args.optimizer, args.batch_size) == (0.001, 20, "rmsprop", 32)
     preset.write_text("unroll_length: eighty\n")
-    from impala.config import ConfigError
+    from impala.run.config import ConfigError
 
     with pytest.raises(ConfigError, match="unroll_length"):
         parse_args(["--config", str(preset)])
@@ -247,10 +247,10 @@ def test_every_numeric_and_choice_field_rejects_bad_values(cls_name):
     import dataclasses
     import math
 
-    import impala.config
-    from impala.config import ConfigError, field_kind
+    import impala.run.config
+    from impala.run.config import ConfigError, field_kind
 
-    cls = getattr(impala.config, cls_name)
+    cls = getattr(impala.run.config, cls_name)
     accepted = []
     for f in dataclasses.fields(cls):
         choices, kind, _ = field_kind(cls, f.name)
@@ -274,7 +274,7 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
 
     import zmq
 
-    from impala import wire
+    from impala.transport import wire
 
     port = free_port_pair()
     learner = start(["launch_impala", "--workers", "1", *CARTPOLE, "--port", str(port), "--total-frames", "100000000",

@@ -30,13 +30,13 @@ sys.path.insert(0, str(HERE))
 from fake_unity import write_fake_build  # noqa: E402
 
 from actors.ppo_agent import PPOAgent  # noqa: E402
-from impala import wire  # noqa: E402
-from impala.config import RunConfig  # noqa: E402
+from impala.transport import wire  # noqa: E402
+from impala.run.config import RunConfig  # noqa: E402
 from impala.envs import EnvSpec  # noqa: E402
 from impala.envs.probe import EnvInfo  # noqa: E402
 from impala.envs.vector import StepResult  # noqa: E402
-from impala.messages import PPOAgentSpec  # noqa: E402
-from impala.ppo_config import PPOConfig  # noqa: E402
+from impala.transport.messages import PPOAgentSpec  # noqa: E402
+from impala.run.ppo_config import PPOConfig  # noqa: E402
 from learner.ppo_learner import PPOTrainer, choose_unroll_length, piece_from_unroll, unrolls_per_update  # noqa: E402
 
 LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")

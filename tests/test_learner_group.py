@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from impala.config import ImpalaConfig, RunConfig, load_preset
+from impala.run.config import ImpalaConfig, RunConfig, load_preset
 
 T, B, A, OBS = 5, 4, 6, (4, 84, 84)
 PRESET = os.path.join(os.path.dirname(__file__), "..", "configs", "atari.yaml")
@@ -39,7 +39,7 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _learner(config: ImpalaConfig, group=None):
-    from impala.models import build_model
+    from impala.nets.impala_net import build_model
     from learner.vtrace_learner import VTraceLearner
 
     torch.manual_seed(0)

@@ -16,8 +16,8 @@ import numpy as np
 import zmq
 
 from actors.remote import fetch_run_info
-from impala import wire
-from impala.trajectory import impala_unroll_schema
+from impala.transport import wire
+from impala.transport.trajectory import impala_unroll_schema
 from procs import free_port_pair, kill_group, start, wait_for
 
 T = 20

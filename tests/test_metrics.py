@@ -2,8 +2,8 @@ import csv
 
 import pytest
 
-from impala.checkpoint import load_checkpoint, save_checkpoint
-from impala.metrics import MetricsLogger
+from impala.run.checkpoint import load_checkpoint, save_checkpoint
+from impala.run.metrics import MetricsLogger
 
 
 def test_csv_widens_for_new_keys_and_appends_on_resume(tmp_path):
@@ -107,12 +107,12 @@ def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
 
     import cv2
 
-    from impala.config import RunConfig
+    from impala.run.config import RunConfig
     from impala.envs import EnvSpec
-    from impala.messages import ImpalaAgentSpec, RunInfo
-    from impala.models import build_model
-    from impala.params import state_dict_arrays
-    from impala.tracking import WandbTracker
+    from impala.transport.messages import ImpalaAgentSpec, RunInfo
+    from impala.nets.impala_net import build_model
+    from impala.transport.params import state_dict_arrays
+    from impala.run.tracking import WandbTracker
     from learner.runtime import PeriodicEval
 
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -73,8 +73,8 @@ from mlagents_envs.base_env import (  # noqa: E402
     ObservationType,
 )
 
-import impala.ppo  # noqa: E402
-from impala.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
+import impala.algos.ppo  # noqa: E402
+from impala.run.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
 from learner.ppo_learner import PPOLearner, TrajectoryPiece  # noqa: E402
 
 CRAWLER = Path(__file__).resolve().parents[1] / "configs" / "Crawler.yaml"
@@ -488,7 +488,7 @@ def run_ours(ref: Reference, config: PPOConfig, ingest: Callable[[PPOLearner, Tr
         rec.ingest.append({**norms, **{k: stacked[k].numpy().copy() for k in ("values", "advantages", "returns")}})
 
         log = MinibatchLog()
-        total_loss = impala.ppo.total_loss_mlagents
+        total_loss = impala.algos.ppo.total_loss_mlagents
 
         def total(policy_loss, value_loss, entropy, **kwargs):
             log.note(policy_loss=float(policy_loss.detach()), value_loss=float(value_loss.detach()),
@@ -496,7 +496,7 @@ def run_ours(ref: Reference, config: PPOConfig, ingest: Callable[[PPOLearner, Tr
             return total_loss(policy_loss, value_loss, entropy, **kwargs)
 
         with log.backward_hook(), log.step_hook(learner.optimizer, lambda: {k: p.grad for k, p in named.items()}), \
-                mock.patch.object(impala.ppo, "total_loss_mlagents", total):
+                mock.patch.object(impala.algos.ppo, "total_loss_mlagents", total):
             metrics = learner.update()
         rec.minibatches.append(log.rows)
         opt = learner.optimizer
@@ -623,7 +623,7 @@ def test_normalizer_counts_past_2_24_like_mlagents():
     10M steps per normalizer gets close, several runs' worth passes it): ours must count and divide as it does."""
     from mlagents.trainers.torch.encoders import Normalizer
 
-    from impala.normalizers import MLAgentsNormalizer
+    from impala.algos.normalizers import MLAgentsNormalizer
 
     D, start = 7, 2**24 + 3
     rng = np.random.default_rng(11)

@@ -65,7 +65,7 @@ from mlagents_envs.base_env import (  # noqa: E402
     TerminalSteps,
 )
 
-from impala.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
+from impala.run.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
 from learner.ppo_learner import PPOLearner, TrajectoryPiece  # noqa: E402
 
 BEHAVIOR = "Walker"

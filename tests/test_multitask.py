@@ -18,14 +18,14 @@ import pytest
 import torch
 import zmq
 
-from impala import wire
-from impala.config import ImpalaConfig
+from impala.transport import wire
+from impala.run.config import ImpalaConfig
 from impala.envs import EnvSpec
 from impala.envs.atari import human_normalized_score
 from impala.envs.probe import probe_tasks
-from impala.messages import ImpalaAgentSpec, RunInfo
-from impala.models import build_model
-from impala.trajectory import impala_unroll_schema
+from impala.transport.messages import ImpalaAgentSpec, RunInfo
+from impala.nets.impala_net import build_model
+from impala.transport.trajectory import impala_unroll_schema
 from learner import launch_impala, launch_ppo
 from learner.server import TrajectoryServer
 from learner.vtrace_learner import VTraceLearner
@@ -253,7 +253,7 @@ def test_multi_task_defaults_yield_to_flags_and_presets(tmp_path):
     """PopArt on and rewards unclipped for several tasks, unless a flag or a preset says otherwise."""
     def resolved(*argv):
         _, impala = launch_impala.resolve(launch_impala.parse_args(list(argv)))
-        return impala.popart, impala.reward_clip
+        return impala.algos.popart, impala.reward_clip
 
     assert resolved("--env", "CartPole-v1") == (False, 1.0)  # one task: the single-task defaults
     assert resolved("--env", TASKS) == (True, 0.0)

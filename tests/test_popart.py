@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from impala import popart, vtrace
+from impala.algos import impala_losses, popart
+
+from impala.algos import vtrace
 
 
 def test_normalize_unnormalize_identity():
@@ -134,7 +136,7 @@ def _loss_inputs(T=7, B=5, A=4, seed=0):
 def test_popart_loss_matches_paper_formulas():
     behaviour, target, actions, discounts, rewards, n_values, n_boot = _loss_inputs()
     state = popart.PopArtState(mu=torch.tensor([20.0]), nu=torch.tensor([400.0 + 9.0]), sigma=torch.tensor([3.0]))
-    out = popart.popart_impala_loss(
+    out = impala_losses.popart_impala_loss(
         behaviour, target, actions, discounts, rewards, n_values, n_boot, state, baseline_cost=0.25, entropy_cost=0.1
     )
     mu, sigma = 20.0, 3.0
@@ -159,8 +161,8 @@ def test_popart_loss_matches_paper_formulas():
 
 def test_identity_popart_loss_equals_plain_impala_loss():
     behaviour, target, actions, discounts, rewards, n_values, n_boot = _loss_inputs(seed=4)
-    plain = popart.impala_loss(behaviour, target, actions, discounts, rewards, n_values, n_boot)
-    pa = popart.popart_impala_loss(
+    plain = impala_losses.impala_loss(behaviour, target, actions, discounts, rewards, n_values, n_boot)
+    pa = impala_losses.popart_impala_loss(
         behaviour, target, actions, discounts, rewards, n_values, n_boot, popart.init_state(1, dtype=torch.float32)
     )
     for name in ("total", "pg_loss", "baseline_loss", "entropy"):
@@ -177,9 +179,9 @@ def test_popart_loss_with_task_ids():
         mu=torch.tensor([0.0, 100.0]), nu=torch.tensor([1.0, 1e4 + 100.0]), sigma=torch.tensor([1.0, 10.0])
     )
     tasks = torch.tensor([0, 1, 1, 0]).expand(7, 4)
-    out = popart.popart_impala_loss(behaviour, target, actions, discounts, rewards, n_values, n_boot, state, tasks)
+    out = impala_losses.popart_impala_loss(behaviour, target, actions, discounts, rewards, n_values, n_boot, state, tasks)
     for b in range(4):
-        single = popart.popart_impala_loss(
+        single = impala_losses.popart_impala_loss(
             behaviour[:, b : b + 1], target[:, b : b + 1], actions[:, b : b + 1], discounts[:, b : b + 1],
             rewards[:, b : b + 1], n_values[:, b : b + 1], n_boot[b : b + 1], state, int(tasks[0, b]),
         )

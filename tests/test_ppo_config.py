@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from impala.ppo_config import ConfigError, PPOConfig, config_from_args, config_to_argparse, from_mlagents_yaml
+from impala.run.ppo_config import ConfigError, PPOConfig, config_from_args, config_to_argparse, from_mlagents_yaml
 
 CRAWLER = Path(__file__).resolve().parents[1] / "configs" / "Crawler.yaml"
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from impala import ppo
-from impala.ppo_config import PPOConfig
+from impala.algos import ppo
+from impala.run.ppo_config import PPOConfig
 from learner.ppo_learner import PPOLearner, TrajectoryPiece
 
 OBS, ACT = 5, 3

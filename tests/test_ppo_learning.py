@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from impala.ppo_config import PPOConfig
+from impala.run.ppo_config import PPOConfig
 from learner.ppo_learner import PPOLearner, TrajectoryPiece
 
 N_ENVS = 4

@@ -1,4 +1,4 @@
-"""PPO math parity: impala.ppo / impala.normalizers / impala.ppo_policy against
+"""PPO math parity: impala.algos.ppo / impala.algos.normalizers / impala.nets.ppo_policy against
 
 1. naive NumPy restatements of docs/PPO_SEMANTICS.md, written here like the
    equations (float64, tolerance 1e-6);
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from impala import ppo
-from impala.normalizers import (
+from impala.algos import ppo
+from impala.algos.normalizers import (
     RewardNormalizer,
     RunningMeanStd,
     mlagents_normalizer_apply,
@@ -24,7 +24,7 @@ from impala.normalizers import (
     mlagents_normalizer_update,
     vecnormalize_obs,
 )
-from impala.ppo_policy import ActorCritic, env_action
+from impala.nets.ppo_policy import ActorCritic, env_action
 
 TOL = 1e-6
 RNG = np.random.default_rng(1234)
@@ -499,7 +499,7 @@ def test_one_update_matches_sb3_train_step():
     from stable_baselines3 import PPO
     from stable_baselines3.common.logger import configure
 
-    from impala.ppo_config import PPOConfig
+    from impala.run.ppo_config import PPOConfig
     from learner.ppo_learner import PPOLearner
 
     N = 16

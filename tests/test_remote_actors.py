@@ -5,12 +5,11 @@ import re
 import shutil
 import time
 
-import numpy as np
 import zmq
 
-from impala import wire
-from impala.curve import ClientKeys, make_client_keys, make_client_socket, prepare_server
-from impala.trajectory import impala_unroll_schema
+from impala.transport import wire
+from impala.transport.curve import ClientKeys, make_client_keys, make_client_socket, prepare_server
+from impala.transport.trajectory import impala_unroll_schema
 from learner.server import TrajectoryServer
 from procs import free_port_pair, kill_group, run, start, wait_for
 

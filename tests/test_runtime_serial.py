@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from impala.config import ImpalaConfig, RunConfig
+from impala.run.config import ImpalaConfig, RunConfig
 from impala.envs import EnvSpec
 from impala.envs.probe import probe_env
 from learner.runtime import RunPlan, run
@@ -30,8 +30,8 @@ def test_in_process_run_trains_with_and_without_lstm(tmp_path, use_lstm):
 def test_staging_buffers_match_a_fresh_stack_and_are_reused(tmp_path):
     import numpy as np
 
-    from impala.models import build_model
-    from impala.trajectory import impala_unroll_schema, stack_time_major
+    from impala.nets.impala_net import build_model
+    from impala.transport.trajectory import impala_unroll_schema, stack_time_major
     from learner.vtrace_learner import VTraceLearner
 
     schema = impala_unroll_schema(5, (4,), "float32", 2, core_state_size=3)
@@ -55,7 +55,7 @@ def test_same_seed_same_first_updates_in_process(tmp_path):
     seed make bit-identical first updates; another seed does not."""
     import torch
 
-    from impala.checkpoint import load_checkpoint
+    from impala.run.checkpoint import load_checkpoint
     from learner.launch_impala import main
 
     def weights(seed: int, name: str) -> dict:
@@ -109,7 +109,7 @@ def test_a_dead_evaluation_process_does_not_hold_the_launcher_at_exit(tmp_path):
     script.write_text(
         "import numpy as np\n"
         "from types import SimpleNamespace\n"
-        "from impala.config import RunConfig\n"
+        "from impala.run.config import RunConfig\n"
         "from impala.envs import EnvSpec\n"
         "from learner.runtime import PeriodicEval\n"
         "if __name__ == '__main__':\n"

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
-from impala import wire
-from impala.trajectory import impala_unroll_schema
+from impala.transport import wire
+from impala.transport.trajectory import impala_unroll_schema
 from learner.server import PortInUseError, TrajectoryServer
 
 SCHEMA = impala_unroll_schema(4, (3,), "float32", 2)
@@ -260,10 +260,10 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
 
     from actors.loop import ActorConfig, run_actor
     from impala.envs import EnvSpec
-    from impala.messages import ImpalaAgentSpec
-    from impala.models import build_model
-    from impala.params import state_dict_arrays
-    from impala.trajectory import impala_unroll_schema
+    from impala.transport.messages import ImpalaAgentSpec
+    from impala.nets.impala_net import build_model
+    from impala.transport.params import state_dict_arrays
+    from impala.transport.trajectory import impala_unroll_schema
 
     schema = impala_unroll_schema(4, (4,), "float32", 2)
     srv = TrajectoryServer(schema, queue_size=64)

@@ -38,7 +38,6 @@ from mlagents_envs.base_env import (  # noqa: E402
     DimensionProperty,
     ObservationSpec,
     ObservationType,
-    TerminalSteps,
 )
 from mlagents_envs.communicator_objects.agent_info_pb2 import AgentInfoProto  # noqa: E402
 from mlagents_envs.communicator_objects.observation_pb2 import PNG, ObservationProto  # noqa: E402

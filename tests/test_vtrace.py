@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from impala import vtrace
+from impala.algos import vtrace
 
 
 def naive_vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho=1.0, clip_pg_rho=1.0):

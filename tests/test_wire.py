@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from impala import wire
-from impala.trajectory import impala_unroll_schema, stack_time_major
+from impala.transport import wire
+from impala.transport.trajectory import impala_unroll_schema, stack_time_major
 
 SCHEMA = impala_unroll_schema(5, (4,), "float32", 3)
 

@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from impala import wire
-from impala.trajectory import impala_unroll_schema
+from impala.transport import wire
+from impala.transport.trajectory import impala_unroll_schema
 
 SCHEMA = impala_unroll_schema(3, (2,), "float32", 2)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

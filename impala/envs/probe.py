@@ -18,7 +18,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from impala.config import ConfigError
+from impala.run.config import ConfigError
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import (
     EnvFingerprint,

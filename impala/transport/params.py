@@ -12,7 +12,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from impala.trajectory import ArraySpec, TrajectorySchema
+from impala.transport.trajectory import ArraySpec, TrajectorySchema
 
 
 def state_dict_schema(module: torch.nn.Module) -> TrajectorySchema:

@@ -47,7 +47,7 @@ def task_returns_text(row: Mapping[str, float]) -> str:
 
 class MetricsLogger:
     def __init__(self, logdir: str, *, progress: bool = True, title: str = "training", tracker: Any = None) -> None:
-        """``tracker``: an optional experiment tracker (``impala.tracking.WandbTracker``) that gets every row too."""
+        """``tracker``: an optional experiment tracker (``impala.run.tracking.WandbTracker``) that gets every row too."""
         os.makedirs(logdir, exist_ok=True)
         self.tracker = tracker
         from torch.utils.tensorboard import SummaryWriter

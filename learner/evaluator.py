@@ -1,6 +1,7 @@
-"""``impala-eval CHECKPOINT``: play a trained checkpoint and judge it under a named protocol.
+"""The evaluation engine: play a policy's episodes and judge them under a named protocol.
 
-One command for both learners' checkpoints (``impala.evaluation.read_policy_checkpoint``).
+Used by ``impala-eval`` (:mod:`learner.eval_cli`), by a training run's ``--eval-every`` and by
+``frameskip_check --plot``; it reads both learners' checkpoints (``impala.evaluation.read_policy_checkpoint``).
 The episodes are played in worker processes through the actors' own agent code
 (``actors.agents.make_agent`` + ``load_params`` + ``act``; ``act_greedy`` for
 ``--policy greedy``), one env per worker built from the protocol's ``EnvSpec``
@@ -9,22 +10,17 @@ built and compares it with the protocol (the fingerprint guard of the training a
 the frame cap and no-op starts); a difference stops the evaluation with the field named.
 
 Episode i resets its env and seeds its agent with ``seed + i``, so the figures do not
-depend on how many workers played them. Output: a table on the console and a JSON file
-(``EvalResult.to_dict``) next to the checkpoint; ``--video`` records the first episode(s)
+depend on how many workers played them. The result is an ``EvalResult``;
+a video recorder writes the first episode(s)
 from the raw RGB screen. :func:`evaluate_params` is the same evaluation for a caller
 holding weights rather than a file (a training run's periodic evaluation).
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
-import dataclasses
-import json
 import multiprocessing
 import os
-import re
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -33,14 +29,13 @@ import gymnasium as gym
 import numpy as np
 
 from actors.agents import Agent, make_agent
-from impala.checkpoint import CheckpointError
-from impala.config import ConfigError, FlagParser, add_flags, fail, from_flags
-from impala.envs import EnvSpec, UnknownEnvError
+from impala.run.config import ConfigError
+from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import build_env
 from impala.envs.protocols import EvalProtocol, NetworkActions, check_protocol_env, eval_protocol, network_action_map
-from impala.evaluation import EpisodeRecord, EvalConfig, EvalResult, PolicyCheckpoint, check_writable, read_policy_checkpoint
-from impala.messages import AgentSpec
+from impala.evaluation import EpisodeRecord, EvalConfig, EvalResult, PolicyCheckpoint
+from impala.transport.messages import AgentSpec
 
 PROG = "impala-eval"
 
@@ -445,129 +440,3 @@ def evaluate_checkpoint(ckpt: PolicyCheckpoint, options: EvalConfig, *, fingerpr
         workers=options.workers, seed=options.seed, max_frames=options.max_frames, video=options.video,
         video_episodes=options.video_episodes, video_max_frames=options.video_max_frames, video_scale=options.video_scale,
         fingerprint_steps=fingerprint_steps, checkpoint=ckpt)
-
-
-# ---------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        prog=PROG,
-        description=(
-            "Play a launch_impala or launch_ppo checkpoint for N episodes across worker processes (through the actors' own "
-            "agent code) under a named protocol, check every worker's env against the protocol, and report mean, std, median, "
-            "min and max of the episode returns: a table here and a JSON file next to the checkpoint. Exit 0: done; "
-            "1: a worker's env differs from the protocol; 2: bad input."
-        ),
-    )
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint.pt, or a run's logdir holding one")
-    add_flags(parser, EvalConfig)
-    return parser
-
-
-def protocol_line(settings: Mapping[str, Any]) -> str:
-    """The protocol and its frame budget in a few words (the console table, the README's results)."""
-    s = settings
-    if "sticky" not in s:
-        cap = f"episodes cut at {s['max_frames_per_episode']:,} steps" if s.get("max_frames_per_episode") else (
-            f"step limit {s['max_episode_steps']:,}" if s.get("max_episode_steps") else "no step limit")
-        return f"{s['protocol']}: {s['env_id']} as trained, {cap}"
-    parts = [f"sticky {s['sticky']:g}", f"{s['action_set']} actions", f"{s['noop_max']} no-ops max" if s["noop_max"] else "no no-ops"]
-    parts.append(f"cap {s['max_frames_per_episode']:,} frames" if s.get("max_frames_per_episode") else
-                 f"step limit {s['max_episode_steps']:,}" if s.get("max_episode_steps") else "no cap")
-    return f"{s['protocol']}: frameskip {s['frameskip']}, " + ", ".join(parts)
-
-
-_FLAT_LIST = re.compile(r"\[\s+((?:-?[\d.eE+-]+|true|false|null)(?:,\s+(?:-?[\d.eE+-]+|true|false|null))*)\s+\]")
-
-
-def result_json(data: Mapping[str, Any]) -> str:
-    """``data`` as indented JSON with each list of numbers on one line."""
-    return _FLAT_LIST.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", json.dumps(data, indent=1)) + "\n"
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.2f}" if abs(x) < 1e4 else f"{x:,.0f}"
-
-
-def print_result(result: EvalResult, *, json_path: str, file: Any = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    s = result.stats
-    ck = result.checkpoint or {}
-    trained = f", trained {ck['env_frames']:,} frames" if ck.get("env_frames") else ""
-    table = Table(title=f"impala-eval: {result.env['id']}{trained}", show_header=False)
-    table.add_column("", style="bold", no_wrap=True)
-    table.add_column("", overflow="fold")
-    steps = np.array([e.steps for e in result.episodes], dtype=float)
-    frames = np.array([e.frames for e in result.episodes], dtype=float)
-    capped = sum(e.capped for e in result.episodes)
-    checked = ", ".join(str(w["pid"]) for w in result.workers)
-    rows = [
-        ("protocol", protocol_line(result.settings)),
-        ("policy", result.policy),
-        ("episodes", f"{len(result.episodes)} (seeds {result.seed}..{result.seed + len(result.episodes) - 1})" + (f", {capped} cut by a cap" if capped else "")),
-        ("return", f"[bold]{_fmt(s['mean'])} ± {_fmt(s['std'])}[/bold] (mean ± std)"),
-        ("median / min / max", f"{_fmt(s['median'])} / {_fmt(s['min'])} / {_fmt(s['max'])}"),
-        ("episode length", f"{steps.mean():,.0f} agent steps, {frames.mean():,.0f} env frames (mean)"),
-        ("total", f"{result.total_steps:,} agent steps, {result.total_frames:,} env frames"),
-        ("env checked in", f"{len(result.workers)} worker(s): pid {checked}: OK"),
-        ("wall time", f"{result.wall_time_s:,.1f} s"),
-        ("result", json_path),
-    ]
-    if result.video:
-        rows.append(("video", f"{result.video['path']} ({result.video['frames']} frames, {result.video['fps']:g} fps)"))
-    for k, v in rows:
-        table.add_row(k, v)
-    Console(file=file or sys.stdout, soft_wrap=False).print(table)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        options: EvalConfig = from_flags(EvalConfig, args)
-        options.check_paths()
-        ckpt = read_policy_checkpoint(args.checkpoint)
-        tasks = ckpt.select_tasks(options.task)
-        if len(tasks) > 1:
-            print(f"{PROG}: {ckpt.path} is a multi-task checkpoint: playing its {len(tasks)} tasks in turn", flush=True)
-        for spec in tasks:
-            one = dataclasses.replace(ckpt, env=spec)
-            task_options = options.for_task(spec.id, ckpt.path) if ckpt.tasks else options
-            out = task_options.result_path(ckpt.path)
-            if not options.out:
-                check_writable(out, "the result file (--out)")
-            proto = eval_protocol(spec, options.protocol, max_frames=options.max_frames)
-            print(f"{PROG}: {ckpt.path} ({ckpt.kind}, {spec.id}); protocol {proto.summary()}", flush=True)
-            print(f"{PROG}: settings {json.dumps(proto.settings())}", flush=True)
-            result = evaluate_checkpoint(one, task_options)
-            write_result(result, out)
-    except (ConfigError, CheckpointError, UnknownEnvError) as e:
-        return fail(PROG, e)
-    except FingerprintMismatchError as e:
-        fail(PROG, e)
-        return 1
-    except concurrent.futures.process.BrokenProcessPool as e:
-        fail(PROG, f"an evaluation worker process died ({e})")
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    return 0
-
-
-def write_result(result: EvalResult, out: str) -> None:
-    """The JSON result (atomically), the console table and where both went."""
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(result_json(result.to_dict()))
-    os.replace(tmp, out)
-    print_result(result, json_path=out)
-    print(f"{PROG}: wrote {out}" + (f" and {result.video['path']}" if result.video else ""), flush=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

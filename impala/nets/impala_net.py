@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from impala.popart import PopArtValueHead
+from impala.algos.popart import PopArtValueHead
 
 __all__ = [
     "CoreState",

@@ -9,7 +9,7 @@
 
 :class:`RunConfig` holds the process-level settings every entry point shares (``launch_impala``,
 ``launch_ppo``, ``impala-actors`` takes a subset); :class:`ImpalaConfig` holds only IMPALA's
-algorithm and model settings; ``impala.ppo_config.PPOConfig`` PPO's.
+algorithm and model settings; ``impala.run.ppo_config.PPOConfig`` PPO's.
 
 **ImpalaConfig's defaults are the settings measured to learn Pong on a 2-core CPU** (docs/PONG.md,
 issue 8): V-trace(lambda=0.95) targets and advantages with PPO's clipped surrogate against the
@@ -30,12 +30,13 @@ import json
 import math
 import multiprocessing
 import os
-import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Optional, Union
+
+from impala.run.cpus import available_cpus
 
 
 class ConfigError(ValueError):
@@ -48,76 +49,6 @@ class ConfigError(ValueError):
 def option(default: Any, help: str) -> Any:
     """A dataclass field with its ``--help`` text."""
     return field(default=default, metadata={"help": help})
-
-
-def available_cpus() -> int:
-    """The CPUs this process may use: its affinity (a Slurm allocation's or a container's cpuset), capped by a
-    CFS quota on its cgroup (``docker --cpus 4``, Kubernetes CPU limits), rounded up; not the machine's count."""
-    try:
-        cpus = max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-    quota = cgroup_cpu_quota()
-    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
-
-
-def cgroup_cpu_quota(proc: str = "/proc/self") -> float | None:
-    """CPUs' worth of time the CFS quota of this process's cgroup (or of an ancestor: the tightest) allows, from
-    cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``; None when there is no quota."""
-    try:
-        with open(f"{proc}/cgroup") as f:
-            memberships = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-        with open(f"{proc}/mountinfo") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return None
-    quotas = []
-    for fields in mounts:
-        if "-" not in fields:
-            continue
-        sep = fields.index("-")
-        if len(fields) < sep + 4:
-            continue
-        # mountinfo escapes space, tab, newline and backslash as octal (\\040 ...); /proc/self/cgroup does not.
-        mount_root, mount_point = _unescape_mountinfo(fields[3]), _unescape_mountinfo(fields[4])
-        fstype, options = fields[sep + 1], fields[sep + 3].split(",")
-        if fstype == "cgroup2":
-            paths = [path for hierarchy, controllers, path in memberships if hierarchy == "0" and controllers == ""]
-        elif fstype == "cgroup" and "cpu" in options:
-            paths = [path for _, controllers, path in memberships if "cpu" in controllers.split(",")]
-        else:
-            continue
-        for path in paths:
-            if not (path == mount_root or path.startswith(mount_root.rstrip("/") + "/")):
-                continue  # this process's cgroup is not visible under that mount
-            directory = os.path.join(mount_point, os.path.relpath(path, mount_root))
-            while True:
-                quota = _cfs_quota(directory, v2=fstype == "cgroup2")
-                if quota is not None:
-                    quotas.append(quota)
-                if os.path.normpath(directory) == os.path.normpath(mount_point):
-                    break
-                directory = os.path.dirname(directory)
-    return min(quotas) if quotas else None
-
-
-def _unescape_mountinfo(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def _cfs_quota(directory: str, v2: bool) -> float | None:
-    try:
-        if v2:
-            with open(os.path.join(directory, "cpu.max")) as f:
-                quota, period = (f.read().split() + ["100000"])[:2]
-            return None if quota == "max" else int(quota) / int(period)
-        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
-            quota = int(f.read())
-        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
-            period = int(f.read())
-        return None if quota <= 0 else quota / period
-    except (OSError, ValueError, ZeroDivisionError):
-        return None
 
 
 def flag_name(name: str) -> str:
@@ -213,7 +144,7 @@ def add_flags(
 
     ``defaults`` and ``helps`` let an entry point give a shared field its own default or text.
     ``given_only``: flags not given leave no attribute (``argparse.SUPPRESS``), for callers that
-    layer explicit flags over a preset (see ``impala.ppo_config.config_from_args``).
+    layer explicit flags over a preset (see ``impala.run.ppo_config.config_from_args``).
     """
     keep = set(only) if only is not None else None
     defaults, helps = defaults or {}, helps or {}

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
 from impala.envs import EnvSpec
-from impala.config import MAX_TASKS
-from impala.ppo_config import PPOConfig
+from impala.run.config import MAX_TASKS
+from impala.run.ppo_config import PPOConfig
 
 
 def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -33,12 +33,12 @@ def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: st
 
 @dataclass(frozen=True)
 class ImpalaAgentSpec:
-    """Discrete actions from an IMPALA network (``impala.models.build_model``)."""
+    """Discrete actions from an IMPALA network (``impala.nets.impala_net.build_model``)."""
 
     model: str
     use_lstm: bool = False
     popart_beta: float = 3e-4
-    frame_stack: int = 0  # > 1: send each frame once (impala.trajectory.impala_unroll_schema)
+    frame_stack: int = 0  # > 1: send each frame once (impala.transport.trajectory.impala_unroll_schema)
     num_tasks: int = 1  # > 1: multi-task; PopArt value heads, and every unroll carries its task index
     kind: str = dataclasses.field(default="impala", init=False)
 

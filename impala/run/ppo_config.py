@@ -22,13 +22,13 @@ from typing import Any, Literal
 
 import yaml
 
-from impala import ppo
+from impala.algos import ppo
 
 SEMANTICS = ("mlagents", "sb3")
 
 
-from impala.config import ConfigError, add_flags, check_fields, given_flags  # noqa: E402 - one config mechanism
-from impala.config import option as _f  # noqa: E402
+from impala.run.config import ConfigError, add_flags, check_fields, given_flags  # noqa: E402 - one config mechanism
+from impala.run.config import option as _f  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -516,7 +516,7 @@ _DEST = "ppo__"
 
 def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--semantics``, ``--trainer-config``, ``--behavior`` and one flag per option
-    (``impala.config.add_flags``: ``--x/--no-x`` for booleans, ``none`` unsets an optional option).
+    (``impala.run.config.add_flags``: ``--x/--no-x`` for booleans, ``none`` unsets an optional option).
 
     Flags not given keep the preset/file value (they leave no attribute), so the layering is
     preset < trainer YAML < explicit flags. ``seed`` has no flag here: launchers take it from

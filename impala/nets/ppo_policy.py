@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from impala import ppo
-from impala.normalizers import FrozenObsNormalizer, MLAgentsNormalizer
-from impala.ppo_config import PPOConfig
+from impala.algos import ppo
+from impala.algos.normalizers import FrozenObsNormalizer, MLAgentsNormalizer
+from impala.run.ppo_config import PPOConfig
 
 ACTIVATIONS = {"swish": nn.SiLU, "tanh": nn.Tanh, "relu": nn.ReLU}
 INITS = ("mlagents", "sb3")

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from impala.trajectory import TrajectorySchema
+from impala.transport.trajectory import TrajectorySchema
 
 WIRE_SCHEMA_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024

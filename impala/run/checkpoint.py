@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from impala.config import ConfigError
+from impala.run.config import ConfigError
 
 
 class CheckpointError(ValueError):

@@ -27,7 +27,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from impala.config import ConfigError
+from impala.run.config import ConfigError
 
 
 @dataclass(frozen=True)

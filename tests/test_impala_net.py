@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from impala import models
+from impala.nets import impala_net
 
 PONG_OBS = (4, 84, 84)
 PONG_ACTIONS = 6
@@ -18,7 +18,7 @@ def _frames(T, B, seed=0):
 @pytest.mark.parametrize("use_lstm", [False, True])
 def test_pong_shapes(kind, use_lstm):
     torch.manual_seed(0)
-    net = models.build_model(kind, PONG_OBS, PONG_ACTIONS, use_lstm=use_lstm)
+    net = impala_net.build_model(kind, PONG_OBS, PONG_ACTIONS, use_lstm=use_lstm)
     T, B = 3, 2
     first = torch.zeros(T, B, dtype=torch.bool)
     out, state = net(_frames(T, B), first)
@@ -36,23 +36,23 @@ def test_pong_shapes(kind, use_lstm):
 
 
 def test_torso_architectures():
-    shallow, deep = models.ShallowCNN(PONG_OBS), models.DeepResNet(PONG_OBS)
+    shallow, deep = impala_net.ShallowCNN(PONG_OBS), impala_net.DeepResNet(PONG_OBS)
     assert shallow.fc.in_features == 32 * 9 * 9  # 84 -8/4-> 20 -4/2-> 9
     assert deep.fc.in_features == 32 * 11 * 11  # 84 -pool/2-> 42 -> 21 -> 11
     assert [s[0].out_channels for s in deep.sections] == [16, 32, 32]
-    assert sum(isinstance(m, models._ResidualBlock) for m in deep.modules()) == 6
+    assert sum(isinstance(m, impala_net._ResidualBlock) for m in deep.modules()) == 6
 
 
 def test_uint8_scaled_inside_model():
     torch.manual_seed(0)
-    torso = models.ShallowCNN(PONG_OBS)
+    torso = impala_net.ShallowCNN(PONG_OBS)
     frames = _frames(1, 2)[0]
     torch.testing.assert_close(torso(frames), torso(frames.float() / 255.0))
 
 
 def test_channels_last_matches():
     torch.manual_seed(0)
-    net = models.build_model("deep", PONG_OBS, PONG_ACTIONS)
+    net = impala_net.build_model("deep", PONG_OBS, PONG_ACTIONS)
     obs, first = _frames(2, 2), torch.zeros(2, 2, dtype=torch.bool)
     ref, _ = net(obs, first)
     net.torso.to_channels_last()
@@ -63,7 +63,7 @@ def test_channels_last_matches():
 
 def test_lstm_resets_at_first():
     torch.manual_seed(0)
-    net = models.build_model("shallow", PONG_OBS, PONG_ACTIONS, use_lstm=True)
+    net = impala_net.build_model("shallow", PONG_OBS, PONG_ACTIONS, use_lstm=True)
     T, B = 5, 3
     obs = _frames(T, B, seed=1)
     # A state that is clearly not the initial one.
@@ -95,7 +95,7 @@ def test_lstm_resets_at_first():
 def test_lstm_segments_match_per_step_loop():
     # The segment-wise core must equal TorchBeast's one-step-at-a-time notdone masking.
     torch.manual_seed(0)
-    net = models.build_model("mlp", (4,), 2, use_lstm=True)
+    net = impala_net.build_model("mlp", (4,), 2, use_lstm=True)
     T, B = 9, 4
     obs = torch.randn(T, B, 4)
     first = torch.rand(T, B) < 0.3
@@ -116,28 +116,28 @@ def test_lstm_segments_match_per_step_loop():
 
 @pytest.mark.parametrize("use_lstm", [False, True])
 def test_mlp_cartpole_shapes(use_lstm):
-    net = models.build_model("auto", (4,), 2, use_lstm=use_lstm)
-    assert isinstance(net.torso, models.MLPTorso) and net.torso.out_features == 64
+    net = impala_net.build_model("auto", (4,), 2, use_lstm=use_lstm)
+    assert isinstance(net.torso, impala_net.MLPTorso) and net.torso.out_features == 64
     out, _ = net(torch.randn(7, 3, 4), torch.zeros(7, 3, dtype=torch.bool))
     assert out.policy_logits.shape == (7, 3, 2) and out.values.shape == (7, 3)
 
 
 def test_build_model_kinds_and_errors():
-    assert isinstance(models.build_model("auto", PONG_OBS, 6).torso, models.ShallowCNN)
-    assert isinstance(models.build_model("deep", PONG_OBS, 6).torso, models.DeepResNet)
-    assert isinstance(models.build_model("nature", PONG_OBS, 6).torso, models.NatureCNN)
+    assert isinstance(impala_net.build_model("auto", PONG_OBS, 6).torso, impala_net.ShallowCNN)
+    assert isinstance(impala_net.build_model("deep", PONG_OBS, 6).torso, impala_net.DeepResNet)
+    assert isinstance(impala_net.build_model("nature", PONG_OBS, 6).torso, impala_net.NatureCNN)
     with pytest.raises(ValueError, match="unknown model kind 'resnet'; choose one of auto, shallow, nature, deep, mlp"):
-        models.build_model("resnet", PONG_OBS, 6)
+        impala_net.build_model("resnet", PONG_OBS, 6)
     with pytest.raises(ValueError, match="'mlp' needs 1-D observations"):
-        models.build_model("mlp", PONG_OBS, 6)
+        impala_net.build_model("mlp", PONG_OBS, 6)
     with pytest.raises(ValueError, match="'auto' cannot choose"):
-        models.build_model("auto", (3, 4), 6)
+        impala_net.build_model("auto", (3, 4), 6)
     with pytest.raises(ValueError, match="image observations"):
-        models.build_model("shallow", (4,), 6)
+        impala_net.build_model("shallow", (4,), 6)
 
 
 def test_task_ids_select_popart_head():
-    net = models.build_model("mlp", (4,), 2, num_tasks=3)
+    net = impala_net.build_model("mlp", (4,), 2, num_tasks=3)
     tasks = torch.tensor([[0, 2], [1, 2]])
     out, _ = net(torch.randn(2, 2, 4), torch.zeros(2, 2, dtype=torch.bool), task_ids=tasks)
     assert out.task_values.shape == (2, 2, 3)

@@ -1,0 +1,1 @@
+"""Networks: IMPALA's torsos and heads (shallow/deep/Nature CNN, MLP, LSTM core) and PPO's policy."""

@@ -1,0 +1,2 @@
+"""Run plumbing: the one configuration mechanism (dataclasses -> flags), the CPUs a run may use,
+checkpoints, metrics and experiment tracking."""
