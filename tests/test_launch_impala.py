@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import yaml
 import torch
 
 from procs import actor_pids, alive, cmdline, descendants, free_port_pair, kill_group, run, start, wait_for
@@ -317,7 +318,14 @@ def test_shipped_presets_load_and_validate(name):
     with open(path) as f:
         assert f.readline().startswith("# "), "a preset starts with a comment saying where its numbers come from"
     run_config, impala = resolve(parse_args(["--config", path]))
-    assert impala.model in ("shallow", "deep")
+    with open(path) as f:
+        written = yaml.safe_load(f)
+    for key, value in written.items():  # every key of the file is what the run gets
+        resolved = getattr(impala, key) if hasattr(impala, key) else getattr(run_config, key)
+        if isinstance(resolved, float) and isinstance(value, str):
+            value = float(value)  # YAML 1.1 reads 1e-05 (no dot) as a string; the loader takes it as the number
+        assert resolved == value, (name, key, resolved, value)
+    assert impala.model == {"atari.yaml": "shallow", "atari_deep.yaml": "deep", "pong_small_cpu.yaml": written.get("model", "auto")}[name]
     if name == "pong_small_cpu.yaml":
         # the file pins today's defaults; if a default moves, this file (and docs/PONG.md) must say so
         default_run, default_impala = resolve(parse_args(["--env", "PongDeterministic-v4"]))

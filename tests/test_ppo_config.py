@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import textwrap
 import warnings
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from impala.run.config import FlagParser
 from impala.run.ppo_config import ConfigError, PPOConfig, config_from_args, config_to_argparse, from_mlagents_yaml
 
 CRAWLER = Path(__file__).resolve().parents[1] / "configs" / "Crawler.yaml"
@@ -234,7 +234,7 @@ def test_yaml_defaults_and_ignored_keys(tmp_path):
 
 
 def test_argparse_every_option_with_help():
-    parser = config_to_argparse(argparse.ArgumentParser())
+    parser = config_to_argparse(FlagParser(prog="t"))
     text = parser.format_help()
     for f in dataclasses.fields(PPOConfig):
         if f.name != "seed":  # the launchers' --seed (RunConfig) sets it
@@ -243,7 +243,7 @@ def test_argparse_every_option_with_help():
 
 
 def test_argparse_overrides():
-    parser = config_to_argparse(argparse.ArgumentParser())
+    parser = config_to_argparse(FlagParser(prog="t"))
     cfg = config_from_args(parser.parse_args([]))
     assert cfg == PPOConfig.preset("mlagents")
     args = parser.parse_args(["--semantics", "sb3", "--ratio", "per_dim", "--max-grad-norm", "none",
@@ -259,7 +259,7 @@ def test_argparse_overrides():
 
 
 def test_argparse_trainer_config_and_launcher_overrides():
-    parser = config_to_argparse(argparse.ArgumentParser())
+    parser = config_to_argparse(FlagParser(prog="t"))
     parser.add_argument("--seed", type=int, default=7)  # the launcher's own flag (RunConfig) does not clash
     args = parser.parse_args(["--trainer-config", str(CRAWLER), "--beta", "2.5e-4", "--seed", "3"])
     with warnings.catch_warnings():

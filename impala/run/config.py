@@ -108,15 +108,46 @@ def need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+_NOT_GIVEN = object()  # an action's default while FlagParser finds out which flags were given
+_ACCUMULATING = (argparse._AppendAction, argparse._AppendConstAction, argparse._ExtendAction, argparse._CountAction)
+
+
 class FlagParser(argparse.ArgumentParser):
-    """argparse with one-line errors (``prog: error: ...``, exit 2) and each default shown once."""
+    """argparse with one-line errors (``prog: error: ...``, exit 2), each default shown once, and
+    ``args.given``: the destinations set on the command line. That set is the one way any entry point
+    tells "given" from "default" (presets yield to given flags; a default may depend on another option).
+    """
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*args, **kw)
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {capped(message)}\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        parsed.given = self._given(args)
+        return parsed, extras
+
+    def _given(self, args: Any) -> set[str]:
+        # Parse again with every default swapped for a sentinel: what is not the sentinel afterwards was given.
+        # Actions that build on their current value (append, extend, count) start from None instead.
+        saved = [(action, action.default) for action in self._actions if action.default is not argparse.SUPPRESS]
+        accumulating = {a.dest for a, _ in saved if isinstance(a, _ACCUMULATING)}
+        saved_defaults, self._defaults = self._defaults, {}
+        try:
+            for action, _ in saved:
+                action.default = None if action.dest in accumulating else _NOT_GIVEN
+            probe, _ = super().parse_known_args(args, argparse.Namespace())
+        finally:
+            for action, default in saved:
+                action.default = default
+            self._defaults = saved_defaults
+        return {
+            dest for dest, value in vars(probe).items()
+            if value is not _NOT_GIVEN and not (dest in accumulating and value is None)
+        }
 
 
 def _parse_none_or(kind: type):
@@ -138,13 +169,13 @@ def add_flags(
     skip: Iterable[str] = (),
     defaults: dict[str, Any] | None = None,
     helps: dict[str, str] | None = None,
-    given_only: bool = False,
 ) -> None:
     """One ``--flag`` per field of ``cls`` (``only`` / ``skip`` select fields).
 
-    ``defaults`` and ``helps`` let an entry point give a shared field its own default or text.
-    ``given_only``: flags not given leave no attribute (``argparse.SUPPRESS``), for callers that
-    layer explicit flags over a preset (see ``impala.run.ppo_config.config_from_args``).
+    ``defaults`` and ``helps`` let an entry point give a shared field its own default or text (a default
+    of ``argparse.SUPPRESS`` leaves no attribute when the flag is not given: for options whose default
+    depends on another one and is said in the help text). Which flags were given: ``args.given``
+    (:class:`FlagParser`).
     """
     keep = set(only) if only is not None else None
     defaults, helps = defaults or {}, helps or {}
@@ -152,8 +183,10 @@ def add_flags(
         if f.name in skip or (keep is not None and f.name not in keep):
             continue
         choices, base, optional = field_kind(cls, f.name)
-        default = argparse.SUPPRESS if given_only else defaults.get(f.name, f.default)
+        default = defaults.get(f.name, f.default)
         kw: dict[str, Any] = {"dest": dest_prefix + f.name, "default": default, "help": helps.get(f.name, f.metadata.get("help", ""))}
+        if dest_prefix:  # argparse would show the prefixed destination (PPO__BATCH_SIZE)
+            kw["metavar"] = f.name.upper()
         if base is bool and choices is None:
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -173,9 +206,19 @@ def from_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "", **
 
 
 def given_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "") -> dict[str, Any]:
-    """The fields of ``cls`` whose flags were given (with ``add_flags(..., given_only=True)``)."""
-    ns = vars(args)
-    return {f.name: ns[dest_prefix + f.name] for f in dataclasses.fields(cls) if dest_prefix + f.name in ns}
+    """The fields of ``cls`` whose flags were given on the command line (``args.given``, :class:`FlagParser`)."""
+    given = getattr(args, "given", set())
+    return {f.name: getattr(args, dest_prefix + f.name) for f in dataclasses.fields(cls) if dest_prefix + f.name in given}
+
+
+def apply_preset(args: argparse.Namespace, preset: dict[str, Any]) -> argparse.Namespace:
+    """Defaults < preset (:func:`load_preset`) < flags given on the command line; ``args.preset`` names the
+    options the preset set."""
+    for name, value in preset.items():
+        if name not in args.given:
+            setattr(args, name, value)
+    args.preset = set(preset)
+    return args
 
 
 def load_preset(path: str, classes: Iterable[type]) -> dict[str, Any]:
@@ -185,17 +228,7 @@ def load_preset(path: str, classes: Iterable[type]) -> dict[str, Any]:
     key or a value of the wrong type is a :class:`ConfigError` naming the file and the key. The
     values become the parser's defaults, so explicit flags still override them.
     """
-    import yaml
-
-    try:
-        with open(path) as fh:
-            doc = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
-    except OSError as e:
-        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    doc = read_yaml(path, "--config")
     if doc is None:
         return {}
     if not isinstance(doc, dict):
@@ -230,11 +263,74 @@ def load_preset(path: str, classes: Iterable[type]) -> dict[str, Any]:
     return values
 
 
+MAX_ERROR_CHARS = 600  # a value echoed in an error line is cut here: an error must stay one readable line
+
+
+def capped(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` on one line, cut to ``limit`` characters (a bad value can be megabytes long)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def fail(prog: str, error: BaseException | str) -> int:
     """One line on stderr, exit status 2: how every entry point reports bad input."""
     text = str(error).strip() or type(error).__name__
-    print(f"{prog}: error: {' '.join(text.split())}", file=sys.stderr)
+    print(f"{prog}: error: {capped(text)}", file=sys.stderr)
     return 2
+
+
+MAX_YAML_BYTES = 1 << 20  # presets and trainer configs are a few KB
+MAX_YAML_DEPTH = 32  # nesting levels; ML-Agents' deepest trainer config has 5
+
+
+def read_yaml(path: str, what: str) -> Any:
+    """A small YAML config file, read strictly: a duplicated key, an anchor or alias (a few hundred bytes of
+    aliases can expand to gigabytes), nesting deeper than ``MAX_YAML_DEPTH``, a file over ``MAX_YAML_BYTES``
+    or one that is not text is a :class:`ConfigError` naming ``what`` (the flag) and the file."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None):
+                mark = self.peek_event().start_mark
+                raise ConfigError(f"{what} {path}: line {mark.line + 1}: YAML anchors and aliases are not accepted in a config file")
+            self._depth = getattr(self, "_depth", 0) + 1
+            try:
+                if self._depth > MAX_YAML_DEPTH:
+                    raise ConfigError(f"{what} {path}: nested deeper than {MAX_YAML_DEPTH} levels")
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise ConfigError(f"{what} {path}: key {capped(repr(key), 80)} appears twice (lines {seen[key]} and {line})")
+                if isinstance(key, (str, int, float, bool)):
+                    seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    try:
+        if os.path.getsize(path) > MAX_YAML_BYTES:
+            raise ConfigError(f"{what} {path}: larger than {MAX_YAML_BYTES // 1024} KiB; not a config file")
+        with open(path, "rb") as fh:
+            text = fh.read().decode("utf-8")
+        return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path}: is a directory, not a YAML file") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path}: not a text file (expected YAML)") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path}: nested too deeply") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path}: not valid YAML ({capped(str(e).splitlines()[0], 200)})") from None
 
 
 # --------------------------------------------------------------------------- RunConfig
@@ -260,7 +356,7 @@ class RunConfig:
     envs_per_worker: int = option(4, "Environments stepped by each actor with one batched forward pass per step.")
     learners: int = option(1, "Learner processes in a data-parallel group on this machine (torch.distributed: gloo on CPU, NCCL with a CUDA --device, one GPU per rank); each update's batch is split over them, --batch-size must divide. Rank 0 receives the unrolls, publishes weights and writes checkpoints.")
     in_process: bool = option(False, "Run the local actors as threads of the learner process (same actor code and sockets; for debugging and tiny machines).")
-    unroll_length: int = option(32, "Steps per env per unroll (T).")
+    unroll_length: int = option(32, "Steps per env per unroll (T); 0: the learner picks.")
     total_frames: Optional[int] = option(None, "Stop after this many environment frames (agent steps x frame skip).")
     total_steps: Optional[int] = option(None, "Stop after this many agent steps (absolute, also with --resume).")
     stop_at_return: Optional[float] = option(None, "Stop early once the mean return of the last 100 episodes reaches this (counted only after 100 episodes have finished); unset: run to the step budget.")
@@ -294,7 +390,7 @@ class RunConfig:
         need(self.learners >= 1, f"--learners must be >= 1, got {self.learners}")
         need(self.envs_per_worker >= 1, f"--envs-per-worker must be >= 1, got {self.envs_per_worker}")
         need(not (self.in_process and self.workers == 0), "--in-process runs the local actors as threads: it needs --workers >= 1")
-        need(self.unroll_length >= 0, f"--unroll-length must be >= 1 (0: the launcher picks, where it can), got {self.unroll_length}")
+        need(self.unroll_length >= 0, f"--unroll-length must be >= 1, or 0 to let the learner pick, got {self.unroll_length}")
         need(self.total_frames is None or self.total_frames > 0, f"--total-frames must be > 0, got {self.total_frames}")
         need(self.total_steps is None or self.total_steps > 0, f"--total-steps must be > 0, got {self.total_steps}")
         need(self.total_frames is None or self.total_steps is None, "give --total-frames (env frames) or --total-steps (agent steps), not both")

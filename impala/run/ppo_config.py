@@ -20,14 +20,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import yaml
-
 from impala.algos import ppo
 
 SEMANTICS = ("mlagents", "sb3")
 
 
-from impala.run.config import ConfigError, add_flags, check_fields, given_flags  # noqa: E402 - one config mechanism
+from impala.run.config import ConfigError, RunConfig, add_flags, check_fields, given_flags, read_yaml  # noqa: E402 - one config mechanism
 from impala.run.config import option as _f  # noqa: E402
 
 
@@ -374,14 +372,7 @@ def from_mlagents_yaml(
     Raises ConfigError naming the key path for unknown or malformed keys;
     ML-Agents keys this trainer does not use are accepted with a warning.
     """
-    try:
-        with open(path) as fh:
-            doc = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: trainer config file not found") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    doc = _mapping(doc, "<top level>")
+    doc = _mapping(read_yaml(path, "--trainer-config"), "<top level>")
     for key in doc:
         if key == "behaviors":
             continue
@@ -518,8 +509,9 @@ def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """Add ``--semantics``, ``--trainer-config``, ``--behavior`` and one flag per option
     (``impala.run.config.add_flags``: ``--x/--no-x`` for booleans, ``none`` unsets an optional option).
 
-    Flags not given keep the preset/file value (they leave no attribute), so the layering is
-    preset < trainer YAML < explicit flags. ``seed`` has no flag here: launchers take it from
+    The layering is preset < trainer YAML < flags given on the command line (``args.given``), so an
+    option's default depends on ``--semantics`` and the file: the help text names both presets' values,
+    and a flag not given leaves no attribute. ``seed`` has no flag here: launchers take it from
     their run settings (``--seed``).
     """
     g = parser.add_argument_group("PPO options (docs/PPO_SEMANTICS.md)")
@@ -527,10 +519,22 @@ def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="Preset every option to ML-Agents (left column) or SB3 (right column) semantics.")
     g.add_argument("--trainer-config", "--mlagents-config", dest=f"{_DEST}trainer_config", default=None, metavar="FILE.yaml",
                    help="ML-Agents trainer YAML (e.g. configs/Crawler.yaml); its values override the preset.")
-    g.add_argument("--behavior", dest=f"{_DEST}behavior", default=None,
+    g.add_argument("--behavior", dest=f"{_DEST}behavior", default=None, metavar="NAME",
                    help="Behavior name inside --trainer-config (needed if the file has several).")
-    add_flags(g, PPOConfig, dest_prefix=_DEST, skip=("seed",), given_only=True)
+    ml, sb3 = PPOConfig.preset("mlagents"), PPOConfig.preset("sb3")
+    names = [name for name in field_names() if name != "seed"]
+    helps = {
+        name: f"{PPOConfig.__dataclass_fields__[name].metadata['help']} Default: mlagents {_shown(getattr(ml, name))}, "
+              f"sb3 {_shown(getattr(sb3, name))}; a --trainer-config file's value comes first."
+        for name in names
+    }
+    add_flags(g, PPOConfig, dest_prefix=_DEST, only=names, defaults=dict.fromkeys(names, argparse.SUPPRESS), helps=helps)
     return parser
+
+
+def _shown(value: Any) -> str:
+    # argparse expands %-formats in help texts
+    return ("none" if value is None else str(value)).replace("%", "%%")
 
 
 def config_from_args(args: argparse.Namespace, *, default_trainer_config: str | None = None, **overrides: Any) -> PPOConfig:
@@ -544,3 +548,64 @@ def config_from_args(args: argparse.Namespace, *, default_trainer_config: str | 
     if path:
         return from_mlagents_yaml(path, ns.get(f"{_DEST}behavior"), semantics, **given)
     return PPOConfig.preset(semantics, **given)
+
+
+# ------------------------------------------------------------ the run settings PPO implies
+
+MAX_UNROLL = 1000  # longer unrolls only delay the learner; ML-Agents' Crawler time_horizon is 1000
+# trajectory_handling='mlagents' (#15) cuts trajectories on the learner, so an unroll is only the transport
+# unit. Short ones keep ML-Agents' rhythm: an update comes right after the step that fills the buffer, while
+# an actor finishes the unroll it is in with the old weights (at most this many steps per env that ML-Agents
+# would have taken with the new ones; they train next time, with their own log-probs).
+MLAGENTS_UNROLL = 16
+
+
+def choose_unroll_length(config: PPOConfig, requested: int) -> tuple[int, str | None]:
+    """T = requested, or min(time_horizon, MAX_UNROLL) ('rollout'; for SB3's buffer_full, a divisor of
+    buffer_size), or min(time_horizon, MLAGENTS_UNROLL) for trajectory_handling='mlagents', where the
+    learner cuts the trajectories and the buffer holds whole ones whatever T is."""
+    if config.trajectory_handling == "mlagents":
+        return requested or min(config.time_horizon, MLAGENTS_UNROLL), None
+    T = requested or min(config.time_horizon, MAX_UNROLL)
+    if config.update_trigger != "buffer_full" or config.buffer_size % T == 0:
+        return T, None
+    divisor = max(d for d in range(1, T + 1) if config.buffer_size % d == 0)
+    note = (
+        f"unroll length {T} does not divide buffer_size {config.buffer_size} (update_trigger=buffer_full); "
+        f"using {divisor} so that every update holds exactly buffer_size steps"
+    )
+    return divisor, note
+
+
+def actors_wait(run: RunConfig, config: PPOConfig) -> bool:
+    """Whether actors pause once they sent their share of an update, until the new weights arrive: on-policy
+    rollouts (``--max-policy-lag 0``, SB3's), and always under trajectory_handling='mlagents' (ML-Agents does not
+    step its envs during an update). Then the learner has every core during an update."""
+    return run.max_policy_lag == 0 or config.trajectory_handling == "mlagents"
+
+
+def ppo_run_config(run: RunConfig, config: PPOConfig, *, lag_given: bool, agents_per_instance: int | None = None
+                   ) -> tuple[RunConfig, str | None]:
+    """The run settings a PPO run implies, decided here once (the launcher only wires them): the policy-lag
+    rule of each trajectory handling, the unroll length T (:func:`choose_unroll_length`), envs per actor (a Unity
+    build's agent count), and the step budget (the config's ``max_steps`` unless one was given). Returns the
+    resolved RunConfig and a note to log when T was changed."""
+    if run.learners > 1:
+        raise ConfigError(
+            f"--learners {run.learners}: the PPO learner runs as one process for now (its buffer-wide advantage "
+            "normalization, minibatch order and normalizer updates would need cross-rank statistics first); launch_impala has --learners"
+        )
+    if config.trajectory_handling == "mlagents":
+        if lag_given and run.max_policy_lag is not None:
+            raise ConfigError(
+                f"--max-policy-lag {run.max_policy_lag}: --trajectory-handling mlagents keeps every unroll (unfinished "
+                "trajectories continue across updates, as in ML-Agents); drop --max-policy-lag or pass --trajectory-handling rollout"
+            )
+        run = dataclasses.replace(run, max_policy_lag=None)
+    T, note = choose_unroll_length(config, run.unroll_length)
+    run = dataclasses.replace(
+        run,
+        unroll_length=T,
+        total_steps=run.total_steps if run.total_steps or run.total_frames else config.max_steps,
+    )
+    return run, note
