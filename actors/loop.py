@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import zmq
@@ -24,8 +24,9 @@ from impala.transport.curve import make_client_socket
 from impala.envs import EnvSpec
 from impala.envs.probe import measure_env_fingerprint
 from impala.envs.vector import EpisodeTracker, GymVecEnv
-from impala.transport.messages import AgentSpec
+from impala.transport.messages import AgentSpec, RunInfo
 from impala.run.metrics import log_this_one
+from impala.run.orphans import exit_if_orphaned
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,27 @@ class ActorConfig:
     task: int = 0  # multi-task runs: the index of this actor's env in the run's task list, sent with every unroll
 
 
-def exit_if_orphaned(parent_pid: int) -> None:
-    """Actors must not outlive their learner (it may have been SIGKILLed)."""
-    if os.getppid() != parent_pid:
-        log.warning("learner process %d is gone; actor exiting", parent_pid)
-        raise SystemExit(0)  # unwinds through run_actor's finally, which closes the envs
+def actor_configs(run: RunInfo, actor_ids: Iterable[int], *, trajectory_endpoint: str, params_endpoint: str, seed: int,
+                  **settings: Any) -> list[ActorConfig]:
+    """The one place an actor's configuration is made (the learner's own actors, ``impala-actors`` on other
+    machines, ``frameskip_check``'s worker check). Actor ``i`` runs task ``i % N`` of the run and seeds its
+    envs with ``seed + 1000 * i``: by id, so machines started alike (other ids, same seed) never share seeds.
+    ``settings`` are further :class:`ActorConfig` fields (CURVE keys, the local token, timeouts)."""
+    return [
+        ActorConfig(
+            actor_id=i,
+            env=run.task_envs[run.task_of(i)],
+            task=run.task_of(i),
+            num_envs=run.envs_per_worker,
+            unroll_length=run.unroll_length,
+            trajectory_endpoint=trajectory_endpoint,
+            params_endpoint=params_endpoint,
+            agent=run.agent,
+            seed=seed + 1000 * i,
+            **settings,
+        )
+        for i in actor_ids
+    ]
 
 
 class LearnerGone(Exception):

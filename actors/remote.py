@@ -21,7 +21,7 @@ from typing import Optional
 
 import zmq
 
-from actors.loop import ActorConfig
+from actors.loop import actor_configs
 from actors.pool import ActorPool
 from impala.transport import wire
 from impala.run.cpus import available_cpus
@@ -148,23 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                 "would choose what these actors run. Pass --curve DIR (see README, Security), or --insecure on a trusted network"
             )
         run = fetch_run_info(params_endpoint, options.timeout, keys)
-        configs = [
-            ActorConfig(
-                actor_id=options.first_id + i,
-                env=run.task_envs[run.task_of(options.first_id + i)],  # multi-task: tasks are dealt by actor id
-                num_envs=run.envs_per_worker,
-                unroll_length=run.unroll_length,
-                trajectory_endpoint=trajectory_endpoint,
-                params_endpoint=params_endpoint,
-                agent=run.agent,
-                # by actor id, so that machines started alike (other --first-id, same --seed) never share seeds
-                seed=config.seed + 1000 * (options.first_id + i),
-                curve=keys,
-                learner_timeout_s=options.learner_timeout,
-                task=run.task_of(options.first_id + i),
-            )
-            for i in range(config.workers)
-        ]
+        configs = actor_configs(
+            run, range(options.first_id, options.first_id + config.workers), trajectory_endpoint=trajectory_endpoint,
+            params_endpoint=params_endpoint, seed=config.seed, curve=keys, learner_timeout_s=options.learner_timeout,
+        )
         pool = ActorPool(configs, start_method=config.start_method)
     except (ValueError, TimeoutError, FileNotFoundError) as e:  # ConfigError and CurveError are ValueErrors
         return fail("impala-actors", e)

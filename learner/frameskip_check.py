@@ -41,7 +41,7 @@ from typing import Any, Iterable, Optional, Sequence
 import gymnasium as gym
 
 from actors.actor import Actor
-from actors.loop import ActorConfig
+from actors.loop import ActorConfig, actor_configs
 from actors.pool import ActorPool
 from impala.run.checkpoint import CheckpointError
 from impala.run.config import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
@@ -50,7 +50,7 @@ from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pick
 from impala.envs.fingerprint import ConfiguredSettings, EnvFingerprint, Mismatch, check_against_config, configured_settings
 from impala.envs.probe import expected_observation
 from impala.evaluation import checkpoint_path
-from impala.transport.messages import ImpalaAgentSpec
+from impala.transport.messages import ImpalaAgentSpec, RunInfo
 from impala.transport.trajectory import impala_unroll_schema
 from learner.frameskip_plot import check_checkpoint, plot_episodes, run_episodes, summary_lines
 from learner.server import TrajectoryServer
@@ -136,22 +136,14 @@ def _lingering(pids: Iterable[int], wait: float = 5.0) -> list[int]:
         time.sleep(0.05)
 
 
-def _actor_config(actor_id: int, spec: EnvSpec, *, trajectory_endpoint: str, params_endpoint: str, seed: int, fingerprint_steps: int) -> ActorConfig:
-    """The one place this command builds an actor's configuration (the worker check and the __init__ probe)."""
-    return ActorConfig(
-        actor_id=actor_id,
-        env=spec,
-        num_envs=1,
-        unroll_length=20,
-        trajectory_endpoint=trajectory_endpoint,
-        params_endpoint=params_endpoint,
-        # What launch_impala's ImpalaTrainer sends: the child builds the same agent.
-        agent=ImpalaAgentSpec(model="auto", use_lstm=False),
-        seed=seed,
-        fingerprint_steps=fingerprint_steps,
-        # The actors wait for parameters that never come; we stop them, this is the safety net.
-        params_timeout_s=60.0,
-    )
+def _actor_configs(spec: EnvSpec, actor_ids: range, *, trajectory_endpoint: str, params_endpoint: str, seed: int,
+                   fingerprint_steps: int) -> list[ActorConfig]:
+    """This command's actors (the worker check and the __init__ probe), made like every run's: one env each,
+    the agent launch_impala's ImpalaTrainer sends (the child builds the same one)."""
+    run = RunInfo("frameskip-check", spec, ImpalaAgentSpec(model="auto", use_lstm=False), unroll_length=20, envs_per_worker=1)
+    # The actors wait for parameters that never come; we stop them, the timeout is the safety net.
+    return actor_configs(run, actor_ids, trajectory_endpoint=trajectory_endpoint, params_endpoint=params_endpoint, seed=seed,
+                         fingerprint_steps=fingerprint_steps, params_timeout_s=60.0)
 
 
 def check_workers(
@@ -183,17 +175,8 @@ def check_workers(
     # The server needs some schema; only hellos are exchanged here, so its layout does not matter.
     schema = impala_unroll_schema(20, expected[0], expected[1], 1)
     server = TrajectoryServer(schema, on_hello=lambda actor, info: None)
-    configs = [
-        _actor_config(
-            i,
-            spec,
-            trajectory_endpoint=server.trajectory_endpoint,
-            params_endpoint=server.params_endpoint,
-            seed=seed + 1000 * i,
-            fingerprint_steps=fingerprint_steps,
-        )
-        for i in range(workers)
-    ]
+    configs = _actor_configs(spec, range(workers), trajectory_endpoint=server.trajectory_endpoint,
+                             params_endpoint=server.params_endpoint, seed=seed, fingerprint_steps=fingerprint_steps)
     pool = ActorPool(configs, start_method=start_method, actor_class=actor_class)
     spawned: list[int] = []
     try:
@@ -255,7 +238,8 @@ def check_workers(
 
 def probe_actor_class(actor_class: type, spec: EnvSpec, *, start_method: str = "spawn") -> list[str]:
     """Construct ``actor_class`` in this process (never started) and run ``check_actor_builds_no_env``."""
-    config = _actor_config(0, spec, trajectory_endpoint="tcp://127.0.0.1:1", params_endpoint="tcp://127.0.0.1:2", seed=0, fingerprint_steps=300)
+    config = _actor_configs(spec, range(1), trajectory_endpoint="tcp://127.0.0.1:1", params_endpoint="tcp://127.0.0.1:2", seed=0,
+                            fingerprint_steps=300)[0]
     actor = actor_class(config, start_method=start_method)
     try:
         return check_actor_builds_no_env(actor)

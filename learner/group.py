@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-import threading
-import time
 from typing import Mapping
 
 import numpy as np
@@ -106,30 +103,3 @@ class LearnerGroup:
         """Every rank starts from rank ``src``'s weights and buffers (PopArt statistics included)."""
         for tensor in module.state_dict().values():
             dist.broadcast(tensor, src)
-
-
-def exit_when_orphaned(parent_pid: int, every_s: float = 2.0) -> None:
-    """A follower blocks in collectives while rank 0 works; if rank 0 dies it must not linger.
-
-    On Linux the kernel kills it with its parent (PR_SET_PDEATHSIG): a thread cannot be relied on
-    while a collective blocks. Elsewhere a watch thread checks the parent every ``every_s``."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # PR_SET_PDEATHSIG
-            if os.getppid() != parent_pid:  # the parent died before the call
-                os._exit(0)
-            return
-    except (OSError, AttributeError):
-        pass
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                log.warning("learner rank 0 (pid %d) is gone; follower exiting", parent_pid)
-                os._exit(0)
-            time.sleep(every_s)
-
-    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()

@@ -13,7 +13,7 @@ checkpoints, ``--resume``, Ctrl-C and actor supervision all live in
 Trajectories (``--trajectory-handling``, row #15)
 -----------------------------------------------
 Actors send fixed ``T``-step unrolls per env (``T = --unroll-length``; see
-``learner.ppo_learner.choose_unroll_length``). What the learner makes of them:
+``impala.run.ppo_config.choose_unroll_length``). What the learner makes of them:
 
 - ``mlagents`` (the ``mlagents`` preset): the unroll is only the transport unit
   (default ``T = min(time_horizon, 16)``). The learner runs ML-Agents'
@@ -63,7 +63,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -72,10 +72,10 @@ from impala.run.config import ConfigError, FlagParser, RunConfig, add_flags, che
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_unity
 from impala.envs.unity import UnityEnvError
-from impala.run.ppo_config import config_from_args, config_to_argparse
-from learner.ppo_learner import MAX_UNROLL, MLAGENTS_UNROLL, PPOTrainer, choose_unroll_length
+from impala.run.ppo_config import MAX_UNROLL, MLAGENTS_UNROLL, actors_wait, config_from_args, config_to_argparse, ppo_run_config
+from learner.ppo_learner import PPOTrainer
 from impala.run.metrics import LOG_FORMAT
-from learner.runtime import START_ERRORS, RunPlan, RunResult, run
+from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, run
 
 log = logging.getLogger("launch_ppo")
 
@@ -98,7 +98,6 @@ RUN_HELP = {
                       "'none' keeps all. Applies to --trajectory-handling rollout; 'mlagents' keeps every unroll (an agent's unfinished "
                       "trajectory continues in unrolls collected before an update, as in ML-Agents) and refuses this flag.",
 }
-_UNSET = object()  # --max-policy-lag not given: its default depends on --trajectory-handling
 
 
 @dataclass(frozen=True)
@@ -134,13 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def probe(config: RunConfig, options: PPOLaunchOptions, seed: int) -> EnvInfo:
+def probe(config: RunConfig, options: PPOLaunchOptions, seed: int, *, stand_in: bool) -> EnvInfo:
     if options.unity_build:
         return probe_unity(options.unity_build, worker_id=max(config.workers, 1), base_port=options.unity_base_port,
                            timeout=options.unity_timeout, behavior=options.unity_behavior, seed=seed)
     if len(config.tasks) > 1:
         raise ConfigError(f"--env {config.env}: launch_ppo trains one env; several tasks in one agent is launch_impala's multi-task PopArt-IMPALA")
-    if config.env is None:
+    if stand_in:
         print(
             f"launch_ppo: no --unity-build given: running the Crawler job (configs/Crawler.yaml) on gymnasium "
             f"{STAND_IN_ENV} (MuJoCo) as a STAND-IN for Unity Crawler; pass --unity-build PATH to train on Crawler.",
@@ -150,11 +149,9 @@ def probe(config: RunConfig, options: PPOLaunchOptions, seed: int) -> EnvInfo:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # A flag not given keeps a value that argparse found already set on the namespace: tells "not given" from "0".
-    args = build_parser().parse_args(argv, namespace=argparse.Namespace(max_policy_lag=_UNSET))
-    lag_given = args.max_policy_lag is not _UNSET
+    args = build_parser().parse_args(argv)
     try:
-        config = from_flags(RunConfig, args, max_policy_lag=args.max_policy_lag if lag_given else RUN_DEFAULTS["max_policy_lag"])
+        config = from_flags(RunConfig, args)
         options = from_flags(PPOLaunchOptions, args)
     except ConfigError as e:
         return fail("launch_ppo", e)
@@ -162,67 +159,61 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if options.unity_build and config.env:
             raise ConfigError("pass either --unity-build or --env, not both")
-        if config.learners > 1:
-            raise ConfigError(
-                f"--learners {config.learners}: the PPO learner runs as one process for now (its buffer-wide advantage "
-                "normalization, minibatch order and normalizer updates would need cross-rank statistics first); launch_impala has --learners"
-            )
         check_logdir(config.logdir)
-        crawler_job = config.env is None
-        trainer_config = args.ppo__trainer_config or (str(CRAWLER_CONFIG) if crawler_job else None)
+        crawler_job = config.env is None and not options.unity_build
+        trainer_config = args.ppo__trainer_config or (str(CRAWLER_CONFIG) if config.env is None else None)
         ppo_config = config_from_args(args, default_trainer_config=trainer_config, seed=config.seed)
-        if ppo_config.trajectory_handling == "mlagents":
-            if lag_given and config.max_policy_lag is not None:
-                raise ConfigError(
-                    f"--max-policy-lag {config.max_policy_lag}: --trajectory-handling mlagents keeps every unroll (unfinished "
-                    "trajectories continue across updates, as in ML-Agents); drop --max-policy-lag or pass --trajectory-handling rollout"
-                )
-            config = dataclasses.replace(config, max_policy_lag=None)
-        T, note = choose_unroll_length(ppo_config, config.unroll_length)
+        # --max-policy-lag's default depends on --trajectory-handling: whether it was given decides
+        config, note = ppo_run_config(config, ppo_config, lag_given="max_policy_lag" in args.given)
         if note:
             log.warning(note)
-        env = probe(config, options, ppo_config.seed)
-        config = dataclasses.replace(
-            config,
-            unroll_length=T,
-            envs_per_worker=env.agents_per_instance or config.envs_per_worker,
-            total_steps=config.total_steps if config.total_steps or config.total_frames else ppo_config.max_steps,
-        )
-        actors_wait = config.max_policy_lag == 0 or ppo_config.trajectory_handling == "mlagents"
-        torch.set_num_threads(config.cpu_threads(actors_wait_during_updates=actors_wait))
+        env = probe(config, options, ppo_config.seed, stand_in=crawler_job)
+        if env.agents_per_instance:  # a Unity build decides how many agents each instance steps
+            config = dataclasses.replace(config, envs_per_worker=env.agents_per_instance)
+        torch.set_num_threads(config.cpu_threads(actors_wait_during_updates=actors_wait(config, ppo_config)))
         trainer = PPOTrainer(ppo_config, config, env, params_wait_s=options.params_wait)
-        semantics = args.ppo__semantics
-        log.info("%s", env.description)
-        log.info(
-            "PPO %s semantics (%s): buffer %d, batch %d, %d epochs, %dx%d %s, unroll T=%d over %d envs (%d per round of unrolls), "
-            "update trigger %s, trajectories %s, learner on %s, %s agent steps",
-            semantics, trainer_config or "preset", ppo_config.buffer_size, ppo_config.batch_size, ppo_config.num_epoch,
-            ppo_config.num_layers, ppo_config.hidden_units, ppo_config.activation, T, trainer.n_envs, T * trainer.n_envs,
-            ppo_config.update_trigger,
-            (f"cut at time_horizon {ppo_config.time_horizon} per agent, unfinished ones kept across updates (mlagents)"
-             if ppo_config.trajectory_handling == "mlagents" else f"one per unroll, max policy lag {config.max_policy_lag} (rollout)"),
-            trainer.device, config.total_steps,
-        )
-        if ppo_config.update_trigger == "buffer_full" and ppo_config.buffer_size != T * trainer.n_envs:
-            log.info("buffer_full: an update holds %d unrolls of %d steps (SB3's n_steps*n_envs would be %d*%d = %d)",
-                     ppo_config.buffer_size // T, T, T, trainer.n_envs, T * trainer.n_envs)
+        log_plan(env, config, ppo_config, trainer, args.ppo__semantics, trainer_config)
         plan = RunPlan(
-            env, f"ppo/{semantics} {env.spec.id}",
+            env, f"ppo/{args.ppo__semantics} {env.spec.id}",
             {"ppo": dataclasses.asdict(ppo_config), "run": dataclasses.asdict(config), "launch": dataclasses.asdict(options),
-             "semantics": semantics, "trainer_config": trainer_config, "env": env.spec.id, "unroll_length": T},
+             "semantics": args.ppo__semantics, "trainer_config": trainer_config, "env": env.spec.id,
+             "unroll_length": config.unroll_length},
             hello_timeout=max(180.0, options.unity_timeout + 120.0),
         )
         result: RunResult = run(trainer, config, plan)
+    except RunFinished as e:
+        print(f"launch_ppo: {e}", flush=True)
+        return 0
     except (*START_ERRORS, UnityEnvError) as e:
         return fail("launch_ppo", e)
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
     print(
         f"launch_ppo: done: {result.agent_steps} agent steps, {result.updates} updates, mean return (last 100) {mean}, "
         f"rejected NaN unrolls {trainer.rejected_nan}, dropped {result.dropped or 0}, actor restarts {result.restarts}, "
-        f"checkpoint {result.checkpoint}" + (" (interrupted)" if result.interrupted else ""),
+        + (f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (nothing trained)")
+        + (" (interrupted)" if result.interrupted else ""),
         flush=True,
     )
     return 0
+
+
+def log_plan(env: EnvInfo, config: RunConfig, ppo_config: Any, trainer: PPOTrainer, semantics: str, trainer_config: str | None) -> None:
+    """The start-up lines: the env, and what the PPO run will do."""
+    T = config.unroll_length
+    log.info("%s", env.description)
+    log.info(
+        "PPO %s semantics (%s): buffer %d, batch %d, %d epochs, %dx%d %s, unroll T=%d over %d envs (%d per round of unrolls), "
+        "update trigger %s, trajectories %s, learner on %s, %s agent steps",
+        semantics, trainer_config or "preset", ppo_config.buffer_size, ppo_config.batch_size, ppo_config.num_epoch,
+        ppo_config.num_layers, ppo_config.hidden_units, ppo_config.activation, T, trainer.n_envs, T * trainer.n_envs,
+        ppo_config.update_trigger,
+        (f"cut at time_horizon {ppo_config.time_horizon} per agent, unfinished ones kept across updates (mlagents)"
+         if ppo_config.trajectory_handling == "mlagents" else f"one per unroll, max policy lag {config.max_policy_lag} (rollout)"),
+        trainer.device, config.total_steps,
+    )
+    if ppo_config.update_trigger == "buffer_full" and ppo_config.buffer_size != T * trainer.n_envs:
+        log.info("buffer_full: an update holds %d unrolls of %d steps (SB3's n_steps*n_envs would be %d*%d = %d)",
+                 ppo_config.buffer_size // T, T, T, trainer.n_envs, T * trainer.n_envs)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,11 @@ from impala.algos import ppo
 
 from impala.transport import wire
 from impala.run.checkpoint import CheckpointError
-from impala.run.config import ConfigError, RunConfig, resolve_device
+from impala.run.config import RunConfig, resolve_device
 from impala.envs.probe import EnvInfo
 from impala.transport.messages import PPOAgentSpec
 from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
-from impala.run.ppo_config import PPOConfig
+from impala.run.ppo_config import PPOConfig, actors_wait
 from impala.transport.params import state_dict_arrays
 from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
@@ -526,13 +526,6 @@ class PPOLearner:
 
 # --------------------------------------------------------------------------- the runtime's adapter
 
-MAX_UNROLL = 1000  # longer unrolls only delay the learner; ML-Agents' Crawler time_horizon is 1000
-# trajectory_handling='mlagents' (#15) cuts trajectories on the learner, so an unroll is only the transport
-# unit. Short ones keep ML-Agents' rhythm: an update comes right after the step that fills the buffer, while
-# an actor finishes the unroll it is in with the old weights (at most this many steps per env that ML-Agents
-# would have taken with the new ones; they train next time, with their own log-probs).
-MLAGENTS_UNROLL = 16
-
 # PPOLearner.update() key -> logged key (CleanRL's grouping).
 METRIC_KEYS = {
     "policy_loss": "losses/policy_loss",
@@ -555,23 +548,6 @@ METRIC_KEYS = {
     "pending_steps": "charts/pending_steps",
     "broken_trajectories": "charts/broken_trajectories",
 }
-
-
-def choose_unroll_length(config: PPOConfig, requested: int) -> tuple[int, str | None]:
-    """T = requested, or min(time_horizon, MAX_UNROLL) ('rollout'; for SB3's buffer_full, a divisor of
-    buffer_size), or min(time_horizon, MLAGENTS_UNROLL) for trajectory_handling='mlagents', where the
-    learner cuts the trajectories and the buffer holds whole ones whatever T is."""
-    if config.trajectory_handling == "mlagents":
-        return requested or min(config.time_horizon, MLAGENTS_UNROLL), None
-    T = requested or min(config.time_horizon, MAX_UNROLL)
-    if config.update_trigger != "buffer_full" or config.buffer_size % T == 0:
-        return T, None
-    divisor = max(d for d in range(1, T + 1) if config.buffer_size % d == 0)
-    note = (
-        f"unroll length {T} does not divide buffer_size {config.buffer_size} (update_trigger=buffer_full); "
-        f"using {divisor} so that every update holds exactly buffer_size steps"
-    )
-    return divisor, note
 
 
 def unrolls_per_update(config: PPOConfig, unroll_length: int, n_envs: int) -> int:
@@ -626,14 +602,12 @@ class PPOTrainer:
         unrolls; for 'mlagents' that many rounds' worth of steps in *completed* trajectories), for at
         most ``params_wait_s``."""
         env.require_continuous_vector("launch_ppo")
-        T = run.unroll_length
-        if T < 1:
-            raise ConfigError("the PPO trainer needs a resolved --unroll-length (see choose_unroll_length)")
+        T = run.unroll_length  # resolved by impala.run.ppo_config.ppo_run_config
         self.config = config
         self.learner = PPOLearner(config, env.obs_dim, env.action_dim, env.action_low, env.action_high, resolve_device(run.device))
         self.schema = ppo_unroll_schema(T, env.obs_dim, env.action_dim)
         self.n_envs = max(run.workers, 1) * run.envs_per_worker
-        wait = run.max_policy_lag == 0 or config.trajectory_handling == "mlagents"
+        wait = actors_wait(run, config)
         self.agent = PPOAgentSpec(
             config, env.obs_dim, env.action_dim, tuple(map(float, env.action_low)), tuple(map(float, env.action_high)),
             unrolls_per_update(config, T, self.n_envs) if wait else 0, params_wait_s,

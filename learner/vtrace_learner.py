@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
+import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -25,9 +27,13 @@ from impala.nets.impala_net import ImpalaNet, build_model
 from impala.transport.params import state_dict_arrays
 from impala.algos.impala_losses import impala_loss, popart_impala_loss
 from impala.transport.trajectory import TrajectorySchema, impala_unroll_schema, rebuild_frame_stacks, stack_time_major
-from learner.group import STOP, UPDATE, LearnerGroup, LearnerGroupError, lost_peer
+from impala.run.checkpoint import load_checkpoint
+from impala.run.orphans import exit_when_orphaned
+from learner.group import STOP, UPDATE, LearnerGroup, LearnerGroupError, init_group, lost_peer
 
 log = logging.getLogger(__name__)
+
+IMPALA_UNROLL = 32  # T when --unroll-length is 0 (the learner picks)
 
 
 def make_optimizer(model: torch.nn.Module, config: ImpalaConfig) -> torch.optim.Optimizer:
@@ -407,3 +413,36 @@ class ImpalaTrainer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.learner.load_state_dict(state)
+
+
+def start_group(impala: ImpalaConfig, run: RunConfig, env: EnvInfo, tasks: Sequence[EnvInfo] = ()) -> LearnerGroup | None:
+    """--learners G > 1: start G-1 follower processes here, each given this run's resolved settings, and join
+    the group as rank 0."""
+    if run.learners == 1:
+        return None
+    store = os.path.join(os.path.abspath(run.logdir), ".learner_group")
+    if os.path.exists(store):
+        os.remove(store)  # a rendezvous file left by an earlier run would hang this one
+    ctx = multiprocessing.get_context("spawn")
+    backend = "nccl" if resolve_device(run.device).type == "cuda" else "gloo"
+    pids = []
+    for rank in range(1, run.learners):
+        proc = ctx.Process(target=follower_main, args=(rank, store, backend, impala, run, env, tuple(tasks), os.getpid()),
+                           name=f"learner-{rank}", daemon=True)
+        proc.start()
+        pids.append(proc.pid)
+    log.info("learner group: %d ranks, %s backend, rank 0 pid %d, followers %s", run.learners, backend, os.getpid(),
+             ", ".join(f"rank {r} pid {p}" for r, p in enumerate(pids, start=1)))
+    return init_group(0, run.learners, store, backend)
+
+
+def follower_main(rank: int, store: str, backend: str, impala: ImpalaConfig, run: RunConfig, env: EnvInfo,
+                  tasks: tuple[EnvInfo, ...], parent_pid: int) -> None:
+    """Learner rank > 0: the same trainer as rank 0 (same resolved settings), fed its share of each batch by rank 0."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner-{rank} %(levelname)s %(message)s")
+    exit_when_orphaned(parent_pid)
+    torch.set_num_threads(max(1, run.cpu_threads() // run.learners))
+    trainer = ImpalaTrainer(impala, run, env, group=init_group(rank, run.learners, store, backend), tasks=tasks)
+    if run.resume:  # rank 0 resumes from the same file
+        trainer.load_state_dict(load_checkpoint(run.checkpoint_path, keys=("trainer",))["trainer"])
+    trainer.follow()

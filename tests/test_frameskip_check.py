@@ -19,7 +19,7 @@ import pytest
 from actors.actor import Actor
 from impala.envs import EnvSpec, make_env
 from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip
-from learner.frameskip_check import DEFAULT_ENV_IDS, _actor_config
+from learner.frameskip_check import DEFAULT_ENV_IDS, _actor_configs
 from legacy_env import LegacyActor, LegacyAtariEnv, SwapEnvActor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +104,7 @@ def test_pickle_roundtrip_of_the_legacy_env_reports_frameskip_and_sticky():
 
 # 3 -------------------------------------------------------------------------
 def test_actor_that_builds_its_env_in_init_is_flagged_and_the_real_actor_is_not():
-    config = _actor_config(0, EnvSpec("PongDeterministic-v4"), trajectory_endpoint="tcp://127.0.0.1:1", params_endpoint="tcp://127.0.0.1:2", seed=0, fingerprint_steps=50)
+    config = _actor_configs(EnvSpec("PongDeterministic-v4"), range(1), trajectory_endpoint="tcp://127.0.0.1:1", params_endpoint="tcp://127.0.0.1:2", seed=0, fingerprint_steps=50)[0]
     legacy = LegacyActor(config)
     try:
         flags = check_actor_builds_no_env(legacy)

@@ -37,7 +37,8 @@ from impala.envs.probe import EnvInfo  # noqa: E402
 from impala.envs.vector import StepResult  # noqa: E402
 from impala.transport.messages import PPOAgentSpec  # noqa: E402
 from impala.run.ppo_config import PPOConfig  # noqa: E402
-from learner.ppo_learner import PPOTrainer, choose_unroll_length, piece_from_unroll, unrolls_per_update  # noqa: E402
+from impala.run.ppo_config import choose_unroll_length  # noqa: E402
+from learner.ppo_learner import PPOTrainer, piece_from_unroll, unrolls_per_update  # noqa: E402
 
 LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
 

@@ -113,7 +113,7 @@ def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
     from impala.nets.impala_net import build_model
     from impala.transport.params import state_dict_arrays
     from impala.run.tracking import WandbTracker
-    from learner.runtime import PeriodicEval
+    from learner.periodic_eval import PeriodicEval
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -238,7 +238,7 @@ def test_human_normalized_scores_use_the_standard_references():
     assert human_normalized_score("ALE/Breakout-v5", 1.7) == pytest.approx(0.0)
     assert human_normalized_score("CartPole-v1", 100.0) is None
     # median/mean over tasks, as the runtime logs them
-    from learner.runtime import task_rows
+    from learner.log_rows import task_rows
 
     names = ("PongDeterministic-v4", "BreakoutDeterministic-v4", "SpaceInvadersDeterministic-v4", "CartPole-v1")
     row = task_rows(names, [10, 20, 30, 40], {"PongDeterministic-v4": -3.05, "BreakoutDeterministic-v4": 30.5,
@@ -253,7 +253,7 @@ def test_multi_task_defaults_yield_to_flags_and_presets(tmp_path):
     """PopArt on and rewards unclipped for several tasks, unless a flag or a preset says otherwise."""
     def resolved(*argv):
         _, impala = launch_impala.resolve(launch_impala.parse_args(list(argv)))
-        return impala.algos.popart, impala.reward_clip
+        return impala.popart, impala.reward_clip
 
     assert resolved("--env", "CartPole-v1") == (False, 1.0)  # one task: the single-task defaults
     assert resolved("--env", TASKS) == (True, 0.0)

@@ -111,7 +111,7 @@ def test_a_dead_evaluation_process_does_not_hold_the_launcher_at_exit(tmp_path):
         "from types import SimpleNamespace\n"
         "from impala.run.config import RunConfig\n"
         "from impala.envs import EnvSpec\n"
-        "from learner.runtime import PeriodicEval\n"
+        "from learner.periodic_eval import PeriodicEval\n"
         "if __name__ == '__main__':\n"
         "    # an agent spec the evaluation process cannot read: it dies before taking the job\n"
         "    ev = PeriodicEval(RunConfig(env='CartPole-v1', eval_every=1, device='cpu'),\n"

@@ -55,9 +55,27 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
 
 
 def _write(f: Any, state: dict[str, Any]) -> None:
-    torch.save(state, f)
+    try:
+        torch.save(state, f)
+    except RuntimeError as e:
+        # torch's zip writer turns a failed write (ENOSPC, EIO) into a RuntimeError raised while handling the
+        # OSError: report the OSError, which says what happened
+        cause = _os_error_in(e)
+        if cause is None:
+            raise
+        raise cause from None
     f.flush()
     os.fsync(f.fileno())
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _remove(name: str) -> None:

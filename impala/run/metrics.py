@@ -46,8 +46,10 @@ def task_returns_text(row: Mapping[str, float]) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, logdir: str, *, progress: bool = True, title: str = "training", tracker: Any = None) -> None:
-        """``tracker``: an optional experiment tracker (``impala.run.tracking.WandbTracker``) that gets every row too."""
+    def __init__(self, logdir: str, *, progress: bool = True, title: str = "training", tracker: Any = None,
+                 time_offset_s: float = 0.0) -> None:
+        """``tracker``: an optional experiment tracker (``impala.run.tracking.WandbTracker``) that gets every row too.
+        ``time_offset_s``: wall time of the runs this one resumes, so the ``time`` column stays monotone."""
         os.makedirs(logdir, exist_ok=True)
         self.tracker = tracker
         from torch.utils.tensorboard import SummaryWriter
@@ -59,7 +61,7 @@ class MetricsLogger:
         self._fields: list[str] = ["step", "time"]
         self.title = title
         self._live = None
-        self._start = time.time()
+        self._start = time.time() - time_offset_s
         if progress and sys.stdout.isatty():
             from rich.live import Live
 

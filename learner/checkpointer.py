@@ -1,0 +1,182 @@
+"""A run's counters, resuming them from a checkpoint, and writing checkpoints that no error can cost the run.
+
+:class:`Progress` is what a run has done (env frames, agent steps, policy version, frames per task);
+:func:`resume` restores it and the trainer from ``LOGDIR/checkpoint.pt``; :class:`Checkpointer` writes
+the checkpoint every ``--checkpoint-minutes`` and at exit. Writing is atomic and refuses non-finite
+weights (``impala.run.checkpoint``); a write that fails for any reason (disk full, a directory at the
+path, permissions, I/O errors) is one warning line and training goes on: the last good checkpoint
+stays, the next write retries, and a run that has not been able to write for ``LOUD_AFTER_S`` says so
+at error level on every try.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from impala.envs.probe import EnvInfo
+from impala.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from impala.run.config import RunConfig
+from impala.transport.messages import RunInfo
+
+log = logging.getLogger(__name__)
+
+LOUD_AFTER_S = 30 * 60.0  # a run unable to checkpoint for this long says so at error level
+FINISHED_MARKER = "finished.json"  # written when a run used up its step budget
+
+
+@dataclass
+class Progress:
+    """What a run has done so far; saved in every checkpoint and restored by :func:`resume`."""
+
+    env_frames: int = 0
+    agent_steps: int = 0
+    version: int = 0  # policy version: one per update
+    task_frames: list[int] = field(default_factory=lambda: [0])  # env frames per task (multi-task runs)
+    elapsed_s: float = 0.0  # wall time of the earlier runs this one resumes (metrics' time stays monotone)
+
+
+class RunFinished(Exception):
+    """``--resume`` of a run that already used up its budget: nothing to do (exit 0, not a restart loop)."""
+
+
+def resume(trainer: Any, config: RunConfig, tasks: Sequence[EnvInfo]) -> Progress:
+    """The trainer's state and the counters from ``config.checkpoint_path``; :class:`CheckpointError` when the
+    checkpoint belongs to another task list, env or network, :class:`RunFinished` when its run had finished."""
+    task_names = [t.spec.id for t in tasks] if len(tasks) > 1 else []
+    finished = finished_record(config.logdir)
+    if finished is not None and _budget_spent(config, finished):
+        raise RunFinished(
+            f"{config.logdir} finished at {finished.get('env_frames', 0):,} env frames / {finished.get('agent_steps', 0):,} agent steps "
+            "(its budget); nothing to resume. Raise --total-frames/--total-steps to train on, or start a new --logdir"
+        )
+    state = load_checkpoint(config.checkpoint_path, keys=("trainer", "env_frames", "version"))
+    saved_tasks = [t.get("id") if isinstance(t, dict) else t for t in state.get("tasks") or []]
+    if saved_tasks != task_names:
+        raise CheckpointError(
+            f"checkpoint {config.checkpoint_path} was trained on {','.join(map(str, saved_tasks)) if saved_tasks else 'one task'}; "
+            f"this run has --env {','.join(task_names) if task_names else tasks[0].spec.id}: resume with the same task list"
+        )
+    try:
+        trainer.load_state_dict(state["trainer"])
+        env_frames = int(state["env_frames"])
+        progress = Progress(
+            env_frames=env_frames,
+            # checkpoints written before agent steps were counted apart: derived from the frames
+            agent_steps=int(state.get("agent_steps", round(env_frames / trainer.frames_per_step))),
+            version=int(state["version"]),
+            task_frames=[int(f) for f in state.get("task_frames") or [0] * len(tasks)],
+            elapsed_s=float(state.get("elapsed_s", 0.0)),
+        )
+    except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {config.checkpoint_path} does not fit this run (another env or network?): {first}") from None
+    log.info("resumed from %s at %d env frames, policy version %d", config.checkpoint_path, progress.env_frames, progress.version)
+    return progress
+
+
+def finished_record(logdir: str) -> dict[str, Any] | None:
+    """The finished marker of the run in ``logdir``, or None."""
+    try:
+        with open(os.path.join(logdir, FINISHED_MARKER)) as f:
+            record = json.load(f)
+        return record if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _budget_spent(config: RunConfig, record: dict[str, Any]) -> bool:
+    frames, steps = record.get("env_frames"), record.get("agent_steps")
+    if not isinstance(frames, int) or not isinstance(steps, int):
+        return False
+    return (config.total_frames is not None and frames >= config.total_frames) or (
+        config.total_steps is not None and steps >= config.total_steps
+    )
+
+
+class Checkpointer:
+    """Writes ``config.checkpoint_path`` periodically and at exit; never raises for a failed write."""
+
+    def __init__(self, config: RunConfig, trainer: Any, run_info: RunInfo, config_record: dict[str, Any], progress: Progress,
+                 *, resuming: bool) -> None:
+        self.path, self.logdir = config.checkpoint_path, config.logdir
+        self.every_s = config.checkpoint_minutes * 60
+        self.trainer, self.run_info, self.config_record, self.progress = trainer, run_info, config_record, progress
+        self.start_version = progress.version  # nothing trained yet: never overwrite a checkpoint with it
+        self.last_try = self.last_success = time.monotonic()
+        self.failing_since: float | None = None
+        self.start = time.monotonic()
+        if not resuming:  # a new run in this directory is not finished, whatever an earlier one was
+            try:
+                os.remove(os.path.join(self.logdir, FINISHED_MARKER))
+            except OSError:
+                pass
+
+    def state(self) -> dict[str, Any]:
+        p = self.progress
+        return {
+            "trainer": self.trainer.state_dict(), "env_frames": p.env_frames, "agent_steps": p.agent_steps, "version": p.version,
+            # what the checkpoint is, for tools that play it (impala-eval): the actors' own env and agent specs
+            "kind": self.trainer.agent.kind, "env": self.run_info.env.to_dict(), "agent": self.run_info.agent.to_dict(),
+            "tasks": [t.to_dict() for t in self.run_info.tasks], "task_frames": list(p.task_frames),
+            "elapsed_s": p.elapsed_s + time.monotonic() - self.start, "config": self.config_record,
+        }
+
+    def maybe_save(self) -> None:
+        """Save if ``--checkpoint-minutes`` have passed since the last try."""
+        if time.monotonic() - self.last_try >= self.every_s:
+            self.save()
+
+    def save(self) -> bool:
+        """Write the checkpoint; False (with one log line) if it could not be written."""
+        self.last_try = time.monotonic()
+        try:
+            save_checkpoint(self.path, self.state())
+        except CheckpointError as e:  # diverged weights: keep the last good checkpoint
+            log.error("%s; the previous checkpoint is kept", e)
+            return False
+        except OSError as e:  # disk full, a directory at the path, permissions, I/O: train on, retry next time
+            self._failed(f"{type(e).__name__}: {e.strerror or e}")
+            return False
+        self.last_success, self.failing_since = time.monotonic(), None
+        self._export()
+        return True
+
+    def _failed(self, reason: str) -> None:
+        now = time.monotonic()
+        self.failing_since = self.failing_since or now
+        down_s = now - self.failing_since
+        if down_s >= LOUD_AFTER_S:
+            log.error("no checkpoint could be written for %.0f minutes (%s): a crash now loses everything since the last "
+                      "one; free space or fix %s", down_s / 60, reason, self.path)
+        else:
+            log.warning("checkpoint %s not written (%s); training goes on, the previous checkpoint is kept, the next write "
+                        "retries", self.path, reason)
+
+    def _export(self) -> None:
+        # A trainer that can export its policy for serving (PPO -> ONNX for Unity) does so beside each checkpoint.
+        export = getattr(self.trainer, "export_onnx", None)
+        if export is None:
+            return
+        try:
+            export(self.logdir)
+        except Exception as e:  # noqa: BLE001 - an export that fails must not cost the run
+            log.warning("ONNX export beside %s failed: %s", self.path, e)
+
+    def final(self, *, finished: bool) -> str:
+        """At exit: save if anything was trained; mark the run finished if its budget was used up. Returns the
+        checkpoint's path if one exists, else ""."""
+        if self.progress.version > self.start_version:
+            self.save()
+        if finished:
+            try:
+                with open(os.path.join(self.logdir, FINISHED_MARKER), "w") as f:
+                    json.dump({"env_frames": self.progress.env_frames, "agent_steps": self.progress.agent_steps,
+                               "version": self.progress.version}, f)
+            except OSError as e:
+                log.warning("could not write the finished marker in %s: %s", self.logdir, e.strerror or e)
+        return self.path if os.path.isfile(self.path) else ""

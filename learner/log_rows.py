@@ -1,0 +1,57 @@
+"""The rows a run logs: learner losses, transport counters and the run's own charts (``charts/``), and for a
+multi-task run each task's frames and human-normalized score."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from impala.envs.atari import human_normalized_score
+
+
+def task_rows(task_names: tuple[str, ...], task_frames: list[int], mean_returns: Mapping[str, float]) -> dict[str, float]:
+    """A multi-task run's per-task metrics: frames, and for Atari games the human-normalized score
+    of the mean return of the last 100 episodes, with the median and mean over the tasks that have one."""
+    row: dict[str, float] = {}
+    scores = []
+    for name, frames in zip(task_names, task_frames):
+        row[f"tasks/{name}/frames"] = float(frames)
+        if name in mean_returns:
+            hns = human_normalized_score(name, mean_returns[name])
+            if hns is not None:
+                row[f"tasks/{name}/human_normalized"] = hns
+                scores.append(hns)
+    if scores:
+        row["tasks/median_human_normalized"] = float(np.median(scores))
+        row["tasks/mean_human_normalized"] = float(np.mean(scores))
+    return row
+
+
+class LogRows:
+    """Collects what happens between two log rows (policy lag per unroll) and builds the row every ``--log-interval``."""
+
+    def __init__(self, interval_s: float, task_names: tuple[str, ...], env_frames: int) -> None:
+        self.interval_s, self.task_names = interval_s, task_names
+        self.last_time, self.last_frames = time.monotonic(), env_frames
+        self.lags: list[float] = []
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last_time >= self.interval_s
+
+    def row(self, progress: Any, metrics: Mapping[str, float], server_stats: Mapping[str, float],
+            task_means: Mapping[str, float], actor_restarts: int) -> dict[str, float]:
+        """The row for now; starts the next interval."""
+        now = time.monotonic()
+        row = {**metrics, **server_stats}
+        row["charts/env_frames"] = progress.env_frames
+        row["charts/agent_steps"] = progress.agent_steps
+        row["charts/fps"] = (progress.env_frames - self.last_frames) / max(now - self.last_time, 1e-9)
+        row["charts/policy_lag"] = float(np.mean(self.lags)) if self.lags else 0.0
+        row["charts/policy_version"] = progress.version
+        row["charts/actor_restarts"] = actor_restarts
+        if self.task_names:
+            row.update(task_rows(self.task_names, progress.task_frames, task_means))
+        self.last_time, self.last_frames, self.lags = now, progress.env_frames, []
+        return row
