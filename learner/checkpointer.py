@@ -11,6 +11,7 @@ at error level on every try.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -19,14 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from impala.envs.probe import EnvInfo
-from impala.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from impala.run.checkpoint import FINISHED_MARKER, CheckpointError, load_checkpoint, save_checkpoint
 from impala.run.config import RunConfig
 from impala.transport.messages import RunInfo
 
 log = logging.getLogger(__name__)
 
 LOUD_AFTER_S = 30 * 60.0  # a run unable to checkpoint for this long says so at error level
-FINISHED_MARKER = "finished.json"  # written when a run used up its step budget
 
 
 @dataclass
@@ -61,6 +61,10 @@ def resume(trainer: Any, config: RunConfig, tasks: Sequence[EnvInfo]) -> Progres
             f"checkpoint {config.checkpoint_path} was trained on {','.join(map(str, saved_tasks)) if saved_tasks else 'one task'}; "
             f"this run has --env {','.join(task_names) if task_names else tasks[0].spec.id}: resume with the same task list"
         )
+    differences = _differences(state, tasks[0], trainer.agent.to_dict())
+    if differences:
+        raise CheckpointError(f"checkpoint {config.checkpoint_path} does not fit this run: {'; '.join(differences)}. Resume with "
+                              "the settings it was trained with, or start a new run (another --run-id)")
     try:
         trainer.load_state_dict(state["trainer"])
         env_frames = int(state["env_frames"])
@@ -77,6 +81,31 @@ def resume(trainer: Any, config: RunConfig, tasks: Sequence[EnvInfo]) -> Progres
         raise CheckpointError(f"checkpoint {config.checkpoint_path} does not fit this run (another env or network?): {first}") from None
     log.info("resumed from %s at %d env frames, policy version %d", config.checkpoint_path, progress.env_frames, progress.version)
     return progress
+
+
+# What makes a checkpoint another run's: its env, and the agent settings that shape the network.
+_AGENT_IDENTITY = ("kind", "model", "use_lstm", "frame_stack", "num_tasks", "obs_dim", "action_dim")
+_PPO_NETWORK = ("hidden_units", "num_layers", "activation")
+
+
+def _differences(state: dict[str, Any], env: EnvInfo, agent: dict[str, Any]) -> list[str]:
+    """What differs between the run a checkpoint recorded (env and agent specs) and this one, said per setting."""
+    out = []
+    saved_env = state.get("env")
+    if isinstance(saved_env, dict):
+        for key, label in (("id", "env"), ("kwargs", "env kwargs")):
+            if key in saved_env and saved_env[key] != env.spec.to_dict()[key]:
+                out.append(f"{label} {saved_env[key]!r} there, {env.spec.to_dict()[key]!r} here")
+    saved = state.get("agent")
+    if isinstance(saved, dict):
+        for key in _AGENT_IDENTITY:
+            if key in saved and key in agent and saved[key] != agent[key]:
+                out.append(f"{key} {saved[key]!r} there, {agent[key]!r} here")
+        old_net, new_net = saved.get("config"), agent.get("config")
+        if isinstance(old_net, dict) and isinstance(new_net, dict):
+            out += [f"{k} {old_net[k]!r} there, {new_net[k]!r} here" for k in _PPO_NETWORK
+                    if k in old_net and k in new_net and old_net[k] != new_net[k]]
+    return out
 
 
 def finished_record(logdir: str) -> dict[str, Any] | None:
@@ -109,6 +138,8 @@ class Checkpointer:
         self.start_version = progress.version  # nothing trained yet: never overwrite a checkpoint with it
         self.last_try = self.last_success = time.monotonic()
         self.failing_since: float | None = None
+        self.best_return = float("-inf")  # best.pt's evaluation, this run
+        self.evaluated: tuple[int, dict[str, Any]] | None = None  # (frames, state) of the evaluation playing
         self.start = time.monotonic()
         if not resuming:  # a new run in this directory is not finished, whatever an earlier one was
             try:
@@ -125,6 +156,22 @@ class Checkpointer:
             "tasks": [t.to_dict() for t in self.run_info.tasks], "task_frames": list(p.task_frames),
             "elapsed_s": p.elapsed_s + time.monotonic() - self.start, "config": self.config_record,
         }
+
+    def remember_evaluated(self, at_frames: int) -> None:
+        """Keep a copy of the state whose weights an evaluation is about to play (one at a time), for ``best.pt``."""
+        self.evaluated = (at_frames, copy.deepcopy(self.state()))
+
+    def consider_best(self, mean_return: float | None, at_frames: int) -> None:
+        """``best.pt``: the state an evaluation played, when its mean return beats every earlier one of this run."""
+        if mean_return is None or mean_return <= self.best_return or self.evaluated is None or self.evaluated[0] != at_frames:
+            return
+        try:
+            save_checkpoint(os.path.join(self.logdir, "best.pt"), {**self.evaluated[1], "eval_mean_return": float(mean_return)})
+        except (CheckpointError, OSError) as e:
+            log.warning("best.pt not written (%s)", e)
+            return
+        self.best_return = mean_return
+        log.info("best.pt: the weights at %d frames, eval mean return %.2f", at_frames, mean_return)
 
     def maybe_save(self) -> None:
         """Save if ``--checkpoint-minutes`` have passed since the last try."""

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from impala.run.checkpoint import check_logdir
+from impala.run.checkpoint import prepare_run_folder
 from impala.run.config import ConfigError, FlagParser, ImpalaConfig, RunConfig, add_flags, apply_preset, fail, from_flags, load_preset
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_tasks
@@ -77,6 +77,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
         config = dataclasses.replace(config, unroll_length=IMPALA_UNROLL)
     if config.total_frames is None and config.total_steps is None:
         config = dataclasses.replace(config, total_frames=DEFAULT_TOTAL_FRAMES)
+    config = config.with_run_folder(config.env)
     impala = from_flags(ImpalaConfig, args)
     if len(config.tasks) > 1 and config.stop_at_return is not None:
         raise ConfigError("--stop-at-return compares one mean return; tasks' returns have different scales, so a multi-task "
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     try:
         torch.set_num_threads(max(1, config.cpu_threads() // config.learners))
-        check_logdir(config.logdir)
+        prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         env, tasks, note = probe_run_envs(config)
         trainer = ImpalaTrainer(impala, config, env, group=start_group(impala, config, env, tasks), tasks=tasks)
         plan = RunPlan(env, f"impala {config.env}", {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""},

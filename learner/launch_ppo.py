@@ -67,7 +67,7 @@ from typing import Any, Optional
 
 import torch
 
-from impala.run.checkpoint import check_logdir
+from impala.run.checkpoint import prepare_run_folder
 from impala.run.config import ConfigError, FlagParser, RunConfig, add_flags, check_fields, fail, from_flags, need, option
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_unity
@@ -84,7 +84,7 @@ CRAWLER_CONFIG = Path(__file__).resolve().parents[1] / "impala" / "configs" / "C
 STAND_IN_ENV = "Ant-v5"
 UNITY_BASE_PORT = 5005  # mlagents-envs' UnityEnvironment.BASE_ENVIRONMENT_PORT
 
-RUN_DEFAULTS = {"env": None, "envs_per_worker": 8, "unroll_length": 0, "logdir": "runs/ppo", "max_policy_lag": 0}
+RUN_DEFAULTS = {"env": None, "envs_per_worker": 8, "unroll_length": 0, "max_policy_lag": 0}
 RUN_HELP = {
     "env": f"A gymnasium id (Pendulum-v1, Ant-v5, ...) instead of a Unity build. Neither: the Crawler job on the {STAND_IN_ENV} stand-in.",
     "workers": "Local actor processes (Unity: one instance each, worker_id = actor index); 0 runs no local actors and waits for remote ones (impala-actors).",
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if options.unity_build and config.env:
             raise ConfigError("pass either --unity-build or --env, not both")
-        check_logdir(config.logdir)
+        config = config.with_run_folder(f"ppo-{config.env or ('unity' if options.unity_build else STAND_IN_ENV)}")
+        prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         crawler_job = config.env is None and not options.unity_build
         trainer_config = args.ppo__trainer_config or (str(CRAWLER_CONFIG) if config.env is None else None)
         ppo_config = config_from_args(args, default_trainer_config=trainer_config, seed=config.seed)

@@ -61,9 +61,10 @@ class PeriodicEval:
         self.next_at = config.eval_every
         self.started = 0
 
-    def maybe_start(self, frames: int, params: Mapping[str, np.ndarray]) -> None:
+    def maybe_start(self, frames: int, params: Mapping[str, np.ndarray]) -> bool:
+        """Hand a snapshot of ``params`` to the evaluation process if one is due and none is playing; True if so."""
         if not self.every or frames < self.next_at or self.busy:
-            return
+            return False
         if self.proc is None or not self.proc.is_alive():
             self.jobs, self.results = self.ctx.Queue(), self.ctx.Queue()
             # A snapshot the evaluation process never read (it died) must not hold this process at exit:
@@ -81,6 +82,7 @@ class PeriodicEval:
         self.jobs.put((frames, snapshot, self.seed + self.started, video))
         self.busy = True
         self.started += 1
+        return True
 
     def poll(self, timeout: float = 0.0) -> tuple[int, dict[str, float], str] | None:
         """(frames of the snapshot, eval/ row, video path or "") of a finished evaluation, else None."""

@@ -136,6 +136,7 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     """Train until the step budget (``total_frames`` / ``total_steps``), ``max_seconds``, ``stop_at_return``
     or a signal. Returns a summary."""
     budget = Budget(config)  # refuses a run without a step budget
+    config = config.with_run_folder(plan.env.spec.id)  # launchers resolve it; callers of run() may leave it to us
     tasks = plan.tasks or (plan.env,)
     task_names = tuple(t.spec.id for t in tasks) if len(tasks) > 1 else ()
     progress = resume(trainer, config, tasks) if config.resume else Progress(task_frames=[0] * len(tasks))
@@ -161,7 +162,7 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
                           local_token=guard.local_token)
     pool = ThreadActors(local) if config.in_process else ActorPool(local, start_method=config.start_method, actor_class=plan.actor_class)
     logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
-                           time_offset_s=progress.elapsed_s)
+                           time_offset_s=progress.elapsed_s, config_record=plan.config_record)
     evaluator = PeriodicEval(config, run_info)
     checkpointer = Checkpointer(config, trainer, run_info, plan.config_record, progress, resuming=config.resume)
     interrupted = False
@@ -172,7 +173,7 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
             _train(trainer, config, server, pool, guard, budget, progress, checkpointer, logger, evaluator, stop.event)
             interrupted = stop.event.is_set()
         if not interrupted:
-            _log_eval(logger, progress, evaluator.finish(), tracker)  # the last evaluation belongs to this run's record
+            _log_eval(logger, progress, evaluator.finish(), checkpointer)  # the last evaluation belongs to this run's record
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -186,8 +187,11 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
 
 
 def _start_actors(pool: Any, server: TrajectoryServer, guard: FingerprintGuard, config: RunConfig, hello_timeout: float) -> None:
-    """Start the local actors and wait until each passed the fingerprint guard, then publish the first weights."""
+    """Say where actors connect; start the local actors and wait until each passed the fingerprint guard."""
+    keys = f"; actors need the learner's public key {os.path.join(config.curve, 'server.key')}" if config.curve else ""
+    log.info("learner listening: trajectories %s, weights %s%s", server.trajectory_endpoint, server.params_endpoint, keys)
     if not config.workers:
+        log.info("no local actors: waiting for remote ones (impala-actors --learner %s)", server.trajectory_endpoint)
         return
     pool.start()
     log.info("started %d actors (%s) -> %s", config.workers, "threads" if config.in_process else config.start_method,
@@ -236,8 +240,9 @@ def _train(trainer: Trainer, config: RunConfig, server: TrajectoryServer, pool: 
         progress.version += 1
         params = trainer.params()
         server.publish(progress.version, params)
-        evaluator.maybe_start(progress.env_frames, params)
-        _log_eval(logger, progress, evaluator.poll(), getattr(logger, "tracker", None))
+        if evaluator.maybe_start(progress.env_frames, params):
+            checkpointer.remember_evaluated(progress.env_frames)  # best.pt must hold the weights evaluated
+        _log_eval(logger, progress, evaluator.poll(), checkpointer)
         if rows.due():
             logger.log(progress.env_frames, rows.row(progress, metrics, server.stats(), server.task_mean_returns(), pool.restarts))
         checkpointer.maybe_save()
@@ -245,14 +250,17 @@ def _train(trainer: Trainer, config: RunConfig, server: TrajectoryServer, pool: 
             break
 
 
-def _log_eval(logger: MetricsLogger, progress: Progress, evaluated: tuple[int, dict[str, float], str] | None, tracker: Any) -> None:
-    # logged at today's step (trackers want steps in order); the snapshot's frames ride along
+def _log_eval(logger: MetricsLogger, progress: Progress, evaluated: tuple[int, dict[str, float], str] | None,
+              checkpointer: Checkpointer) -> None:
+    """Log a finished evaluation (at today's step: trackers want steps in order; the snapshot's frames ride
+    along) and keep the best weights so far as ``best.pt``."""
     if evaluated is None:
         return
     at, row, video = evaluated
     logger.log(progress.env_frames, {**row, "eval/at_frames": float(at)})
-    if video and tracker is not None and os.path.exists(video):
-        tracker.log_video(progress.env_frames, "eval/video", video)
+    if video and logger.tracker is not None and os.path.exists(video):
+        logger.tracker.log_video(progress.env_frames, "eval/video", video)
+    checkpointer.consider_best(row.get("eval/mean_return"), at)
 
 
 def _shut_down(trainer: Trainer, evaluator: PeriodicEval, pool: Any, server: TrajectoryServer, checkpointer: Checkpointer,

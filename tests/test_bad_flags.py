@@ -117,3 +117,39 @@ def test_help_shows_each_default_once(prog):
     assert "(default: " in text or prog == "frameskip_check"
     for chunk in re.split(r"\s(?=-{1,2}[a-z])", text):  # one chunk per option
         assert chunk.count("(default:") <= 1, chunk
+
+
+def _hostile_cases(tmp: Path) -> list[tuple[str, list[str], str]]:
+    """Values a hostile or careless user gave that once ended in a traceback, a huge error line or a hang."""
+    (tmp / "binary.yaml").write_bytes(bytes(range(256)) * 64)
+    (tmp / "deep.yaml").write_text("[" * 20_000)
+    (tmp / "bomb.yaml").write_text("a: &a [x,x,x,x,x,x,x,x,x]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n"
+                                   "c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n")
+    return [
+        ("launch_impala", ["--seed", str(2**70)], "--seed"),
+        ("launch_ppo", ["--seed", str(2**70)], "--seed"),
+        ("launch_impala", ["--env-kwargs", "[" * 100_000], "--env-kwargs"),
+        ("launch_impala", ["--env-kwargs", '{"max_episode_steps": 0}'], "max_episode_steps"),
+        ("launch_impala", ["--max-abs-value", "1e-30"], "--max-abs-value"),
+        ("launch_impala", ["--config", str(tmp / "binary.yaml")], "not a text file"),
+        ("launch_impala", ["--config", str(tmp / "deep.yaml")], "nested"),
+        ("launch_impala", ["--config", str(tmp / "bomb.yaml")], "aliases"),
+        ("launch_ppo", ["--trainer-config", str(tmp / "bomb.yaml")], "aliases"),
+        ("launch_impala", ["--config", str(tmp)], "is a directory"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_hostile_values_are_one_short_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
+    prog, extra, expected = _hostile_cases(tmp_path)[case]
+    module = importlib.import_module(SCRIPTS[prog].split(":")[0])
+    monkeypatch.chdir(tmp_path)
+    try:
+        rc = module.main([*BASE[prog], "--logdir", str(tmp_path / "run"), *extra])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not re.match(r"^\d{4}-\d\d-\d\d ", line)]
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and expected in lines[0], lines
+    assert len(lines[0]) < 700  # the value is shown cut, not whole

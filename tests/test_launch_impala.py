@@ -333,3 +333,29 @@ def test_shipped_presets_load_and_validate(name):
         assert run_config == default_run
     else:
         assert (impala.loss_reduction, impala.optimizer, impala.learning_rate, run_config.unroll_length) == ("sum", "rmsprop", 6e-4, 20)
+
+
+def test_runs_get_their_own_folders_and_a_used_one_is_never_overwritten(tmp_path, capsys):
+    """The same command twice: the second is refused (one line, exit 2) and the first run's files are untouched;
+    --force starts over; --resume of the finished run exits 0 at once; config.yaml says what ran."""
+    from learner.launch_impala import main
+
+    tiny = ["--env", "CartPole-v1", "--workers", "1", "--in-process", "--unroll-length", "8", "--batch-size", "2",
+            "--minibatches", "1", "--total-frames", "64", "--no-progress", "--device", "cpu", "--runs-dir", str(tmp_path),
+            "--log-interval", "0"]
+    assert main([*tiny, "--run-id", "first"]) == 0
+    folder = tmp_path / "first"
+    written = yaml.safe_load((folder / "config.yaml").read_text())
+    assert written["env"] == "CartPole-v1" and written["batch_size"] == 2 and written["logdir"] == str(folder)
+    before = {name: (folder / name).stat().st_mtime_ns for name in ("checkpoint.pt", "metrics.csv", "config.yaml")}
+    capsys.readouterr()
+    assert main([*tiny, "--run-id", "first"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a run" in err[0] and "--resume" in err[0] and "--force" in err[0], err
+    assert {name: (folder / name).stat().st_mtime_ns for name in before} == before
+    assert main([*tiny, "--run-id", "first", "--resume"]) == 0
+    assert "nothing to resume" in capsys.readouterr().out
+    assert main([*tiny, "--run-id", "first", "--force", "--seed", "3"]) == 0
+    assert yaml.safe_load((folder / "config.yaml").read_text())["seed"] == 3
+    assert main([*tiny]) == 0  # no --run-id: a new folder named by the env and the time
+    assert any(p.name.startswith("CartPole-v1-20") for p in tmp_path.iterdir())

@@ -16,7 +16,7 @@ from actors.loop import actor_configs
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import probe_env
-from impala.run.checkpoint import load_checkpoint
+from impala.run.checkpoint import CheckpointError, load_checkpoint, prepare_run_folder
 from impala.run.config import ConfigError, FlagParser, RunConfig, add_flags, apply_preset, capped, given_flags, read_yaml
 from impala.transport.messages import ImpalaAgentSpec, RunInfo
 from learner import checkpointer as ckpt_module
@@ -88,9 +88,7 @@ class _Trainer:
 
     weight: torch.Tensor
     frames_per_step: float = 1.0
-
-    class agent:  # noqa: N801 - what the checkpointer reads of an AgentSpec
-        kind = "impala"
+    agent: ImpalaAgentSpec = ImpalaAgentSpec(model="mlp", use_lstm=False)
 
     def state_dict(self):
         return {"w": self.weight}
@@ -295,3 +293,55 @@ def test_read_yaml_refuses_binary_directories_and_huge_files(tmp_path):
 def test_argparse_namespace_without_flagparser_has_no_given():
     # given_flags on a plain namespace (a caller building args by hand) means nothing was given
     assert given_flags(_Opts, argparse.Namespace(lr=1.0)) == {}
+
+
+def test_resume_says_exactly_what_differs(tmp_path, cartpole):
+    config, _, cp = _checkpointer(tmp_path, cartpole)
+    cp.progress.version = 1
+    cp.final(finished=False)
+    v0 = probe_env(EnvSpec("CartPole-v0"), seed=0)
+    with pytest.raises(CheckpointError, match=r"env 'CartPole-v1' there, 'CartPole-v0' here"):
+        resume(_Trainer(torch.zeros(3)), dataclasses_replace(config, resume=True), [v0])
+    lstm = _Trainer(torch.zeros(3), agent=ImpalaAgentSpec(model="mlp", use_lstm=True))
+    with pytest.raises(CheckpointError, match="use_lstm False there, True here"):
+        resume(lstm, dataclasses_replace(config, resume=True), [cartpole])
+
+
+def test_best_pt_holds_the_evaluated_weights_not_later_ones(tmp_path, cartpole):
+    config, trainer, cp = _checkpointer(tmp_path, cartpole)
+    cp.remember_evaluated(100)
+    trainer.weight = torch.full((3,), 5.0)  # training went on while the evaluation played
+    cp.consider_best(10.0, 100)
+    best = load_checkpoint(str(tmp_path / "best.pt"))
+    assert torch.equal(best["trainer"]["w"], torch.ones(3)) and best["eval_mean_return"] == 10.0
+    cp.remember_evaluated(200)
+    cp.consider_best(9.0, 200)  # worse: best.pt stays
+    assert load_checkpoint(str(tmp_path / "best.pt"))["eval_mean_return"] == 10.0
+    cp.consider_best(11.0, 300)  # not the evaluation remembered: ignored
+    assert load_checkpoint(str(tmp_path / "best.pt"))["eval_mean_return"] == 10.0
+
+
+def test_run_folder_names_and_refusals(tmp_path):
+    auto = RunConfig(env="CartPole-v1", runs_dir=str(tmp_path)).with_run_folder("CartPole-v1")
+    assert os.path.dirname(auto.logdir) == str(tmp_path) and os.path.basename(auto.logdir).startswith("CartPole-v1-20")
+    named = RunConfig(env="CartPole-v1", runs_dir=str(tmp_path), run_id="mine").with_run_folder("x")
+    assert named.logdir == str(tmp_path / "mine")
+    for bad, error in ((dict(run_id="../up"), "--run-id must be a plain name"), (dict(run_id="a", logdir="b"), "not both"),
+                       (dict(resume=True), "--resume needs the run"), (dict(resume=True, force=True, run_id="a"), "give one")):
+        with pytest.raises(ConfigError, match=error):
+            RunConfig(env="CartPole-v1", **bad)
+
+
+def test_a_folder_holding_a_run_is_refused_unless_resume_or_force(tmp_path):
+    folder = tmp_path / "run"
+    prepare_run_folder(str(folder), resume=False, force=False)  # new: created
+    (folder / "metrics.csv").write_text("step\n")
+    (folder / "checkpoint.pt").write_bytes(b"x")
+    (folder / "events.out.tfevents.1.host").write_bytes(b"x")
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"holds a run \(checkpoint.pt, events.out.tfevents.1.host, metrics.csv\): pass --resume"):
+        prepare_run_folder(str(folder), resume=False, force=False)
+    prepare_run_folder(str(folder), resume=True, force=False)  # continuing it: untouched
+    assert (folder / "metrics.csv").exists()
+    prepare_run_folder(str(folder), resume=False, force=True)
+    assert sorted(os.listdir(folder)) == ["notes.txt"]  # only the run's own files went

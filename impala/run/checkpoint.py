@@ -169,11 +169,43 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", *, keys
     return state
 
 
-def check_logdir(path: str) -> None:
-    """Fail at start-up, not at the first checkpoint, when the run could not save anything."""
+FINISHED_MARKER = "finished.json"  # written when a run used up its step budget
+# What a run writes into its folder; --force deletes exactly these (never anything else a user put there).
+RUN_FILES = ("checkpoint.pt", "best.pt", "metrics.csv", "config.yaml", FINISHED_MARKER)
+RUN_FILE_PATTERNS = ("events.out.tfevents.", "eval-")
+
+
+def run_files(path: str) -> list[str]:
+    """The files of a run in folder ``path`` (empty: no run there)."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    return [n for n in names if n in RUN_FILES or n.startswith(RUN_FILE_PATTERNS)]
+
+
+def prepare_run_folder(path: str, *, resume: bool, force: bool) -> None:
+    """Make the run folder ready at start-up, not at the first checkpoint: created and writable, and never
+    another run's folder by accident. A folder that holds a run is refused unless ``resume`` (continue it) or
+    ``force`` (its run files are deleted first)."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--logdir {path}: cannot create it ({e.strerror})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"--logdir {path}: not writable")
+    held = run_files(path)
+    if not held or resume:
+        return
+    if not force:
+        raise ConfigError(
+            f"run folder {path} holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): pass --resume to "
+            "continue it, --force to start over in it, or another --run-id"
+        )
+    for name in held:
+        try:
+            os.remove(os.path.join(path, name))
+        except IsADirectoryError:
+            raise ConfigError(f"--force: {os.path.join(path, name)} is a directory; move it away first") from None
+        except OSError as e:
+            raise ConfigError(f"--force: cannot delete {os.path.join(path, name)} ({e.strerror})") from None

@@ -30,7 +30,9 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import sys
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -336,6 +338,9 @@ def read_yaml(path: str, what: str) -> Any:
 # --------------------------------------------------------------------------- RunConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_SEED = 2**31 - 1  # room for seed + 1000 * actor id below numpy's 2**32 limit
+MIN_ABS_VALUE = 1e3
+RUN_ID = re.compile(r"[A-Za-z0-9._+=-]{1,100}")
 MAX_TASKS = 64  # tasks in one multi-task run (the ALE has 57 games)
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 StartMethod = Literal["spawn", "fork", "forkserver"]
@@ -367,8 +372,11 @@ class RunConfig:
     seed: int = option(0, "Base seed: the network's initialization, and actor i's envs use seed + 1000 * i (+ restarts).")
     device: str = option("auto", "Learner device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.")
     torch_threads: int = option(0, "CPU threads for the learner's torch ops; 0 = the cores left after the actors (at least 1). More would fight the actors for cores.")
-    logdir: str = option("runs/impala", "Directory for TensorBoard events, metrics.csv and checkpoints.")
-    resume: bool = option(False, "Continue from LOGDIR/checkpoint.pt (weights, optimizer, normalizers, counters).")
+    logdir: Optional[str] = option(None, "Run folder (TensorBoard events, metrics.csv, config.yaml, checkpoints); default: RUNS_DIR/RUN_ID.")
+    runs_dir: str = option("runs", "Folder holding the run folders.")
+    run_id: Optional[str] = option(None, "Name of this run's folder under --runs-dir; default: the env id and the start time (CartPole-v1-20261201-083000). A folder that holds a run is refused unless --resume or --force.")
+    force: bool = option(False, "Start over in a run folder that holds a run: its checkpoints, metrics, events, config and finished marker are deleted first.")
+    resume: bool = option(False, "Continue the run in the run folder from its checkpoint.pt (weights, optimizer, normalizers, counters); needs --run-id or --logdir.")
     checkpoint_minutes: float = option(10.0, "Minutes between checkpoints (one is always written at exit).")
     log_interval: float = option(5.0, "Seconds between console/CSV/TensorBoard rows (0: a row after every update).")
     progress: bool = option(True, "Show the live console progress display (when stdout is a terminal).")
@@ -397,11 +405,19 @@ class RunConfig:
         need(self.max_seconds >= 0, f"--max-seconds must be >= 0 (0 means no limit), got {self.max_seconds}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0 (0: off), got {self.eval_every}")
         need(self.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {self.eval_episodes}")
-        need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
+        # actors seed their envs with seed + 1000 * id + restarts, and numpy/torch seeds stop at 2**32 - 1
+        need(0 <= self.seed <= MAX_SEED, f"--seed must be in 0..{MAX_SEED:,}, got {capped(str(self.seed), 40)}")
         need(self.device == "auto" or self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:") and self.device[5:].isdigit(),
              f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         need(self.torch_threads >= 0, f"--torch-threads must be >= 0 (0 picks), got {self.torch_threads}")
-        need(bool(self.logdir.strip()), "--logdir must not be empty")
+        need(self.logdir is None or bool(self.logdir.strip()), "--logdir must not be empty")
+        need(bool(self.runs_dir.strip()), "--runs-dir must not be empty")
+        need(self.logdir is None or self.run_id is None, "give --logdir (a folder) or --run-id (a name under --runs-dir), not both")
+        need(self.run_id is None or bool(RUN_ID.fullmatch(self.run_id)) and self.run_id not in (".", ".."),
+             f"--run-id must be a plain name of letters, digits and ._+=- (at most 100), got {capped(repr(self.run_id), 60)}")
+        need(not (self.resume and self.force), "--resume continues the run in the folder and --force deletes it: give one")
+        need(not self.resume or self.logdir is not None or self.run_id is not None,
+             "--resume needs the run to continue: --run-id NAME (under --runs-dir) or --logdir DIR")
         need(bool(self.track_project.strip()) and "/" not in self.track_project, f"--track-project must be a plain project name, got {self.track_project!r}")
         need(self.checkpoint_minutes > 0, f"--checkpoint-minutes must be > 0, got {self.checkpoint_minutes}")
         need(self.log_interval >= 0, f"--log-interval must be >= 0 (0: a row per update), got {self.log_interval}")
@@ -412,7 +428,9 @@ class RunConfig:
         need(self.queue_size >= 0, f"--queue-size must be >= 0 (0: the learner picks), got {self.queue_size}")
         need(self.max_policy_lag is None or self.max_policy_lag >= 0,
              f"--max-policy-lag must be >= 0 (0: on-policy only; leave it unset to keep all), got {self.max_policy_lag}")
-        need(self.max_abs_value > 0, f"--max-abs-value must be > 0, got {self.max_abs_value}")
+        # below a few thousand, honest observations (Atari pixels are up to 255), logits and returns are dropped
+        need(self.max_abs_value >= MIN_ABS_VALUE, f"--max-abs-value must be >= {MIN_ABS_VALUE:g} (it drops unrolls holding larger "
+             f"values; pixels alone reach 255), got {self.max_abs_value:g}")
         # The bind/CURVE rule: an open port would let anyone send trajectories and read weights.
         need(bool(self.curve) or self.bind in LOOPBACK or self.insecure_bind,
              f"--bind {self.bind} without --curve would let anyone who can reach the port send trajectories and read "
@@ -423,11 +441,18 @@ class RunConfig:
             need(len(set(t.strip() for t in tasks)) == len(tasks), f"--env {self.env!r}: a task is listed twice")
             need(len(tasks) <= MAX_TASKS, f"--env: at most {MAX_TASKS} tasks, got {len(tasks)}")
         if self.env_kwargs:
+            need(len(self.env_kwargs) <= 100_000, f"--env-kwargs is {len(self.env_kwargs):,} characters; an env's keyword "
+                 "arguments fit in far fewer")
             try:
                 parsed = json.loads(self.env_kwargs)
+            except RecursionError:
+                raise ConfigError("--env-kwargs is nested too deeply") from None
             except ValueError as e:
                 raise ConfigError(f"--env-kwargs is not valid JSON ({e}); example: '{{\"frameskip\": 4}}'") from None
-            need(isinstance(parsed, dict), f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}")
+            need(isinstance(parsed, dict), f"--env-kwargs must be a JSON object, got {capped(repr(self.env_kwargs), 80)}")
+            steps = parsed.get("max_episode_steps")
+            need(steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1),
+                 f"--env-kwargs: max_episode_steps must be an integer >= 1, got {capped(repr(steps), 40)}")
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -441,7 +466,15 @@ class RunConfig:
 
     @property
     def checkpoint_path(self) -> str:
-        return os.path.join(self.logdir, "checkpoint.pt")
+        return os.path.join(self.logdir or self.with_run_folder("run").logdir, "checkpoint.pt")
+
+    def with_run_folder(self, job: str) -> "RunConfig":
+        """This config with ``logdir`` resolved: ``--logdir``, else ``--runs-dir/--run-id``, else
+        ``--runs-dir/<job>-<start time>`` (``job``: the env id, say)."""
+        if self.logdir:
+            return self
+        name = self.run_id or f"{re.sub(r'[^A-Za-z0-9._+=-]+', '_', job)[:60]}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return dataclasses.replace(self, logdir=os.path.join(self.runs_dir, name), run_id=None)  # the folder now names it
 
     def cpu_threads(self, *, actors_wait_during_updates: bool = False) -> int:
         """The learner's torch threads: ``--torch-threads``, else the cores the local actors leave.

@@ -8,6 +8,8 @@ earlier rows lack, the file is rewritten once with the wider header.
 from __future__ import annotations
 
 import csv
+import json
+import logging
 import os
 import sys
 import time
@@ -15,6 +17,8 @@ from typing import Any, Mapping
 
 # The console log line of every entry point.
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+log = logging.getLogger(__name__)
 
 
 def log_this_one(count: int, first: int = 20, every: int = 1000) -> bool:
@@ -47,14 +51,18 @@ def task_returns_text(row: Mapping[str, float]) -> str:
 
 class MetricsLogger:
     def __init__(self, logdir: str, *, progress: bool = True, title: str = "training", tracker: Any = None,
-                 time_offset_s: float = 0.0) -> None:
+                 time_offset_s: float = 0.0, config_record: Mapping[str, Any] | None = None) -> None:
         """``tracker``: an optional experiment tracker (``impala.run.tracking.WandbTracker``) that gets every row too.
-        ``time_offset_s``: wall time of the runs this one resumes, so the ``time`` column stays monotone."""
+        ``time_offset_s``: wall time of the runs this one resumes, so the ``time`` column stays monotone.
+        ``config_record``: the run's resolved settings, written to ``LOGDIR/config.yaml``, TensorBoard (text) and
+        the log, so a person can read what ran."""
         os.makedirs(logdir, exist_ok=True)
         self.tracker = tracker
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(logdir)
+        if config_record:
+            self._record_config(logdir, config_record)
         self.csv_path = os.path.join(logdir, "metrics.csv")
         self._csv_file = None
         self._csv: csv.DictWriter | None = None
@@ -67,6 +75,23 @@ class MetricsLogger:
 
             self._live = Live(self._table({}), refresh_per_second=2, transient=False)
             self._live.start()
+
+    def _record_config(self, logdir: str, record: Mapping[str, Any]) -> None:
+        import yaml
+
+        plain = json.loads(json.dumps(record, default=str))  # tuples -> lists, anything else -> its text
+        text = yaml.safe_dump(plain, sort_keys=False, default_flow_style=False)
+        with open(os.path.join(logdir, "config.yaml"), "w") as f:
+            f.write(text)
+        self.writer.add_text("config", "```\n" + text + "```", 0)
+        flat = [f"{key}={value}" for key, value in _flatten(plain)]
+        lines, line = [], ""
+        for item in flat:  # a compact block: key=value pairs, about 110 characters a line
+            if line and len(line) + len(item) > 108:
+                lines.append(line)
+                line = ""
+            line = f"{line}  {item}" if line else item
+        log.info("config (also in %s):\n  %s", os.path.join(logdir, "config.yaml"), "\n  ".join(lines + [line]))
 
     def _table(self, row: Mapping[str, float]):
         from rich.table import Table
@@ -134,3 +159,9 @@ class MetricsLogger:
             self.tracker.close()
         if self._csv_file is not None:
             self._csv_file.close()
+
+
+def _flatten(record: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(record, dict):
+        return [item for key, value in record.items() for item in _flatten(value, f"{prefix}{key}.")]
+    return [(prefix[:-1], record)]
