@@ -77,7 +77,7 @@ def onnx_file_name(env: EnvSpec) -> str:
     return name.replace("/", "_").replace(os.sep, "_") + ".onnx"
 
 
-def _onnx() -> Any:
+def require_onnx() -> Any:
     try:
         import onnx
     except ImportError:
@@ -196,7 +196,7 @@ def ppo_onnx_model(
         ``None``: one input ``obs_0`` of ``obs_dim`` values.
       seed: fixes ``RandomNormalLike``'s seed (tests); ``None`` leaves it unseeded, as ML-Agents does.
     """
-    onnx = _onnx()
+    onnx = require_onnx()
     if action_clip not in ACTION_CLIPS:
         raise ExportError(f"action_clip must be one of {ACTION_CLIPS}, got {action_clip!r}")
     sizes = [policy.obs_dim] if obs_sizes is None else [int(n) for n in obs_sizes]
@@ -289,7 +289,7 @@ def export_impala_onnx(model: nn.Module, obs_shape: Sequence[int], path: str, *,
     ``obs_dtype``: the env's observation dtype (Atari frames: uint8). LSTM models are refused:
     their core state would need inputs and outputs of its own.
     """
-    _onnx()
+    require_onnx()
     if getattr(model, "core", None) is not None:
         raise ExportError("IMPALA models with an LSTM core cannot be exported yet (only feed-forward ones)")
     import io
