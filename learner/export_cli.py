@@ -13,8 +13,13 @@ import sys
 
 from impala.envs import UnknownEnvError
 from impala.evaluation import PolicyCheckpoint, read_policy_checkpoint
-from impala.nets.onnx_export import (ExportError, export_impala_onnx, export_ppo_onnx, onnx_file_name,
-                                     require_onnx)
+from impala.nets.onnx_export import (
+    ExportError,
+    export_impala_onnx,
+    export_ppo_onnx,
+    onnx_file_name,
+    require_onnx,
+)
 from impala.run.checkpoint import CheckpointError
 from impala.run.config import ConfigError, FlagParser, fail
 from impala.transport.messages import ImpalaAgentSpec, PPOAgentSpec
@@ -26,18 +31,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
         prog=PROG,
         description=(
-            "Write a launch_ppo checkpoint's policy as an ONNX model in ML-Agents 0.28's format (drop it into a "
-            "Unity project's Behavior Parameters), or a launch_impala checkpoint's network as ONNX "
+            "Write a launch_ppo checkpoint's policy as an ONNX model in ML-Agents 0.28's format "
+            "(drop it into a Unity project's Behavior Parameters), or a launch_impala checkpoint's network "
+            "as ONNX "
             "(obs -> policy_logits, baseline). Exit 0: written; 2: bad input."
         ),
     )
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint.pt, or a run's logdir holding one")
-    parser.add_argument("-o", "--output", default="", metavar="OUT.onnx",
-                        help="the ONNX file; default: <behaviour or env id>.onnx next to the checkpoint")
-    parser.add_argument("--obs-sizes", default="", metavar="N,N,...",
-                        help="PPO: the sizes of the agent's observations (sensors) in the behaviour's order, e.g. "
-                             "126,32 for Crawler; one ONNX input each (obs_0, obs_1, ...). Default: one input "
-                             "obs_0 for all of them")
+    parser.add_argument(
+        "checkpoint", metavar="CHECKPOINT", help="a checkpoint.pt, or a run's logdir holding one"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        default="",
+        metavar="OUT.onnx",
+        help="the ONNX file; default: <behaviour or env id>.onnx next to the checkpoint",
+    )
+    parser.add_argument(
+        "--obs-sizes",
+        default="",
+        metavar="N,N,...",
+        help="PPO: the sizes of the agent's observations (sensors) in the behaviour's order, e.g. "
+        "126,32 for Crawler; one ONNX input each (obs_0, obs_1, ...). Default: one input "
+        "obs_0 for all of them",
+    )
     return parser
 
 
@@ -48,7 +65,9 @@ def parse_obs_sizes(text: str) -> list[int] | None:
     try:
         sizes = [int(part) for part in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--obs-sizes {text!r}: expected comma-separated whole numbers, e.g. 126,32") from None
+        raise ConfigError(
+            f"--obs-sizes {text!r}: expected comma-separated whole numbers, e.g. 126,32"
+        ) from None
     if min(sizes) < 1:
         raise ConfigError(f"--obs-sizes {text!r}: every size must be >= 1")
     return sizes
@@ -61,8 +80,9 @@ def _load(module, ckpt: PolicyCheckpoint) -> None:
         load_state_arrays(module, ckpt.params)
     except (RuntimeError, KeyError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {ckpt.path}: its weights do not fit the network its settings describe "
-                              f"({first})") from None
+        raise CheckpointError(
+            f"checkpoint {ckpt.path}: its weights do not fit the network its settings describe ({first})"
+        ) from None
 
 
 def export_checkpoint(ckpt: PolicyCheckpoint, out: str, obs_sizes: list[int] | None = None) -> str:
@@ -72,33 +92,49 @@ def export_checkpoint(ckpt: PolicyCheckpoint, out: str, obs_sizes: list[int] | N
         from impala.nets.ppo_policy import make_policy
 
         if obs_sizes and sum(obs_sizes) != agent.obs_dim:
-            raise ConfigError(f"--obs-sizes {','.join(map(str, obs_sizes))} add up to {sum(obs_sizes)}, but the policy "
-                              f"takes {agent.obs_dim} observation values")
+            raise ConfigError(
+                f"--obs-sizes {','.join(map(str, obs_sizes))} add up to {sum(obs_sizes)}, but the policy "
+                f"takes {agent.obs_dim} observation values"
+            )
         policy = make_policy(agent.config, agent.obs_dim, agent.action_dim)
         _load(policy, ckpt)
-        export_ppo_onnx(policy.eval(), out, action_clip=agent.config.action_clip, action_low=agent.action_low,
-                        action_high=agent.action_high, obs_sizes=obs_sizes)
+        export_ppo_onnx(
+            policy.eval(),
+            out,
+            action_clip=agent.config.action_clip,
+            action_low=agent.action_low,
+            action_high=agent.action_high,
+            obs_sizes=obs_sizes,
+        )
         sizes = obs_sizes or [agent.obs_dim]
         inputs = ", ".join(f"obs_{i}[{n}]" for i, n in enumerate(sizes))
-        return (f"PPO policy of {ckpt.env.id} ({inputs} -> {agent.action_dim} continuous action(s), "
-                f"ML-Agents model API 3)")
+        return (
+            f"PPO policy of {ckpt.env.id} ({inputs} -> {agent.action_dim} continuous action(s), "
+            f"ML-Agents model API 3)"
+        )
     if isinstance(agent, ImpalaAgentSpec):
         if obs_sizes:
             raise ConfigError("--obs-sizes applies to PPO checkpoints only; this one is IMPALA's")
         if agent.use_lstm:
-            raise ExportError(f"checkpoint {ckpt.path}: IMPALA models with an LSTM core cannot be exported yet")
+            raise ExportError(
+                f"checkpoint {ckpt.path}: IMPALA models with an LSTM core cannot be exported yet"
+            )
         from impala.envs.probe import probe_env
         from impala.nets.impala_net import build_model
 
         # The checkpoint records the env, not its observation shape: build the env once to read it.
         info = probe_env(ckpt.env, check_config=False)
         if not info.num_actions:
-            raise CheckpointError(f"checkpoint {ckpt.path}: env {ckpt.env.id} has no discrete actions for IMPALA")
+            raise CheckpointError(
+                f"checkpoint {ckpt.path}: env {ckpt.env.id} has no discrete actions for IMPALA"
+            )
         model = build_model(agent.model, info.obs_shape, info.num_actions, num_tasks=agent.num_tasks)
         _load(model, ckpt)
         export_impala_onnx(model.eval(), info.obs_shape, out, obs_dtype=info.obs_dtype)
-        return (f"IMPALA {agent.model} network of {ckpt.env.id} (obs{list(info.obs_shape)} {info.obs_dtype} -> "
-                f"{info.num_actions} policy logits, {agent.num_tasks} baseline(s))")
+        return (
+            f"IMPALA {agent.model} network of {ckpt.env.id} (obs{list(info.obs_shape)} {info.obs_dtype} -> "
+            f"{info.num_actions} policy logits, {agent.num_tasks} baseline(s))"
+        )
     raise CheckpointError(f"checkpoint {ckpt.path}: no ONNX export for a {ckpt.kind} policy")
 
 
@@ -108,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         obs_sizes = parse_obs_sizes(args.obs_sizes)
         require_onnx()  # before reading a checkpoint: say at once when the onnx package is missing
         ckpt = read_policy_checkpoint(args.checkpoint)
-        out = args.output or os.path.join(os.path.dirname(os.path.abspath(ckpt.path)), onnx_file_name(ckpt.env))
+        out = args.output or os.path.join(
+            os.path.dirname(os.path.abspath(ckpt.path)), onnx_file_name(ckpt.env)
+        )
         what = export_checkpoint(ckpt, out, obs_sizes)
     except (ConfigError, CheckpointError, ExportError, UnknownEnvError) as e:
         return fail(PROG, e)
@@ -117,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print(f"{PROG}: wrote {out}: {what}", flush=True)
     if ckpt.env.is_unity and isinstance(ckpt.agent, PPOAgentSpec) and not obs_sizes:
-        print(f"{PROG}: note: one input obs_0 for all {ckpt.agent.obs_dim} observation values; if the agent has "
-              "several observations (sensors), export again with --obs-sizes", flush=True)
+        print(
+            f"{PROG}: note: one input obs_0 for all {ckpt.agent.obs_dim} observation values; if the agent "
+            "has several observations (sensors), export again with --obs-sizes",
+            flush=True,
+        )
     return 0
 
 

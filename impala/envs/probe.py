@@ -50,7 +50,7 @@ class EnvInfo:
     agents_per_instance: int | None = None  # Unity: the build decides how many agents one instance steps
     description: str = ""
     action_meanings: tuple[str, ...] = ()  # Atari: what each action index does (multi-task runs compare them)
-    obs_sizes: tuple[int, ...] = ()  # Unity: each observation's (sensor's) size in spec order; obs is their concatenation
+    obs_sizes: tuple[int, ...] = ()  # Unity: each sensor's size in spec order (obs: their concatenation)
 
     @property
     def obs_dim(self) -> int:

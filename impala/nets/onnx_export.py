@@ -68,7 +68,7 @@ class ExportError(ValueError):
 
 
 def onnx_file_name(env: EnvSpec) -> str:
-    """``<behaviour>.onnx`` for a Unity build (its behaviour name without ``?team=N``), else ``<env id>.onnx``.
+    """``<behaviour>.onnx`` for a Unity build (behaviour name without ``?team=N``), else ``<env id>.onnx``.
 
     Unity's ML-Agents package matches a model to an agent by this name in the editor's inspector.
     """
@@ -81,7 +81,9 @@ def require_onnx() -> Any:
     try:
         import onnx
     except ImportError:
-        raise ExportError("the onnx package is not installed; install it with: pip install 'impala-rl[export]'") from None
+        raise ExportError(
+            "the onnx package is not installed; install it with: pip install 'impala-rl[export]'"
+        ) from None
     return onnx
 
 
@@ -119,7 +121,9 @@ class _Graph:
     def op(self, op_type: str, inputs: Sequence[str], output: str | None = None, **attrs: Any) -> str:
         self._count += 1
         out = output or f"{op_type.lower()}_{self._count}"
-        self.nodes.append(self.h.make_node(op_type, list(inputs), [out], name=f"{op_type}_{self._count}", **attrs))
+        self.nodes.append(
+            self.h.make_node(op_type, list(inputs), [out], name=f"{op_type}_{self._count}", **attrs)
+        )
         return out
 
 
@@ -167,7 +171,9 @@ def _mlp(g: _Graph, body: nn.Sequential, x: str, prefix: str) -> str:
     return x
 
 
-def _to_env(g: _Graph, a: str, output: str, action_clip: str, low: np.ndarray | None, high: np.ndarray | None) -> str:
+def _to_env(
+    g: _Graph, a: str, output: str, action_clip: str, low: np.ndarray | None, high: np.ndarray | None
+) -> str:
     """``env_action`` in the graph: what the env received for raw action ``a`` in training."""
     if action_clip == "mlagents":
         limit = MLAGENTS_ACTION_LIMIT
@@ -201,7 +207,9 @@ def ppo_onnx_model(
         raise ExportError(f"action_clip must be one of {ACTION_CLIPS}, got {action_clip!r}")
     sizes = [policy.obs_dim] if obs_sizes is None else [int(n) for n in obs_sizes]
     if not sizes or min(sizes) < 1 or sum(sizes) != policy.obs_dim:
-        raise ExportError(f"observation sizes {sizes} must be positive and sum to the policy's {policy.obs_dim} inputs")
+        raise ExportError(
+            f"observation sizes {sizes} must be positive and sum to the policy's {policy.obs_dim} inputs"
+        )
     A = policy.action_dim
     low = high = None
     if action_clip == "bounds":
@@ -209,7 +217,11 @@ def ppo_onnx_model(
             raise ExportError("action_clip='bounds' needs the action space's low and high")
         low = np.asarray(action_low, np.float32).reshape(-1)
         high = np.asarray(action_high, np.float32).reshape(-1)
-        if low.shape != (A,) or high.shape != (A,) or not (np.isfinite(low).all() and np.isfinite(high).all()):
+        if (
+            low.shape != (A,)
+            or high.shape != (A,)
+            or not (np.isfinite(low).all() and np.isfinite(high).all())
+        ):
             raise ExportError(f"action bounds must be {A} finite values each")
     layout = ActionLayout(continuous_size=A)
 
@@ -219,7 +231,10 @@ def ppo_onnx_model(
     x = inputs[0].name if len(inputs) == 1 else g.op("Concat", [v.name for v in inputs], axis=1)
     x = _normalizer(g, policy, x)
     x = _mlp(g, policy.actor_body, x, "actor_body")
-    w, b = g.const("mu_head.weight", _float32(policy.mu_head.weight)), g.const("mu_head.bias", _float32(policy.mu_head.bias))
+    w, b = (
+        g.const("mu_head.weight", _float32(policy.mu_head.weight)),
+        g.const("mu_head.bias", _float32(policy.mu_head.bias)),
+    )
     mu = g.op("Gemm", [x, w, b], transB=1)
     # A state-independent sigma: exp(log_sigma) is a constant [1, A], broadcast over the batch.
     std = g.const("action_std", _float32(torch.exp(policy.log_sigma.detach())).reshape(1, A))
@@ -232,8 +247,13 @@ def ppo_onnx_model(
     for name, value in ((VERSION_NUMBER, MODEL_EXPORT_VERSION), (MEMORY_SIZE, 0), (CONTINUOUS_SHAPE, A)):
         g.op("Identity", [g.const(f"{name}.value", [float(value)])], name)
 
-    shapes = {VERSION_NUMBER: [1], MEMORY_SIZE: [1], CONTINUOUS_SHAPE: [1],
-              CONTINUOUS_ACTIONS: [BATCH, A], DETERMINISTIC_CONTINUOUS: [BATCH, A]}
+    shapes = {
+        VERSION_NUMBER: [1],
+        MEMORY_SIZE: [1],
+        CONTINUOUS_SHAPE: [1],
+        CONTINUOUS_ACTIONS: [BATCH, A],
+        DETERMINISTIC_CONTINUOUS: [BATCH, A],
+    }
     outputs = [h.make_tensor_value_info(name, tp.FLOAT, shapes[name]) for name in layout.output_names()]
     graph = h.make_graph(g.nodes, "impala-rl PPO policy", inputs, outputs, g.initializers)
     model = h.make_model(graph, producer_name="impala-rl", opset_imports=[h.make_opsetid("", MLAGENTS_OPSET)])
@@ -282,8 +302,14 @@ class _ImpalaServing(nn.Module):
         return self.model.policy(x), self.model.baseline.unnormalized(x)
 
 
-def export_impala_onnx(model: nn.Module, obs_shape: Sequence[int], path: str, *,
-                       obs_dtype: str | np.dtype = "float32", opset: int = IMPALA_OPSET) -> str:
+def export_impala_onnx(
+    model: nn.Module,
+    obs_shape: Sequence[int],
+    path: str,
+    *,
+    obs_dtype: str | np.dtype = "float32",
+    opset: int = IMPALA_OPSET,
+) -> str:
     """Write an IMPALA network (``build_model``) as ONNX: ``obs`` -> ``policy_logits``, ``baseline``.
 
     ``obs_dtype``: the env's observation dtype (Atari frames: uint8). LSTM models are refused:
@@ -302,6 +328,14 @@ def export_impala_onnx(model: nn.Module, obs_shape: Sequence[int], path: str, *,
     with torch.no_grad(), warnings.catch_warnings():
         # The TorchScript exporter (dynamo=False) is deprecated in torch 2.x but needs no onnxscript.
         warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(wrapper, (dummy,), buffer, dynamo=False, opset_version=opset, input_names=[IMPALA_INPUT],
-                          output_names=list(IMPALA_OUTPUTS), dynamic_axes={n: {0: BATCH} for n in (IMPALA_INPUT, *IMPALA_OUTPUTS)})
+        torch.onnx.export(
+            wrapper,
+            (dummy,),
+            buffer,
+            dynamo=False,
+            opset_version=opset,
+            input_names=[IMPALA_INPUT],
+            output_names=list(IMPALA_OUTPUTS),
+            dynamic_axes={n: {0: BATCH} for n in (IMPALA_INPUT, *IMPALA_OUTPUTS)},
+        )
     return _save(buffer.getvalue(), path)
