@@ -15,6 +15,7 @@ from impala.envs import UnknownEnvError
 from impala.evaluation import PolicyCheckpoint, read_policy_checkpoint
 from impala.nets.onnx_export import (
     ExportError,
+    check_output_path,
     export_impala_onnx,
     export_ppo_onnx,
     onnx_file_name,
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         obs_sizes = parse_obs_sizes(args.obs_sizes)
+        if args.output:  # every flag is checked before the checkpoint is read
+            check_output_path(args.output, "--output")
         require_onnx()  # before reading a checkpoint: say at once when the onnx package is missing
         ckpt = read_policy_checkpoint(args.checkpoint)
         out = args.output or os.path.join(

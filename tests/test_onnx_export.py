@@ -453,7 +453,7 @@ def test_cli_bad_input_in_process(tmp_path, capsys):
         ([str(tmp_path / "missing")], "no checkpoint at"),
         ([str(ckpt)], "cannot be read"),
         ([str(tmp_path), "--obs-sizes", "1,x"], "--obs-sizes"),
-        ([str(tmp_path), "-o", str(tmp_path / "nofolder" / "a.onnx")], ""),  # the checkpoint is refused first
+        ([str(tmp_path), "-o", str(tmp_path / "nofolder" / "a.onnx")], "--output"),  # before the checkpoint
     ]
     for argv, text in cases:
         assert export_main(argv) == 2

@@ -262,13 +262,20 @@ def ppo_onnx_model(
     return model
 
 
-def _save(data: bytes, path: str) -> str:
-    """Write atomically (a reader never sees half a file); one-line errors for unwritable paths."""
+def check_output_path(path: str, what: str = "output") -> None:
+    """Raise :class:`ExportError` (naming ``what`` and ``path``) unless a file can be written at ``path``."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise ExportError(f"output {path} is a directory; give a file name")
+        raise ExportError(f"{what} {path} is a directory; give a file name")
     if not os.path.isdir(folder):
-        raise ExportError(f"output {path}: the folder {folder} does not exist")
+        raise ExportError(f"{what} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ExportError(f"{what} {path}: cannot write into {folder}")
+
+
+def _save(data: bytes, path: str) -> str:
+    """Write atomically (a reader never sees half a file); one-line errors for unwritable paths."""
+    check_output_path(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
