@@ -46,14 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--output",
         default="",
         metavar="OUT.onnx",
-        help="the ONNX file; default: <behaviour or env id>.onnx next to the checkpoint",
+        help="the ONNX file; empty: <behaviour or env id>.onnx next to the checkpoint",
     )
     parser.add_argument(
         "--obs-sizes",
         default="",
         metavar="N,N,...",
         help="PPO: the sizes of the agent's observations (sensors) in the behaviour's order, e.g. "
-        "126,32 for Crawler; one ONNX input each (obs_0, obs_1, ...). Default: one input "
+        "126,32 for Crawler; one ONNX input each (obs_0, obs_1, ...). Empty: one input "
         "obs_0 for all of them",
     )
     return parser

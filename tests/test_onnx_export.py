@@ -100,7 +100,6 @@ def mlagents_actor_and_file(tmp_path: Path):
 
     Returns (actor, path of its .onnx or None, why its exporter could not run or None).
     """
-    sys.path.insert(0, str(Path(__file__).parent))
     from mlagents_shims import require_mlagents
 
     require_mlagents()
@@ -258,6 +257,7 @@ def test_onnxruntime_matches_the_torch_policy(tmp_path, obs_norm, action_clip, a
         action_low=low,
         action_high=high,
         obs_sizes=OBS_SIZES,
+        seed=11,  # RandomNormalLike's seed: the statistical checks below see the same draws every run
     )
     obs = random_obs(256, dim, 8)
     out = dict(zip([o.name for o in onnx.load(path).graph.output], session(path).run(None, split(obs))))
