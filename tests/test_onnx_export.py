@@ -446,7 +446,7 @@ def test_cli_exports_a_real_impala_checkpoint(tmp_path, capsys):
     assert len(err) == 1 and "applies to PPO checkpoints only" in err[0]
 
 
-def test_cli_bad_input_in_process(tmp_path, capsys):
+def test_cli_bad_input_in_process(tmp_path, capsys, monkeypatch):
     ckpt = tmp_path / "checkpoint.pt"
     ckpt.write_text("not a checkpoint")
     cases = [
@@ -459,6 +459,14 @@ def test_cli_bad_input_in_process(tmp_path, capsys):
         assert export_main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("impala-export: error: ") and text in err[0], err
+    # onnx not installed (a None entry in sys.modules makes `import onnx` fail as a missing package does)
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    assert export_main([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "impala-export: error: the onnx package is not installed; install it with: "
+        "pip install 'impala-rl[export]'"
+    ], err
 
 
 def test_cli_bad_input_as_a_real_process(tmp_path):
