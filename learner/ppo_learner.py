@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 from typing import Any, Hashable, Mapping, NamedTuple
 
 import numpy as np
@@ -38,6 +39,7 @@ from impala.transport.messages import PPOAgentSpec
 from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
 from impala.run.ppo_config import PPOConfig, actors_wait
 from impala.transport.params import state_dict_arrays
+from impala.nets.onnx_export import export_ppo_onnx, onnx_file_name
 from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
 
@@ -604,6 +606,7 @@ class PPOTrainer:
         env.require_continuous_vector("launch_ppo")
         T = run.unroll_length  # resolved by impala.run.ppo_config.ppo_run_config
         self.config = config
+        self.env_spec, self.obs_sizes = env.spec, env.obs_sizes  # for export_onnx: the file's name and inputs
         self.learner = PPOLearner(config, env.obs_dim, env.action_dim, env.action_low, env.action_high, resolve_device(run.device))
         self.schema = ppo_unroll_schema(T, env.obs_dim, env.action_dim)
         self.n_envs = max(run.workers, 1) * run.envs_per_worker
@@ -665,3 +668,12 @@ class PPOTrainer:
                     "resume with the same env and network options, or use a new --logdir"
                 )
         self.learner.load_state_dict(dict(state))
+
+    def export_onnx(self, directory: str) -> str:
+        """Write the current policy as ``<behaviour>.onnx`` in ``directory`` (ML-Agents 0.28's format, for
+        Unity; ``impala.nets.onnx_export``) and return its path. Raises ``ExportError`` (one line) when
+        onnx is not installed or the file cannot be written."""
+        path = os.path.join(directory, onnx_file_name(self.env_spec))
+        return export_ppo_onnx(self.learner.policy, path, action_clip=self.config.action_clip,
+                               action_low=self.agent.action_low, action_high=self.agent.action_high,
+                               obs_sizes=self.obs_sizes or None)

@@ -33,6 +33,7 @@ BASE = {
     # No such file: every flag is checked before the checkpoint is read, so a bad value that slipped
     # through would fail on the file instead, with a message naming neither the flag nor the value.
     "impala-eval": ["/no/such/run/checkpoint.pt", "--episodes", "2", "--workers", "0"],
+    "impala-export": ["/no/such/run/checkpoint.pt"],
 }
 
 # Free-text flags and a value each that cannot work (numbers and choices are generated).
@@ -58,6 +59,8 @@ TEXT_BAD = {
     "--out": "/proc/no-such-dir/eval.json",
     "--video": "/proc/no-such-dir/episode.mp4",
     "--task": "NoSuchEnv-v9",
+    "--output": "/proc/no-such-dir/model.onnx",
+    "--obs-sizes": "126,x",
 }
 # Numeric flags where a negative number is a legitimate value.
 ANY_SIGN = {"--stop-at-return"}

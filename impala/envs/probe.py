@@ -50,6 +50,7 @@ class EnvInfo:
     agents_per_instance: int | None = None  # Unity: the build decides how many agents one instance steps
     description: str = ""
     action_meanings: tuple[str, ...] = ()  # Atari: what each action index does (multi-task runs compare them)
+    obs_sizes: tuple[int, ...] = ()  # Unity: each sensor's size in spec order (obs: their concatenation)
 
     @property
     def obs_dim(self) -> int:
@@ -197,4 +198,5 @@ def probe_unity(build: str, *, worker_id: int, base_port: int, timeout: int, beh
         EnvSpec("unity:" + Path(build).name, kwargs=kwargs), (obs_dim,), "float32", "Box", "Box", 0, -ones, ones, None, k,
         f"Unity build {build!r}: behavior {name!r}, {k} agents per instance, obs {specs} -> {obs_dim}, "
         f"{action_dim} continuous actions in [-1, 1]",
+        obs_sizes=tuple(int(np.prod(shape)) for shape in specs),
     )
