@@ -20,6 +20,7 @@ from impala.transport.trajectory import TrajectorySchema
 
 
 class Agent(Protocol):
+    """What an actor steps its envs with: loads weights, acts on a batch of observations, fills unrolls."""
     schema: TrajectorySchema  # what one unroll holds
     params_schema: TrajectorySchema  # what a weights message holds
 

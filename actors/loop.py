@@ -92,6 +92,7 @@ class LearnerGone(Exception):
 
 
 def build_vec_env(config: ActorConfig):
+    """The actor's K envs, built here in the child process: a Unity build's agents or K gymnasium envs."""
     if config.env.is_unity:
         # here, not at the top: mlagents-envs (and its protobuf) is only needed for Unity builds
         from impala.envs.unity import UnityVecEnv

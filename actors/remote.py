@@ -64,6 +64,7 @@ def fetch_run_info(params_endpoint: str, timeout_s: float, keys=None) -> RunInfo
 
 
 def parse_endpoint(text: str) -> tuple[str, str]:
+    """``tcp://HOST:PORT`` -> (trajectory endpoint, weights endpoint at PORT+1); ValueError says what is wrong."""
     m = re.fullmatch(r"tcp://([^:/]+):(\d+)", text)
     if not m or not 1 <= int(m.group(2)) <= 65534:
         raise ValueError(f"--learner must look like tcp://HOST:PORT, got {text!r}")
@@ -97,6 +98,7 @@ SHARED = ("workers", "seed", "start_method", "max_seconds", "curve", "log_level"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``impala-actors``' flags: the learner's address, how many actors, their ids, seed and CURVE keys."""
     p = FlagParser(
         prog="impala-actors",
         description="Run N actor processes on this machine, streaming to a learner elsewhere (trajectories to PORT, weights from PORT+1). "
@@ -116,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``impala-actors``: run N actors against a learner elsewhere until it stops sending weights."""
     args = build_parser().parse_args(argv)
     try:
         options = from_flags(RemoteOptions, args)

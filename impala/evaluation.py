@@ -47,6 +47,7 @@ def checkpoint_path(path: str) -> str:
 
 
 def file_sha256(path: str) -> str:
+    """The file's SHA-256 (an evaluation names the exact checkpoint it judged)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -214,6 +215,7 @@ def task_file(path: str, env_id: str) -> str:
 
 
 def check_writable(path: str, flag: str) -> None:
+    """ConfigError unless ``path`` can be written (its folder exists and is writable)."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag} {path}: the folder {folder} does not exist")

@@ -27,6 +27,7 @@ from learner.evaluator import PROG, evaluate_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``impala-eval``'s flags (one per EvalConfig field) and the checkpoint argument."""
     parser = FlagParser(
         prog=PROG,
         description=(
@@ -67,6 +68,7 @@ def _fmt(x: float) -> str:
 
 
 def print_result(result: EvalResult, *, json_path: str, file: Any = None) -> None:
+    """The evaluation as a table on the console, naming the JSON file."""
     from rich.console import Console
     from rich.table import Table
 
@@ -100,6 +102,7 @@ def print_result(result: EvalResult, *, json_path: str, file: Any = None) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``impala-eval``: evaluate a checkpoint, print the table, write the JSON; bad input is one line, exit 2."""
     args = build_parser().parse_args(argv)
     try:
         options: EvalConfig = from_flags(EvalConfig, args)

@@ -206,6 +206,7 @@ class EvalJob:
 
 @dataclass
 class TaskResult:
+    """What one worker played: its episodes, the env checks it made and the video it recorded."""
     pid: int
     episodes: list[EpisodeRecord]
     checks: list[dict[str, Any]]  # one per env this worker built: its fingerprint, checked against the protocol

@@ -29,6 +29,7 @@ PROG = "impala-export"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``impala-export``'s flags."""
     parser = FlagParser(
         prog=PROG,
         description=(
@@ -140,6 +141,7 @@ def export_checkpoint(ckpt: PolicyCheckpoint, out: str, obs_sizes: list[int] | N
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``impala-export``: write a checkpoint's policy as ONNX; bad input is one line, exit 2."""
     args = build_parser().parse_args(argv)
     try:
         obs_sizes = parse_obs_sizes(args.obs_sizes)

@@ -361,6 +361,7 @@ class CheckOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``frameskip_check``'s flags."""
     parser = FlagParser(
         prog="frameskip_check",
         description=(
@@ -415,6 +416,7 @@ def _validate(args: argparse.Namespace) -> tuple[CheckOptions, list[str], list[s
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``frameskip_check``: check every worker's env against its configuration, print the table."""
     try:
         options, env_ids, methods, actor_class = _validate(build_parser().parse_args(argv))
         policy = check_checkpoint(options.checkpoint, env_ids[0]) if options.checkpoint else "random policy"

@@ -125,6 +125,7 @@ def run_episodes(
 
 
 def setting_label(prefix: str, cfg: ConfiguredSettings | None) -> str:
+    """A plot label naming the frame skip and sticky-action probability of ``cfg``."""
     if cfg is None:
         return prefix
     fs = cfg.frameskip if isinstance(cfg.frameskip, int) else f"{cfg.frameskip[0]}-{cfg.frameskip[1] - 1}"

@@ -42,6 +42,7 @@ def lost_peer(error: BaseException) -> bool:
 
 
 def init_group(rank: int, world_size: int, store: str, backend: str) -> "LearnerGroup":
+    """Join the learner group as ``rank`` of ``world_size`` (rendezvous through the file ``store``)."""
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
     return LearnerGroup()
 

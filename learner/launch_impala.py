@@ -38,6 +38,7 @@ RUN_HELP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``launch_impala``'s flags: RunConfig's and ImpalaConfig's, plus ``--config``."""
     parser = FlagParser(
         prog="launch_impala",
         description=(
@@ -70,6 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
+    """The run's RunConfig and ImpalaConfig from parsed flags: defaults, multi-task rules, run folder."""
     config = from_flags(RunConfig, args)
     if config.env is None:
         raise ConfigError("--env is required (for example PongDeterministic-v4 or CartPole-v1)")
@@ -102,6 +104,7 @@ def probe_run_envs(config: RunConfig) -> tuple[EnvInfo, tuple[EnvInfo, ...], str
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``launch_impala``: parse, resolve, probe the env, wire the run; bad input is one line, exit 2."""
     try:
         args = parse_args(argv)
         config, impala = resolve(args)

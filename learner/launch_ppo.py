@@ -118,6 +118,7 @@ class PPOLaunchOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``launch_ppo``'s flags: RunConfig's, the Unity options and PPOConfig's."""
     parser = FlagParser(
         prog="launch_ppo",
         description=(
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def probe(config: RunConfig, options: PPOLaunchOptions, seed: int, *, stand_in: bool) -> EnvInfo:
+    """The env the run trains: a Unity build, a gymnasium id, or the Crawler job's stand-in."""
     if options.unity_build:
         return probe_unity(options.unity_build, worker_id=max(config.workers, 1), base_port=options.unity_base_port,
                            timeout=options.unity_timeout, behavior=options.unity_behavior, seed=seed)
@@ -149,6 +151,7 @@ def probe(config: RunConfig, options: PPOLaunchOptions, seed: int, *, stand_in: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``launch_ppo``: parse, resolve, probe the env, wire the run; bad input is one line, exit 2."""
     args = build_parser().parse_args(argv)
     try:
         config = from_flags(RunConfig, args)

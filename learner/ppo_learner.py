@@ -82,6 +82,7 @@ def concat_pieces(pieces: list[TrajectoryPiece]) -> TrajectoryPiece:
 
 
 def slice_piece(p: TrajectoryPiece, a: int, b: int) -> TrajectoryPiece:
+    """Steps ``a:b`` of a trajectory piece."""
     return TrajectoryPiece(*(np.asarray(x)[a:b] for x in p[:7]), None if p.values is None else np.asarray(p.values)[a:b], p.source)
 
 

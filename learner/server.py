@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class PortInUseError(RuntimeError):
+    """The port the learner must bind is taken (a user can fix it: another --port)."""
     pass
 
 

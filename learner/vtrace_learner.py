@@ -37,6 +37,7 @@ IMPALA_UNROLL = 32  # T when --unroll-length is 0 (the learner picks)
 
 
 def make_optimizer(model: torch.nn.Module, config: ImpalaConfig) -> torch.optim.Optimizer:
+    """Adam or RMSProp over the model's parameters, as ``config`` says."""
     if config.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=config.adam_eps)
     return torch.optim.RMSprop(

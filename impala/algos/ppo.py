@@ -51,6 +51,7 @@ class PolicyLossOutput(NamedTuple):
 
 
 class TotalLossOutput(NamedTuple):
+    """The total loss of one minibatch and the terms it is made of."""
     loss: torch.Tensor
     policy_loss: torch.Tensor
     value_loss: torch.Tensor

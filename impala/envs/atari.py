@@ -79,6 +79,7 @@ def register_classic_ids() -> None:
 
 
 def is_atari(env_id: str) -> bool:
+    """Whether ``env_id`` is an ALE game (classic ids registered here count)."""
     register_classic_ids()
     spec = gym.registry.get(env_id)
     return spec is not None and spec.entry_point == _ALE_ENTRY_POINT

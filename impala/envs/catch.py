@@ -32,6 +32,7 @@ _LEFT = (SIZE - COLS * CELL_W) // 2
 
 
 class PixelCatch(gym.Env):
+    """bsuite's Catch drawn as 84x84 frames: a ball falls, the paddle must be under it (+1, else -1)."""
     metadata = {"render_modes": ["rgb_array"]}
 
     def __init__(self, render_mode: str | None = None) -> None:
@@ -76,5 +77,6 @@ class PixelCatch(gym.Env):
 
 
 def register() -> None:
+    """Register ``PixelCatch-v0`` with gymnasium (once)."""
     if ENV_ID not in gym.registry:
         gym.register(id=ENV_ID, entry_point=f"{__name__}:PixelCatch")

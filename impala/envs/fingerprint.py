@@ -86,6 +86,7 @@ class ConfiguredSettings:
 
 @dataclass(frozen=True)
 class Mismatch:
+    """One setting where a measured env differs from the configured one, and what it means."""
     field: str
     configured: str
     measured: str

@@ -128,6 +128,7 @@ _FINDER = _Finder()
 
 
 def installed() -> bool:
+    """Whether mlagents-envs' protobuf modules are served from the compiled runtime here."""
     return _FINDER in sys.meta_path
 
 

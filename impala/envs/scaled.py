@@ -14,6 +14,7 @@ SCALED = {"CartPoleX1000-v1": ("CartPole-v1", 1000.0)}
 
 
 class ScaleReward(gym.RewardWrapper):
+    """Multiplies every reward by ``scale`` (tasks with another reward scale, for PopArt tests)."""
     def __init__(self, env: gym.Env, scale: float) -> None:
         super().__init__(env)
         self.scale = scale
@@ -23,10 +24,12 @@ class ScaleReward(gym.RewardWrapper):
 
 
 def make_scaled(base: str, scale: float, **kwargs) -> gym.Env:
+    """``base`` with its rewards multiplied by ``scale``."""
     return ScaleReward(gym.make(base, **kwargs), scale)
 
 
 def register() -> None:
+    """Register the scaled ids (``CartPoleX1000-v1``) with gymnasium (once)."""
     for env_id, (base, scale) in SCALED.items():
         if env_id not in gym.registry:
             # the base env keeps its own TimeLimit (gym.make(base) inside); the same limit is registered

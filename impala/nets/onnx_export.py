@@ -78,6 +78,7 @@ def onnx_file_name(env: EnvSpec) -> str:
 
 
 def require_onnx() -> Any:
+    """The ``onnx`` module, or an ExportError saying how to install it."""
     try:
         import onnx
     except ImportError:

@@ -49,12 +49,14 @@ MLAGENTS_ACTION_LIMIT = 3.0
 
 
 class ActOutput(NamedTuple):
+    """An action for each env of a batch, its log-probability and the value."""
     action: torch.Tensor  # [B, A] raw sample (store this; send env_action(action) to the env)
     log_prob: torch.Tensor  # [B, A] per-dimension log-probabilities
     value: torch.Tensor  # [B]
 
 
 class EvalOutput(NamedTuple):
+    """Log-probabilities, entropy and values of given actions (the update's forward pass)."""
     log_prob: torch.Tensor  # [B, A]
     entropy: torch.Tensor  # [B, A] per-dimension entropy
     value: torch.Tensor  # [B]
@@ -69,11 +71,13 @@ def init_linear_mlagents(layer: nn.Linear, gain: float, generator: torch.Generat
 
 
 def init_linear_xavier(layer: nn.Linear, gain: float, generator: torch.Generator | None = None) -> None:
+    """Xavier-uniform weights with ``gain`` and zero biases (ML-Agents' initialization)."""
     nn.init.xavier_uniform_(layer.weight, gain=gain, generator=generator)
     nn.init.zeros_(layer.bias)
 
 
 def init_linear_orthogonal(layer: nn.Linear, gain: float, generator: torch.Generator | None = None) -> None:
+    """Orthogonal weights with ``gain`` and zero biases (SB3's initialization)."""
     nn.init.orthogonal_(layer.weight, gain=gain, generator=generator)
     nn.init.zeros_(layer.bias)
 

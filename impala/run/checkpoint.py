@@ -32,6 +32,7 @@ def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
 
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically; CheckpointError (nothing written) if a tensor is not finite."""
     bad = non_finite_tensors(state)
     if bad:
         raise CheckpointError(f"not writing {path}: {len(bad)} tensor(s) hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")

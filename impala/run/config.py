@@ -54,6 +54,7 @@ def option(default: Any, help: str) -> Any:
 
 
 def flag_name(name: str) -> str:
+    """A field name as its flag: ``learning_rate`` -> ``--learning-rate``."""
     return "--" + name.replace("_", "-")
 
 
@@ -106,6 +107,7 @@ def check_fields(obj: Any, *, label: Any = flag_name) -> None:
 
 
 def need(cond: bool, msg: str) -> None:
+    """ConfigError(``msg``) unless ``cond``: how every config check reads."""
     if not cond:
         raise ConfigError(msg)
 

@@ -50,6 +50,7 @@ def task_returns_text(row: Mapping[str, float]) -> str:
 
 
 class MetricsLogger:
+    """One call logs a row to the console display, TensorBoard, ``metrics.csv`` and a tracker."""
     def __init__(self, logdir: str, *, progress: bool = True, title: str = "training", tracker: Any = None,
                  time_offset_s: float = 0.0, config_record: Mapping[str, Any] | None = None) -> None:
         """``tracker``: an optional experiment tracker (``impala.run.tracking.WandbTracker``) that gets every row too.

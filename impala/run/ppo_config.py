@@ -263,6 +263,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 
 
 def field_names() -> list[str]:
+    """PPOConfig's option names, in declaration order."""
     return [f.name for f in dataclasses.fields(PPOConfig)]
 
 

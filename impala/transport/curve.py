@@ -89,6 +89,7 @@ def make_client_keys(directory: str) -> str:
 
 
 def client_keys(directory: str) -> ClientKeys:
+    """An actor machine's CURVE keys in ``directory``; ConfigError naming a missing file and how to get it."""
     server_public = os.path.join(directory, "server.key")
     client_secret = os.path.join(directory, "client.key_secret")
     for path, hint in ((server_public, "copy the learner's server.key here"), (client_secret, "run impala-actors --curve DIR --make-keys")):
@@ -117,6 +118,7 @@ def start_authenticator(ctx: zmq.Context, directory: str) -> ThreadAuthenticator
 
 
 def make_server_socket(sock: zmq.Socket, directory: str) -> None:
+    """Make ``sock`` a CURVE server with the learner's keypair in ``directory``."""
     public, secret = zmq.auth.load_certificate(os.path.join(directory, "server.key_secret"))
     sock.curve_secretkey = secret
     sock.curve_publickey = public
@@ -124,6 +126,7 @@ def make_server_socket(sock: zmq.Socket, directory: str) -> None:
 
 
 def make_client_socket(sock: zmq.Socket, keys: ClientKeys) -> None:
+    """Make ``sock`` a CURVE client that trusts only the learner's public key."""
     public, secret = zmq.auth.load_certificate(keys.client_secret)
     server_public, _ = zmq.auth.load_certificate(keys.server_public)
     sock.curve_secretkey = secret

@@ -121,6 +121,7 @@ AGENT_SPECS: dict[str, Any] = {"impala": ImpalaAgentSpec, "ppo": PPOAgentSpec}
 
 
 def agent_spec_from_dict(d: Mapping[str, Any]) -> AgentSpec:
+    """A peer's agent settings as the typed spec of their kind; ValueError for anything else."""
     kind = d.get("kind") if isinstance(d, Mapping) else None
     if kind not in AGENT_SPECS:
         raise ValueError(f"unknown agent kind {kind!r} (known: {', '.join(AGENT_SPECS)})")

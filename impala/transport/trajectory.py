@@ -16,6 +16,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class ArraySpec:
+    """One array of a schema: its name, dtype and shape."""
     name: str
     dtype: str  # numpy dtype name, e.g. "uint8", "float32"
     shape: tuple[int, ...]

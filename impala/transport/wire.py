@@ -45,6 +45,7 @@ class WireError(ValueError):
 
 @dataclass
 class Message:
+    """A decoded message: its kind, the sender's actor id and policy version, arrays and info."""
     kind: str
     actor: int
     version: int
@@ -95,6 +96,7 @@ def _check_int(header: dict, key: str, lo: int, hi: int) -> int:
 
 
 def decode_header(frame: Any) -> dict[str, Any]:
+    """A message's JSON header, size- and type-checked; WireError otherwise."""
     raw = _frame_bytes(frame)
     if len(raw) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -236,10 +238,12 @@ def decode_packed(
 
 
 def specs_summary(specs: list) -> str:
+    """Array specs as short text for error lines (``obs:uint8[32, 84, 84]``)."""
     return ", ".join(f"{s[0]}:{s[1]}{s[2]}" if isinstance(s, list) and len(s) == 3 else repr(s) for s in specs)
 
 
 def episode_info(returns: Sequence[float], lengths: Sequence[int]) -> dict[str, Any]:
+    """Finished episodes' returns and lengths as a message's info."""
     return {"episode_returns": [float(r) for r in returns], "episode_lengths": [int(n) for n in lengths]}
 
 
