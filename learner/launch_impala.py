@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 import torch
@@ -137,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except START_ERRORS as e:
         return fail("launch_impala", e)
     except LearnerGroupError as e:  # not bad input: the run started and lost a rank
-        fail("launch_impala", e)
+        saved = os.path.isfile(config.checkpoint_path)
+        fail("launch_impala", f"{e}; " + (f"the run ends with its checkpoint {config.checkpoint_path}: --resume continues" if saved
+                                         else "no checkpoint was written (nothing trained yet): start the run again"))
         return 1
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
     print(

@@ -364,7 +364,7 @@ class ImpalaTrainer:
             except RuntimeError as e:
                 if not lost_peer(e):
                     raise
-                raise LearnerGroupError(f"a learner rank stopped ({str(e).splitlines()[0][:200]}); the run ends with its checkpoint, --resume continues") from None
+                raise LearnerGroupError(f"a learner rank stopped ({str(e).splitlines()[0][:200]})") from None
         sources = sorted(set(self._sources[:B]))
         del self._pending[:B], self._sources[:B]
         skipped_before = self.learner.skipped_updates
@@ -373,7 +373,7 @@ class ImpalaTrainer:
         except RuntimeError as e:
             if self.group is None or not lost_peer(e):
                 raise
-            raise LearnerGroupError(f"a learner rank stopped during an update ({str(e).splitlines()[0][:200]}); the run ends with its checkpoint, --resume continues") from None
+            raise LearnerGroupError(f"a learner rank stopped during an update ({str(e).splitlines()[0][:200]})") from None
         if self.learner.skipped_updates > skipped_before:
             log.warning("skipped %d update step(s) with a non-finite loss or gradient; the batch came from actors %s",
                         self.learner.skipped_updates - skipped_before, sources)
