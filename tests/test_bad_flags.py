@@ -41,6 +41,8 @@ TEXT_BAD = {
     "--env": "NoSuchEnv-v9",
     "--env-kwargs": "{not json",
     "--logdir": "/proc/no-such-dir/run",
+    "--runs-dir": "/proc/no-such-dir/runs",
+    "--run-id": "../elsewhere",
     "--bind": "",
     "--curve": "/proc/no-such-dir/keys",
     "--device": "gpu7",
@@ -97,8 +99,10 @@ CASES = _flag_cases()
 def test_bad_flag_value_is_one_line_and_exit_2(prog, flag, value, tmp_path, capsys, monkeypatch):
     module = importlib.import_module(SCRIPTS[prog].split(":")[0])
     argv = list(BASE[prog])
-    if prog in ("launch_impala", "launch_ppo"):
+    if prog in ("launch_impala", "launch_ppo") and flag not in ("--runs-dir", "--run-id"):  # those name the folder instead
         argv += ["--logdir", str(tmp_path / "run")]
+    elif prog in ("launch_impala", "launch_ppo"):
+        argv += ["--runs-dir", str(tmp_path / "runs")]
     monkeypatch.chdir(tmp_path)  # anything a slipped-through value writes stays in the test's folder
     try:
         rc = module.main([*argv, f"{flag}={value}"])
