@@ -24,7 +24,9 @@ DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob
 README_MAX_LINES = 250
 
 # Files that never were part of this repository but were cited as if they were.
-FOREIGN = re.compile(r"\.\./|\b(?:SEEDS|PPO_SEMANTICS|DESIGN)\.md\b")
+FOREIGN = re.compile(r"\b(?:SEEDS|PPO_SEMANTICS|DESIGN)\.md\b|\.\./shared\b")
+# A path that climbs (../x): fine from docs/ to the repository root, not past it.
+CLIMB = re.compile(r"(?<![\w.])((?:\.\./)+[\w./-]*)")
 # A path inside the repository: one of its top-level folders, then more path.
 ROOTS = sorted(p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith("."))
 REPO_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*-]*)" % "|".join(map(re.escape, ROOTS)))
@@ -64,6 +66,10 @@ def _resolves(path: str, base: Path) -> bool:
     return (base / path).exists() or (REPO / path).exists()
 
 
+def _inside(base: Path, path: str) -> bool:
+    return (base / path.split("#")[0]).resolve().is_relative_to(REPO.resolve())
+
+
 @pytest.fixture(scope="module")
 def texts() -> dict[str, str]:
     return _texts()
@@ -80,7 +86,7 @@ def test_every_relative_link_resolves():
         for target in MD_LINK.findall(doc.read_text()):
             if re.match(r"[a-z]+:", target) or target.startswith("#"):
                 continue  # a URL or an anchor in the same page
-            if target.startswith("../") or not _resolves(target, doc.parent):
+            if not _inside(doc.parent, target) or not _resolves(target, doc.parent):
                 bad.append(f"{doc.relative_to(REPO)}: ({target})")
     assert not bad, "links that do not resolve inside the repository:\n" + "\n".join(bad)
 
@@ -103,8 +109,9 @@ def test_nothing_names_a_file_outside_the_repository(texts):
     everything = dict(texts)
     everything.update({str(p.relative_to(REPO)): p.read_text(errors="replace") for p in sources})
     everything["pyproject.toml"] = (REPO / "pyproject.toml").read_text()
-    bad = [f"{where}: {line.strip()[:160]}" for where, text in everything.items()
-           for line in text.splitlines() if FOREIGN.search(line)]
+    base = {where: (REPO / where).parent if (REPO / where).is_file() else REPO for where in everything}
+    bad = [f"{where}: {line.strip()[:160]}" for where, text in everything.items() for line in text.splitlines()
+           if FOREIGN.search(line) or any(not _inside(base[where], p) for p in CLIMB.findall(line))]
     assert not bad, "text that cites a file outside this repository:\n" + "\n".join(bad)
 
 
