@@ -3,7 +3,7 @@
 ``Actor.__init__`` runs in the parent and stores only a picklable
 ``ActorConfig`` (``actors.loop``: an ``EnvSpec``, endpoints, seeds). The environments are built
 inside ``run()``, in the child, so no env object ever crosses a process
-boundary (SEEDS.md part 1: that is how Pong lost its frame skip).
+boundary (an env pickled into a worker is how Pong once lost its frame skip; docs/FRAMESKIP.md).
 """
 
 from __future__ import annotations

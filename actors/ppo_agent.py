@@ -3,7 +3,7 @@
 Built inside the actor's process by ``actors.agents.make_agent`` from a
 :class:`impala.transport.messages.PPOAgentSpec` (the PPO trainer makes it in the learner).
 
-What it records per step (PPO_SEMANTICS.md #9, #10, #12):
+What it records per step (docs/PPO.md #9, #10, #12):
 
 - ``obs``: the **raw** observation as float32 (the learner normalizes with its
   own statistics; the network here carries the normalizer buffers it was sent).

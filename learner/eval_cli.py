@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def protocol_line(settings: Mapping[str, Any]) -> str:
-    """The protocol and its frame budget in a few words (the console table, the README's results)."""
+    """The protocol and its frame budget in a few words (the console table, the results in docs/EVAL.md)."""
     s = settings
     if "sticky" not in s:
         cap = f"episodes cut at {s['max_frames_per_episode']:,} steps" if s.get("max_frames_per_episode") else (

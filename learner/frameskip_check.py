@@ -1,6 +1,6 @@
 """``frameskip_check``: prove, inside real actor processes, that each env runs with its configured settings.
 
-SEEDS.md part 1: a worker whose env was built in the parent (in ``__init__``)
+The frameskip bug (docs/FRAMESKIP.md): a worker whose env was built in the parent (in ``__init__``)
 and pickled into the child trained on *different dynamics* (frameskip (2, 5)
 instead of 4, sticky actions lost) and nothing crashed. This command is the
 regression check for that bug. For every env id and every multiprocessing start
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
         prog="frameskip_check",
         description=(
-            "Regression check for SEEDS.md part 1: start real actor processes (TrajectoryServer + ActorPool, as launch_impala "
+            "Regression check for the frameskip bug (an env built in the parent and pickled into a worker ran with other settings; docs/FRAMESKIP.md): start real actor processes (TrajectoryServer + ActorPool, as launch_impala "
             "does) for each env id and start method, and compare the env fingerprint each child measures (frameskip from the "
             "ALE frame counter, sticky actions, action set, episode step limit, obs shape/dtype) with the configured settings. "
             "Also checks a pickle round trip of each raw env and that the actor class builds no env in __init__. "

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
         prog="launch_ppo",
         description=(
-            "Train PPO (ML-Agents or SB3 semantics, docs/PPO_SEMANTICS.md) with N actor processes streaming unrolls "
+            "Train PPO (ML-Agents or SB3 semantics, docs/PPO.md) with N actor processes streaming unrolls "
             "over ZeroMQ to one learner. Default job: Unity Crawler with configs/Crawler.yaml (--unity-build); without "
             "a build it runs on gymnasium Ant-v5 as a stand-in. Metrics: console, LOGDIR/metrics.csv, TensorBoard; "
             "checkpoints: LOGDIR/checkpoint.pt (atomic). Ctrl-C stops cleanly with a final checkpoint."

@@ -15,7 +15,7 @@ trajectories end at an episode end or ``time_horizon`` steps after their own sta
 sizes, and an unfinished one waits across updates.
 
 Which semantics each step follows is read from :class:`impala.run.ppo_config.PPOConfig`
-(rows #n of docs/PPO_SEMANTICS.md); the math lives in :mod:`impala.algos.ppo`.
+(rows #n of docs/PPO.md); the math lives in :mod:`impala.algos.ppo`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ of training. The script prints what it shrank.
 Two modes:
 
 - ``leave-one-out`` (default): start from the ``mlagents`` preset and switch one semantics option (a row of
-  docs/PPO_SEMANTICS.md; the schedule row's six options together) to its ``sb3`` value, one at a time; and
+  docs/PPO.md; the schedule row's six options together) to its ``sb3`` value, one at a time; and
   the reverse from ``sb3``. ``--seeds`` seeds per variant, the same for every variant.
 - ``presets``: only the two presets (the earlier two-curve plot).
 
@@ -56,7 +56,7 @@ from impala.run.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
 CRAWLER_BUFFER, CRAWLER_BATCH = 20480, 2048
 PRESETS = ("mlagents", "sb3")
 
-# One switch per row of docs/PPO_SEMANTICS.md that differs between the presets (#n), with the options it
+# One switch per row of docs/PPO.md that differs between the presets (#n), with the options it
 # flips. Not here: clip_range_vf, target_kl, bootstrap_truncated and vf_coef (the same in both presets).
 SWITCHES: dict[str, tuple[str, ...]] = {
     "advantage_norm": ("advantage_norm",),  # 1

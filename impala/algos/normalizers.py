@@ -1,4 +1,4 @@
-"""Observation and reward normalizers, ML-Agents and SB3 (PPO_SEMANTICS.md #12).
+"""Observation and reward normalizers, ML-Agents and SB3 (docs/PPO.md #12).
 
 ML-Agents (``torch_entities/encoders.py::Normalizer``) normalizes *inside the
 network*: its running statistics are buffers of the model, updated once per

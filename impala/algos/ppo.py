@@ -1,8 +1,8 @@
 """PPO math as pure tensor functions, in two exact flavours: ML-Agents and SB3.
 
 Every function here is stateless: no config objects, no module state. Each one
-states which implementation it restates; ``docs/PPO_SEMANTICS.md`` gives the
-rows (numbered #1..#14 below) and the source files they were read from.
+states which implementation it restates; ``docs/PPO.md`` gives the
+rows (numbered #1..#15 below) and the source files they were read from.
 
 Shapes: ``T`` time, ``B`` batch (samples or envs), ``A`` action dimensions.
 GAE functions are time-major (``[T]`` or ``[T, B]``). Loss functions take flat

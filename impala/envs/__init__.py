@@ -2,8 +2,8 @@
 
 What crosses a process boundary is an ``EnvSpec``: a frozen, picklable
 description (id plus kwargs). The environment object itself never does: a
-child process builds its own from the spec (see SEEDS.md part 1 for the bug
-this prevents).
+child process builds its own from the spec (docs/FRAMESKIP.md describes the
+bug this prevents).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pure env audits for the frameskip regression check (SEEDS.md part 1): no processes, no sockets.
+"""Pure env audits for the frameskip regression check (docs/FRAMESKIP.md): no processes, no sockets.
 
 * ``check_pickle_roundtrip``: pickle a raw env in this process, unpickle it, measure
   the copy and compare it with the configured settings and with the original (the

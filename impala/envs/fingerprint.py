@@ -1,6 +1,6 @@
 """Measure an environment's effective settings, and compare them with the configured ones.
 
-The historical failure (SEEDS.md part 1): an env pickled into a worker came back
+The historical failure (the frameskip bug, docs/FRAMESKIP.md): an env pickled into a worker came back
 with its *defaults*, so the worker trained on different dynamics and nothing
 crashed. Reading a Python field would not catch that if the field and the
 emulator disagree, so the frame skip is *measured*: the ALE's episode frame

@@ -4,8 +4,7 @@
 ``mlagents-envs`` 0.28 and exposes the agents of one behavior as ``K``
 parallel envs with the project's ``StepResult`` (auto-reset) interface, like
 ``impala.envs.vector.GymVecEnv``. Running all agents of one instance this way
-instead of one instance per agent is what made Crawler trainable in hours
-(docs/SEEDS.md part 2).
+instead of one instance per agent is what made Crawler trainable in hours.
 
 Construction
     The ``UnityEnvironment`` (and so the Unity process and its gRPC server on

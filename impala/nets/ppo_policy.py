@@ -1,4 +1,4 @@
-"""Gaussian actor-critic for PPO, ML-Agents or SB3 style (PPO_SEMANTICS.md #9-#12).
+"""Gaussian actor-critic for PPO, ML-Agents or SB3 style (docs/PPO.md #9-#12).
 
 Both styles use *separate* actor and critic MLP bodies and a state-independent
 log-std parameter initialized to 0. Activation, initialization, observation

@@ -1,4 +1,4 @@
-"""PPOConfig: every ML-Agents-vs-SB3 difference as its own option (PPO_SEMANTICS.md).
+"""PPOConfig: every ML-Agents-vs-SB3 difference as its own option (docs/PPO.md).
 
 Usage::
 
@@ -33,7 +33,7 @@ from impala.run.config import option as _f  # noqa: E402
 class PPOConfig:
     """PPO options. Defaults are the ``mlagents`` preset (ML-Agents' own defaults).
 
-    Row numbers (#n) refer to docs/PPO_SEMANTICS.md. Field docs follow below.
+    Row numbers (#n) refer to docs/PPO.md. Field docs follow below.
     """
 
     # ------------------------------------------------------------- semantics
@@ -192,7 +192,7 @@ class PPOConfig:
     # --------------------------------------------------------------- presets
     @classmethod
     def preset(cls, semantics: str, **overrides: Any) -> "PPOConfig":
-        """'mlagents' = left column of PPO_SEMANTICS.md everywhere, 'sb3' = right column.
+        """'mlagents' = left column of docs/PPO.md everywhere, 'sb3' = right column.
 
         Hyperparameters default to each library's own defaults. Any field can be
         overridden. As in ML-Agents, when ``lr_schedule`` is overridden and
@@ -515,7 +515,7 @@ def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     and a flag not given leaves no attribute. ``seed`` has no flag here: launchers take it from
     their run settings (``--seed``).
     """
-    g = parser.add_argument_group("PPO options (docs/PPO_SEMANTICS.md)")
+    g = parser.add_argument_group("PPO options (docs/PPO.md)")
     g.add_argument("--semantics", dest=f"{_DEST}semantics", choices=SEMANTICS, default="mlagents",
                    help="Preset every option to ML-Agents (left column) or SB3 (right column) semantics.")
     g.add_argument("--trainer-config", "--mlagents-config", dest=f"{_DEST}trainer_config", default=None, metavar="FILE.yaml",
