@@ -55,7 +55,7 @@ def step_fraction(optimizer: torch.optim.Optimizer) -> float:
 
     RMSprop steps ``lr * g / (sqrt(v) + eps)``: per weight, ``sqrt(v) / (sqrt(v) + eps)`` of
     a sign step of size lr. Near 1, eps is negligible; near 0, eps dominates and the network
-    barely moves (issue 8: 0.009 with the paper's eps on mean-reduced losses). Adam: the
+    barely moves (measured on Pong, docs/PONG.md: 0.009 with the paper's eps on mean-reduced losses). Adam: the
     same with the bias-corrected ``v``.
     """
     total, count = 0.0, 0
@@ -81,7 +81,7 @@ def logit_spread(logits: torch.Tensor) -> float:
     """Std across the batch's states of the log-policy, averaged over actions.
 
     Zero when the policy ignores the state (the same distribution everywhere): the Pong
-    failure of issue 8 showed 0.0007 after 4M frames. Log-softmax first, so a shift of all
+    failed Pong run (docs/PONG.md) showed 0.0007 after 4M frames. Log-softmax first, so a shift of all
     logits (which does not change the policy) does not count.
     """
     log_p = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)

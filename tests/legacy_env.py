@@ -1,4 +1,4 @@
-"""Reconstructions of the historical bug (SEEDS.md part 1), importable by spawned children.
+"""Reconstructions of the historical bug (the frameskip bug, docs/FRAMESKIP.md), importable by spawned children.
 
 * ``LegacyAtariEnv``: ale-py's ``AtariEnv`` with gym <= 0.10.5's pickling. Its
   constructor defaults are the old gym ones (frameskip ``(2, 5)``,

@@ -1,4 +1,4 @@
-"""Bad data and bad files never reach the weights, a checkpoint or a traceback (issue 10, items 1 and 8)."""
+"""Bad data and bad files never reach the weights, a checkpoint or a traceback."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The frameskip regression check (SEEDS.md part 1), with real actor processes and real envs.
+"""The frameskip regression check (the frameskip bug, docs/FRAMESKIP.md), with real actor processes and real envs.
 
 Every test here starts real processes (the ``frameskip_check`` command, real
 ``Actor`` children under fork/spawn/forkserver, the real learner runtime); no

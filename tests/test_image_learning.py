@@ -1,10 +1,10 @@
-"""The image path learns with the shipped settings (issue 8).
+"""The image path learns with the shipped settings (docs/PONG.md).
 
 PixelCatch-v0 (``impala/envs/catch.py``) is drawn like a preprocessed Atari frame
 (uint8 [4, 84, 84], constant gray field), so it runs through the same CNN torso, wire
 schema, actors and learner as Pong, with ``launch_impala``'s defaults: the only flags
 below are the env, the budget (stopping once the threshold is reached) and where to log. Random play scores about -0.5; the
-threshold needs about 90% of balls caught. Before issue 8 the defaults (PyTorch init,
+threshold needs about 90% of balls caught. Before the small-box recipe (docs/PONG.md) the defaults (PyTorch init,
 the paper's RMSProp numbers on mean-reduced losses) left Pong's policy uniform; the
 CartPole test could not see it because its hand-picked learning rate hid the scale.
 """

@@ -7,7 +7,7 @@ sum((vs - V)^2)``; ``entropy_cost * sum(p log p)``; rewards clipped to [-1, 1]; 
 grad-norm clip 40; ``torch.optim.RMSprop(lr, alpha, eps, momentum)``. The batch is
 Pong-shaped (T=80, B=32, 4x84x84 uint8 frames, 6 actions).
 
-Before issue 8 our losses were averaged over T x B while lr 6e-4 / eps 0.01 / clip 40 stayed
+Before the small-box recipe (docs/PONG.md) our losses were averaged over T x B while lr 6e-4 / eps 0.01 / clip 40 stayed
 the summed-loss numbers, so every step was ~1% of the published one; the ``mean`` case below
 shows the check can tell the two apart.
 """

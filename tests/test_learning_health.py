@@ -1,4 +1,4 @@
-"""Learning-health metrics (issue 8): each one checked against a case whose answer is known."""
+"""Learning-health metrics (docs/PONG.md): each one checked against a case whose answer is known."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A few thousand hostile messages against a running launch_impala while an honest actor trains
-(issue 10): the learner stays up, its memory stays bounded, the honest actor's frames keep coming,
+: the learner stays up, its memory stays bounded, the honest actor's frames keep coming,
 every bad unroll is dropped and counted, and the loss stays finite."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multi-task PopArt-IMPALA (issue 14): one agent, several envs, one value scale per task.
+"""Multi-task PopArt-IMPALA: one agent, several envs, one value scale per task.
 
 The learning test is the smallest case of Hessel et al. 2018's problem: CartPole-v1 and
 CartPoleX1000-v1 (the same dynamics, every reward x1000) in one run. With PopArt each task

@@ -1,4 +1,4 @@
-"""PPOConfig: presets follow docs/PPO_SEMANTICS.md row by row; overrides; ML-Agents YAML; argparse."""
+"""PPOConfig: presets follow docs/PPO.md row by row; overrides; ML-Agents YAML; argparse."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from impala.run.ppo_config import ConfigError, PPOConfig, config_from_args, conf
 
 CRAWLER = Path(__file__).resolve().parents[1] / "configs" / "Crawler.yaml"
 
-# Row of PPO_SEMANTICS.md -> (ML-Agents value, SB3 value), one entry per option.
+# Row of docs/PPO.md -> (ML-Agents value, SB3 value), one entry per option.
 EXPECTED = {
     "advantage_norm": ("buffer", "minibatch"),  # 1
     "ratio": ("per_dim", "summed"),  # 2

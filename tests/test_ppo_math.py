@@ -1,6 +1,6 @@
 """PPO math parity: impala.algos.ppo / impala.algos.normalizers / impala.nets.ppo_policy against
 
-1. naive NumPy restatements of docs/PPO_SEMANTICS.md, written here like the
+1. naive NumPy restatements of docs/PPO.md, written here like the
    equations (float64, tolerance 1e-6);
 2. stable-baselines3's installed code where it is pure (RunningMeanStd,
    RolloutBuffer GAE, VecNormalize rewards, explained_variance, one PPO train step);

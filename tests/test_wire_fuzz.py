@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the wire decoders (issue 10): whatever bytes a peer sends, decoding
+"""Property-based fuzzing of the wire decoders: whatever bytes a peer sends, decoding
 either returns a message that matches the schema or raises ``WireError``, never anything else."""
 
 from __future__ import annotations

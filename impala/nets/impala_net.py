@@ -69,7 +69,7 @@ class _ActivityTracking:
 
     A unit (a conv channel, or an fc unit) is *alive* when its ReLU output is positive
     for at least one position of one sample. Dead units pass no gradient; a torso whose
-    first layer dies is blind (issue 8: 15 of 16 conv1 filters died on Pong). The learner
+    first layer dies is blind (measured on Pong, docs/PONG.md: 15 of 16 conv1 filters died on Pong). The learner
     switches tracking on for its forward pass and logs ``activity``; actors never do.
     """
 
@@ -338,7 +338,7 @@ def initialize(model: ImpalaNet, scheme: str = "orthogonal") -> ImpalaNet:
     ``orthogonal`` (OpenAI baselines, cleanrl, SB3 for Atari): every conv and linear layer
     of the torso orthogonal with gain sqrt(2) (ReLU) and zero bias; the policy head with
     gain 0.01, so the first policy is near uniform whatever the features; the value head
-    with gain 1. The LSTM keeps PyTorch's init. Measured on Pong (issue 8): PyTorch's default
+    with gain 1. The LSTM keeps PyTorch's init. Measured on Pong (docs/PONG.md): PyTorch's default
     init (kaiming-uniform with a=sqrt(5) and uniform biases) left the policy independent of
     the state after 4M frames and let 15 of 16 first-layer filters die once steps grew.
 

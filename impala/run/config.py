@@ -12,7 +12,7 @@
 algorithm and model settings; ``impala.run.ppo_config.PPOConfig`` PPO's.
 
 **ImpalaConfig's defaults are the settings measured to learn Pong on a 2-core CPU** (docs/PONG.md,
-issue 8): V-trace(lambda=0.95) targets and advantages with PPO's clipped surrogate against the
+docs/PONG.md): V-trace(lambda=0.95) targets and advantages with PPO's clipped surrogate against the
 behaviour policy (APPO), 4 passes of 4 minibatches over each batch of 32 x 32 steps, Adam 2.5e-4 on
 mean-reduced losses, gradient norm clipped at 0.5, orthogonal init. With the IMPALA paper's own
 settings (single pass, RMSProp 6e-4 / eps 0.01 / clip 40 on summed losses,
