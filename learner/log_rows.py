@@ -32,9 +32,10 @@ def task_rows(task_names: tuple[str, ...], task_frames: list[int], mean_returns:
 class LogRows:
     """Collects what happens between two log rows (policy lag per unroll) and builds the row every ``--log-interval``."""
 
-    def __init__(self, interval_s: float, task_names: tuple[str, ...], env_frames: int) -> None:
+    def __init__(self, interval_s: float, task_names: tuple[str, ...], env_frames: int, since: float | None = None) -> None:
+        """``since``: when the first interval started (``time.monotonic()``; default now)."""
         self.interval_s, self.task_names = interval_s, task_names
-        self.last_time, self.last_frames = time.monotonic(), env_frames
+        self.last_time, self.last_frames = time.monotonic() if since is None else since, env_frames
         self.lags: list[float] = []
 
     def due(self) -> bool:

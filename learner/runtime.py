@@ -211,7 +211,8 @@ def _train(trainer: Trainer, config: RunConfig, server: TrajectoryServer, pool: 
            progress: Progress, checkpointer: Checkpointer, logger: MetricsLogger, evaluator: PeriodicEval,
            stop: threading.Event) -> None:
     """The learner's loop: take a validated unroll, update when the trainer is ready, publish, log, checkpoint."""
-    rows = LogRows(config.log_interval, server.task_names, progress.env_frames)
+    # the first interval counts from the run's start (actor start-up included), so a short run still logs a row
+    rows = LogRows(config.log_interval, server.task_names, progress.env_frames, since=budget.start)
     frames_per_unroll = int(round(config.unroll_length * trainer.frames_per_step))
     metrics: dict[str, float] = {}
     server.publish(progress.version, trainer.params())

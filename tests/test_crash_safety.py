@@ -230,7 +230,7 @@ def test_resume_from_another_networks_checkpoint_is_one_line_and_exit_2(tmp_path
     assert rc == 0, err[-2000:]
     rc, err = _launch_impala(["--env", "Acrobot-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], capsys, real_process=True)
     assert rc == 2 and "Traceback" not in err, err[-2000:]
-    assert "does not fit this run (another env or network?)" in err.strip().splitlines()[-1]
+    assert "does not fit this run: env 'CartPole-v1' there, 'Acrobot-v1' here" in err.strip().splitlines()[-1]
 
 
 def test_sigkill_and_resume_ten_times(tmp_path):

@@ -171,7 +171,7 @@ BAD_VALUES = [
     (["--log-interval", "nan"], "--log-interval must be a finite number"),
     (["--stop-at-return", "inf"], "--stop-at-return must be a finite number"),
     (["--torch-threads", "-1"], "--torch-threads must be >= 0"),
-    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--seed", "-1"], "--seed must be in 0.."),
     (["--rmsprop-eps", "-1"], "--rmsprop-eps must be > 0"),
     (["--rmsprop-momentum", "-1"], "--rmsprop-momentum must be >= 0"),
     (["--minibatches", "3"], "--minibatches must be >= 1 and divide --batch-size 32"),
@@ -238,7 +238,7 @@ def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
 
 
 # Fields where these values are legitimate: an id/path/address checked where it is used, a threshold.
-FREE_TEXT = {"env", "logdir", "bind", "curve", "track_project"}
+FREE_TEXT = {"env", "logdir", "runs_dir", "run_id", "bind", "curve", "track_project"}
 ANY_NUMBER = {"stop_at_return"}
 
 

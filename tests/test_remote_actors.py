@@ -106,7 +106,7 @@ def test_bad_values_are_one_line_errors_before_connecting(capsys):
         (["--learner-timeout", "-1"], "--learner-timeout must be a number of seconds > 0"),
         (["--max-seconds", "-1"], "--max-seconds must be >= 0"),
         (["--first-id", "-1"], "--first-id must be >= 0"),
-        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--seed", "-1"], "--seed must be in 0.."),
         (["--first-id", "1048576", "--workers", "2"], "actor ids must stay <= 1048576"),
         (["--workers", "0"], "--workers must be >= 1"),
     ]
