@@ -19,6 +19,7 @@ holding weights rather than a file (a training run's periodic evaluation).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import os
 import time
@@ -200,7 +201,7 @@ class EvalJob:
     def env_spec(self, render: bool) -> EnvSpec:
         spec = self.protocol.env
         if render and not spec.atari:  # gymnasium envs draw only when built to (Atari: the ALE's screen)
-            return EnvSpec(spec.id, {**spec.kwargs, "render_mode": "rgb_array"}, spec.preprocess)
+            return dataclasses.replace(spec, kwargs={**spec.kwargs, "render_mode": "rgb_array"})
         return spec
 
 

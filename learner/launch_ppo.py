@@ -145,7 +145,8 @@ def probe(config: RunConfig, options: PPOLaunchOptions, seed: int, *, stand_in: 
             f"{STAND_IN_ENV} (MuJoCo) as a STAND-IN for Unity Crawler; pass --unity-build PATH to train on Crawler.",
             flush=True,
         )
-    return probe_env(EnvSpec(config.env or STAND_IN_ENV, config.env_overrides), seed=seed)
+    spec = EnvSpec(config.env or STAND_IN_ENV, config.env_overrides, packages=config.env_packages)
+    return probe_env(spec, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,10 @@ BASE = {
 TEXT_BAD = {
     "--env": "NoSuchEnv-v9",
     "--env-kwargs": "{not json",
+    "--env-package": "no_such_env_package_here",
     "--logdir": "/proc/no-such-dir/run",
+    "--runs-dir": "",  # the base arguments give --logdir, so only a value wrong in itself can fail
+    "--run-id": "../escape",
     "--bind": "",
     "--curve": "/proc/no-such-dir/keys",
     "--device": "gpu7",
