@@ -39,8 +39,11 @@ Update trigger and the buffer
 ML-Agents (``update_trigger=over_buffer_size``) updates once the buffer holds
 *more* than ``buffer_size`` steps, whatever the piece sizes. SB3
 (``buffer_full``) updates at ``buffer_size = n_steps * n_envs``: with T
-dividing ``buffer_size`` a buffer fills exactly (``buffer_size / T`` unrolls);
-when it does not divide it, T is lowered to the largest divisor of
+dividing ``buffer_size`` a buffer fills exactly (``buffer_size / T`` unrolls).
+Unless ``--unroll-length`` is given, T is SB3's ``n_steps``: the largest T (up
+to the cap) whose round of unrolls over the local envs divides ``buffer_size``,
+so no round straddles an update and nothing arrives stale. When a given T does
+not divide ``buffer_size``, T is lowered to the largest divisor of
 ``buffer_size`` not above it (logged; ``rollout`` only), so no update ever holds
 a partial rounding. Set ``--buffer-size = T * workers * envs_per_worker`` to get
 SB3's exact "one n_steps rollout of every env per update". Both clear the

@@ -372,6 +372,35 @@ def test_choose_unroll_length():
     T, note = choose_unroll_length(sb, 0)
     assert T == 512 and 2048 % T == 0 and "512" in note
     assert choose_unroll_length(PPOConfig.preset("sb3", time_horizon=256, buffer_size=2048), 0) == (256, None)
+    # Knowing the local envs, buffer_full's round of unrolls fills the buffer exactly: SB3's n_steps.
+    assert choose_unroll_length(sb, 0, n_envs=8) == (256, None)
+    assert choose_unroll_length(sb, 0, n_envs=1) == (512, None)  # capped at MAX_UNROLL: 2048 = 4 rounds
+    assert choose_unroll_length(PPOConfig.preset("sb3", time_horizon=100, buffer_size=2048), 0, n_envs=8) == (64, None)
+    assert choose_unroll_length(sb, 0, n_envs=3)[0] == 512  # 3 envs share no round with 2048: the divisor rule
+    assert choose_unroll_length(sb, 100, n_envs=8) == (64, choose_unroll_length(sb, 100)[1])  # a given T: as before
+
+
+def test_readme_pendulum_example_drops_nothing(tmp_path, capsys, caplog):
+    """The README's PPO example, shortened: no warning about the unroll length, and nothing collected is
+    dropped (before, T = 512 over 8 envs filled the 2048-step buffer halfway through each round of
+    unrolls and the other half arrived stale: 36 of 46 unrolls in 20k steps)."""
+    import logging
+
+    from learner import launch_ppo
+
+    caplog.set_level(logging.INFO)  # the launcher's plan line names T
+    threads = torch.get_num_threads()
+    try:
+        rc = launch_ppo.main(["--env", "Pendulum-v1", "--semantics", "sb3", "--workers", "1", "--in-process",
+                              "--total-steps", "8192", "--no-progress", "--device", "cpu", "--logdir", str(tmp_path / "run")])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    done = [line for line in out.out.splitlines() if line.startswith("launch_ppo: done")][-1]
+    assert "dropped 0" in done and "4 updates" in done, done
+    logged = caplog.text + out.err
+    assert "does not divide" not in logged and "unroll T=256 over 8 envs" in logged, logged[-3000:]
 
 
 class _Envs:
