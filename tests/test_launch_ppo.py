@@ -109,7 +109,7 @@ def wait_records(records: Path, ports: list[int], timeout: float = 20.0) -> dict
 def check_metrics(rows: list[dict[str, str]]) -> None:
     assert rows, "metrics.csv has no rows"
     for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
-                "losses/clip_fraction", "losses/explained_variance", "charts/fps", "transport/rejected_nan"):
+                "losses/clip_fraction", "health/explained_variance", "charts/fps", "transport/rejected_nan"):
         assert key in rows[0], f"{key} not in metrics.csv columns"
     for row in rows:
         for key in ("losses/policy_loss", "losses/value_loss", "losses/total", "losses/approx_kl", "losses/clip_fraction"):
@@ -297,7 +297,7 @@ def test_nan_unroll_rejected_and_counted():
     assert trainer.ready()
     m = trainer.update(24)
     assert m["transport/rejected_nan"] == 1.0
-    assert all(math.isfinite(m[k]) for k in ("losses/policy_loss", "losses/approx_kl", "losses/explained_variance"))
+    assert all(math.isfinite(m[k]) for k in ("losses/policy_loss", "losses/approx_kl", "health/explained_variance"))
     assert float(trainer.learner.policy.actor_norm.steps) == float(steps) + 24  # the NaN piece never reached the normalizer
 
 

@@ -54,7 +54,7 @@ def test_track_logs_rows_config_and_commit_to_wandb_offline(tmp_path, monkeypatc
         rows = list(csv.DictReader(f))
     assert len(history) == len(rows) == 20  # --log-interval 0: one row per update
     assert history[-1]["charts/env_frames"] == float(rows[-1]["charts/env_frames"]) == 640
-    assert history[-1]["losses/policy"] == pytest.approx(float(rows[-1]["losses/policy"]))
+    assert history[-1]["losses/policy_loss"] == pytest.approx(float(rows[-1]["losses/policy_loss"]))
     assert config["batch_size"] == 4 and config["env"] == "CartPole-v1"
     assert len(str(config["git_commit"])) >= 40
     assert (logdir / "wandb_id").read_text().strip() == runs[0].name.rsplit("-", 1)[-1]
@@ -138,3 +138,44 @@ def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
     tracker.log_video(5000, "eval/video", video)
     tracker.close()
     assert list((tmp_path / "wandb").glob("offline-run-*/files/media/videos/eval/video_*.mp4"))
+
+
+# ---------------------------------------------------------------------------- one naming scheme, the display
+
+
+def _impala_step(popart: bool) -> dict:
+    """One real V-trace update on a random batch: the metric keys launch_impala logs."""
+    import torch
+
+    from impala.nets.impala_net import build_model
+    from impala.run.config import ImpalaConfig
+    from learner.vtrace_learner import VTraceLearner
+
+    torch.manual_seed(0)
+    T, B = 5, 4
+    cfg = ImpalaConfig(popart=popart, epochs=1, minibatches=1)
+    learner = VTraceLearner(build_model("mlp", (3,), 2), cfg, torch.device("cpu"), total_frames=10_000)
+    batch = {
+        "obs": torch.randn(T + 1, B, 3), "first": torch.zeros(T + 1, B, dtype=torch.bool),
+        "actions": torch.zeros(T, B, dtype=torch.long), "rewards": torch.randn(T, B), "dones": torch.zeros(T, B, dtype=torch.bool),
+        "behaviour_logits": torch.zeros(T, B, 2),
+    }
+    return learner.step(batch, frames_done=0)
+
+
+def test_both_launchers_log_one_set_of_loss_names():
+    from learner.ppo_learner import METRIC_KEYS
+    from impala.run.metrics import CONSOLE_KEYS
+
+    impala = _impala_step(popart=False)
+    shared = {"losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/total", "losses/grad_norm"}
+    assert shared <= set(impala) and shared <= set(METRIC_KEYS.values()), sorted(impala)
+    # every losses/ or health/ name IMPALA logs that PPO also measures has PPO's name
+    assert {k for k in impala if k.startswith(("losses/", "health/"))} & set(METRIC_KEYS.values()) >= shared | {
+        "health/explained_variance"}
+    assert not any(k.startswith("popart/") for k in impala), sorted(impala)  # PopArt off: no popart/ columns
+    assert {"popart/mu", "popart/sigma"} <= set(_impala_step(popart=True))
+    for key, _, _ in CONSOLE_KEYS:  # what the display reads, each launcher logs
+        if key.startswith("losses/"):
+            assert key in impala and key in METRIC_KEYS.values(), key
+
