@@ -179,3 +179,52 @@ def test_both_launchers_log_one_set_of_loss_names():
         if key.startswith("losses/"):
             assert key in impala and key in METRIC_KEYS.values(), key
 
+
+ROW = {"charts/env_frames": 123_456_789, "charts/agent_steps": 30_864_197, "charts/fps": 123_456.7,
+       "charts/mean_return_100": -12_345.6, "charts/episodes": 1_234_567, "charts/policy_lag": 12.5,
+       "transport/queue_depth": 1024, "transport/dropped": 99_999, "losses/entropy": -12.789, "losses/grad_norm": 12_345.6}
+
+
+@pytest.mark.parametrize("record,unit,total", [
+    ({"total_frames": 200_000_000, "total_steps": None}, "frames", "123M/200M"),  # launch_impala's flat record
+    ({"run": {"total_frames": None, "total_steps": 50_000_000}}, "steps", "30.9M/50.0M"),  # launch_ppo's
+])
+def test_progress_display_has_total_and_eta_and_fits_80_columns(record, unit, total, tmp_path):
+    from rich.console import Console
+
+    from impala.run.metrics import MetricsLogger
+
+    m = MetricsLogger(str(tmp_path), progress=False, title="impala PongNoFrameskip-v4 (a long title)", config_record=record)
+    try:
+        key = "charts/env_frames" if unit == "frames" else "charts/agent_steps"
+        start = m._start
+        m.progress_cells({key: ROW[key] / 2}, now=start + 100)  # this session's first row: the ETA's origin
+        console = Console(width=80, record=True, color_system=None)
+        console.print(m._table(ROW, now=start + 200))
+        lines = console.export_text().splitlines()
+        assert all(len(line) <= 80 for line in lines), lines
+        header = next(line for line in lines if "ETA" in line)
+        cells = next(line for line in lines if total in line).split()
+        # one unwrapped row: half the run's count again in 100 s leaves (total - count) / rate to go
+        rate = (ROW[key] / 2) / 100
+        left = (float(total.split("/")[1][:-1]) * 1e6 - ROW[key]) / rate
+        from impala.run.metrics import duration
+
+        assert header.split() == [unit, "ETA", "fps", "return", "episodes", "lag", "queue", "dropped", "entropy", "grad"]
+        assert cells == [total, duration(left), "123k", "-12.3k", "1.2M", "12.5", "1.0k", "100k", "-12.8", "12.3k"], cells
+    finally:
+        m.close()
+
+
+def test_plain_progress_line_has_total_and_eta(tmp_path, capsys):
+    from impala.run.metrics import MetricsLogger
+
+    m = MetricsLogger(str(tmp_path), progress=False, title="t", config_record={"total_frames": 1000})
+    try:
+        m.log(1, {"charts/env_frames": 100.0})
+        m._first = (m._first[0] - 10, m._first[1])  # the first row 10 s ago: 100 more frames make 10/s
+        m.log(2, {"charts/env_frames": 200.0})
+    finally:
+        m.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[t] frames=100/1.0k eta=-" and lines[1].startswith("[t] frames=200/1.0k eta=1m"), lines
