@@ -170,7 +170,8 @@ class EvalConfig:
     seed: int = option(0, "Episode i resets its env and seeds its agent with seed + i, whichever worker plays it.")
     out: str = option(
         "", "JSON result file; a relative name goes into the run folder (the checkpoint's). Default: "
-        "eval-PROTOCOL-POLICY-EPISODES.json there (eval-train-sample-30.json), so runs of other settings keep their files.")
+        "eval-PROTOCOL-POLICY-EPISODES.json there (eval-train-sample-30.json), so runs of other settings "
+        "keep their files.")
     video: str = option(
         "", "Record the first episode(s) as OUT.mp4 (H.264, plays in browsers) or OUT.gif (Pillow); a "
         "relative name goes into the run folder (the checkpoint's): the raw RGB screen (Atari: the ALE's "
@@ -204,8 +205,8 @@ class EvalConfig:
                 check_writable(path, flag)
 
     def result_path(self, checkpoint_file: str) -> str:
-        """``--out``, else eval-PROTOCOL-POLICY-EPISODES.json next to the checkpoint: the name says what was measured,
-        so a 2-episode look never overwrites a 30-episode result."""
+        """``--out``, else eval-PROTOCOL-POLICY-EPISODES.json next to the checkpoint: the name says what was
+        measured, so a 2-episode look never overwrites a 30-episode result."""
         name = f"eval-{self.protocol}-{self.policy}-{self.episodes}.json"
         return self.out or os.path.join(os.path.dirname(os.path.abspath(checkpoint_file)), name)
 

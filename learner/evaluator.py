@@ -142,8 +142,8 @@ class VideoRecorder:
             if (frame.shape[1], frame.shape[0]) != self._size:  # an odd size, or a render() that changed size
                 if frame.shape[1] > self._size[0] or frame.shape[0] > self._size[1]:
                     frame = cv2.resize(frame, self._size, interpolation=cv2.INTER_NEAREST)
-                frame = cv2.copyMakeBorder(frame, 0, self._size[1] - frame.shape[0], 0, self._size[0] - frame.shape[1],
-                                           cv2.BORDER_CONSTANT, value=0)
+                bottom, right = self._size[1] - frame.shape[0], self._size[0] - frame.shape[1]
+                frame = cv2.copyMakeBorder(frame, 0, bottom, 0, right, cv2.BORDER_CONSTANT, value=0)
             self._writer.send(np.ascontiguousarray(frame))
         self.frames += 1
 
@@ -155,7 +155,8 @@ class VideoRecorder:
         self._tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp.mp4")
         self._size = (width, height)
         self._writer = imageio_ffmpeg.write_frames(
-            self._tmp, self._size, fps=float(self.fps), codec="libx264", pix_fmt_in="rgb24", pix_fmt_out="yuv420p",
+            self._tmp, self._size, fps=float(self.fps), codec="libx264",
+            pix_fmt_in="rgb24", pix_fmt_out="yuv420p",
             macro_block_size=1,  # the size is already even; imageio-ffmpeg would otherwise rescale to 16s
             ffmpeg_log_level="error", output_params=["-movflags", "+faststart"],
         )

@@ -529,8 +529,8 @@ class PPOLearner:
 # --------------------------------------------------------------------------- the runtime's adapter
 
 # PPOLearner.update() key -> logged key (CleanRL's grouping); launch_impala logs the same names
-# (losses/policy_loss, losses/value_loss, losses/entropy, losses/total, losses/grad_norm, losses/clip_fraction,
-# health/explained_variance), so runs of either launcher compare column for column.
+# (losses/policy_loss, losses/value_loss, losses/entropy, losses/total, losses/grad_norm,
+# losses/clip_fraction, health/explained_variance), so runs of either launcher compare column for column.
 METRIC_KEYS = {
     "policy_loss": "losses/policy_loss",
     "value_loss": "losses/value_loss",

@@ -15,8 +15,15 @@ from impala.envs import EnvPackageError, EnvSpec, make_env
 from impala.transport.messages import RunInfo
 from learner import launch_impala, launch_ppo
 
-TINY_RUN = ["--workers", "1", "--in-process", "--envs-per-worker", "2", "--unroll-length", "8", "--batch-size", "4",
-            "--minibatches", "1", "--total-frames", "400", "--no-progress", "--device", "cpu", "--log-interval", "0"]
+TINY_RUN = ["--workers", "1", "--in-process", "--envs-per-worker", "2", "--unroll-length", "8",
+            "--batch-size", "4", "--minibatches", "1", "--total-frames", "400", "--no-progress",
+            "--device", "cpu", "--log-interval", "0"]
+NO_SUCH = "env package 'no_such_env_package_here' does not import (ModuleNotFoundError"
+
+
+def _error_lines(err: str) -> list[str]:
+    """stderr without the log lines (they start with a date)."""
+    return [line for line in err.splitlines() if line.strip() and not re.match(r"^\d{4}-\d\d-\d\d ", line)]
 
 
 def _done(out: str) -> str:
@@ -25,7 +32,8 @@ def _done(out: str) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize("env_args", [["--env", "custom_envs:Tiny-v0"], ["--env-package", "custom_envs", "--env", "Tiny-v0"]],
+@pytest.mark.parametrize("env_args", [["--env", "custom_envs:Tiny-v0"],
+                                      ["--env-package", "custom_envs", "--env", "Tiny-v0"]],
                          ids=["module:id", "env-package"])
 def test_a_users_registered_env_trains_through_launch_impala(env_args, tmp_path, capsys):
     rc = launch_impala.main([*env_args, *TINY_RUN, "--logdir", str(tmp_path / "run")])
@@ -53,7 +61,8 @@ def test_the_package_travels_with_the_spec_to_a_fresh_process():
     import os
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(spec), capture_output=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(spec), capture_output=True, env=env,
+                         timeout=120)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     assert out.stdout.decode().split("\n")[:2] == ["(4,) Discrete(2)", "TinyBox-v0"]
 
@@ -63,11 +72,12 @@ def test_the_package_travels_with_the_spec_to_a_fresh_process():
     (["__import__('os').system('true')"], "is not a Python module name"),
     ("custom_envs", "must be a list"),
     ([7], "is not a Python module name"),
-    (["no_such_env_package_here"], "env package 'no_such_env_package_here' does not import (ModuleNotFoundError"),
+    (["no_such_env_package_here"], NO_SUCH),
 ])
 def test_a_peers_package_list_is_module_names_that_import(packages, message):
     # What a remote actor receives from the learner: names only, checked before anything is imported.
-    info = {"run_id": "r", "env": {"id": "CartPole-v1", "kwargs": {}, "preprocess": True, "packages": packages},
+    env = {"id": "CartPole-v1", "kwargs": {}, "preprocess": True, "packages": packages}
+    info = {"run_id": "r", "env": env,
             "agent": {"kind": "impala", "model": "mlp", "use_lstm": False, "popart_beta": 3e-4},
             "unroll_length": 8, "envs_per_worker": 1}
     with pytest.raises(EnvPackageError) as e:
@@ -84,28 +94,31 @@ def test_run_info_round_trips_the_packages():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--env", "no_such_env_package_here:Tiny-v0"], "env package 'no_such_env_package_here' does not import (ModuleNotFoundError"),
+    (["--env", "no_such_env_package_here:Tiny-v0"], NO_SUCH),
     (["--env-package", "custom_envs.broken", "--env", "Tiny-v0"],
      "env package 'custom_envs.broken' does not import (ImportError: this module is broken on purpose)"),
-    (["--env-package", "custom_envs;rm", "--env", "Tiny-v0"], "--env-package 'custom_envs;rm' is not a Python module name"),
+    (["--env-package", "custom_envs;rm", "--env", "Tiny-v0"],
+     "--env-package 'custom_envs;rm' is not a Python module name"),
     (["--env", "custom_envs:NoSuch-v0"], "unknown env id 'NoSuch-v0'"),
     (["--env", "custom_envs:"], "nothing after the ':'"),
     (["--env", "custom_envs:TinyBox-v0"],
-     "TinyBox-v0 has a Box action space; launch_impala trains discrete (Discrete) actions only; launch_ppo trains continuous Box actions"),
+     "TinyBox-v0 has a Box action space; launch_impala trains discrete (Discrete) actions only; "
+     "launch_ppo trains continuous Box actions"),
 ])
 def test_bad_custom_envs_are_one_line_errors(argv, message, tmp_path, capsys):
     rc = launch_impala.main([*argv, *TINY_RUN, "--logdir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip() and not re.match(r"^\d{4}-\d\d-\d\d ", line)]
+    lines = _error_lines(err)
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("launch_impala: error: "), err[-2000:]
     assert message in lines[0], lines[0]
 
 
 def test_launch_ppo_names_launch_impala_for_discrete_actions(tmp_path, capsys):
-    rc = launch_ppo.main(["--env", "custom_envs:Tiny-v0", "--workers", "1", "--in-process", "--total-steps", "64",
-                          "--no-progress", "--device", "cpu", "--logdir", str(tmp_path / "run")])
+    rc = launch_ppo.main(["--env", "custom_envs:Tiny-v0", "--workers", "1", "--in-process",
+                          "--total-steps", "64", "--no-progress", "--device", "cpu",
+                          "--logdir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip() and not re.match(r"^\d{4}-\d\d-\d\d ", line)]
+    lines = _error_lines(err)
     assert rc == 2 and len(lines) == 1, err[-2000:]
     assert "Tiny-v0 has a Discrete action space; launch_ppo trains continuous (Box) actions only; " \
            "launch_impala trains discrete actions" in lines[0]

@@ -412,8 +412,8 @@ def video_stream(path: Path) -> str:
     ffmpeg binary imageio-ffmpeg ships, so the check does not depend on how the file was written."""
     import imageio_ffmpeg
 
-    probe = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-i", str(path)], capture_output=True, text=True,
-                           timeout=60)
+    probe = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-i", str(path)],
+                           capture_output=True, text=True, timeout=60)
     lines = [line.strip() for line in probe.stderr.splitlines() if "Stream #" in line and "Video:" in line]
     assert len(lines) == 1, probe.stderr
     return lines[0].split("Video:", 1)[1].strip()
@@ -424,7 +424,8 @@ def test_cartpole_video_is_h264_in_the_run_folder(cartpole, capsys):
     (the render extra scripts/setup.sh installs) and the MP4 is H.264 in yuv420p, what browsers play
     inline; a relative --video name lands in the run folder, not wherever the command was typed."""
     video, result = cartpole.parent / "episode.mp4", cartpole.parent / "eval-train-greedy-2.json"
-    rc = main([str(cartpole.parent), "--episodes", "2", "--workers", "0", "--policy", "greedy", "--video", "episode.mp4"])
+    rc = main([str(cartpole.parent), "--episodes", "2", "--workers", "0", "--policy", "greedy",
+               "--video", "episode.mp4"])
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     stream = video_stream(video)
@@ -437,7 +438,8 @@ def test_cartpole_video_is_h264_in_the_run_folder(cartpole, capsys):
     frames = int(reader.get(cv2.CAP_PROP_FRAME_COUNT))
     ok, frame = reader.read()
     reader.release()
-    assert ok and frames == data["video"]["frames"] and frame.shape[1] == 1200  # CartPole's 600 px screen, scale 2
+    # CartPole's 600-pixel-wide screen at --video-scale 2
+    assert ok and frames == data["video"]["frames"] and frame.shape[1] == 1200
     assert frame.std() > 5  # a picture, not a blank frame
 
 
@@ -457,7 +459,8 @@ def test_eval_config_rejects_what_cannot_work():
         EvalConfig(policy="argmax")
     with pytest.raises(ConfigError, match="--video-scale must be in 1..8"):
         EvalConfig(video_scale=0)
-    assert EvalConfig(protocol="dqn", policy="greedy").result_path("/x/run/checkpoint.pt") == "/x/run/eval-dqn-greedy-30.json"
+    dqn = EvalConfig(protocol="dqn", policy="greedy")
+    assert dqn.result_path("/x/run/checkpoint.pt") == "/x/run/eval-dqn-greedy-30.json"
     # the episodes are in the name: a quick 2-episode look never overwrites a 30-episode result
     assert EvalConfig(episodes=2).result_path("/x/run/checkpoint.pt") == "/x/run/eval-train-sample-2.json"
 

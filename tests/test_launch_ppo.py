@@ -375,9 +375,11 @@ def test_choose_unroll_length():
     # Knowing the local envs, buffer_full's round of unrolls fills the buffer exactly: SB3's n_steps.
     assert choose_unroll_length(sb, 0, n_envs=8) == (256, None)
     assert choose_unroll_length(sb, 0, n_envs=1) == (512, None)  # capped at MAX_UNROLL: 2048 = 4 rounds
-    assert choose_unroll_length(PPOConfig.preset("sb3", time_horizon=100, buffer_size=2048), 0, n_envs=8) == (64, None)
-    assert choose_unroll_length(sb, 0, n_envs=3)[0] == 512  # 3 envs share no round with 2048: the divisor rule
-    assert choose_unroll_length(sb, 100, n_envs=8) == (64, choose_unroll_length(sb, 100)[1])  # a given T: as before
+    short = PPOConfig.preset("sb3", time_horizon=100, buffer_size=2048)
+    assert choose_unroll_length(short, 0, n_envs=8) == (64, None)
+    assert choose_unroll_length(sb, 0, n_envs=3)[0] == 512  # no round of 3 envs fills 2048: the divisor rule
+    # a given T is kept as before (lowered to a divisor, with the note)
+    assert choose_unroll_length(sb, 100, n_envs=8) == (64, choose_unroll_length(sb, 100)[1])
 
 
 def test_readme_pendulum_example_drops_nothing(tmp_path, capsys, caplog):
@@ -392,7 +394,8 @@ def test_readme_pendulum_example_drops_nothing(tmp_path, capsys, caplog):
     threads = torch.get_num_threads()
     try:
         rc = launch_ppo.main(["--env", "Pendulum-v1", "--semantics", "sb3", "--workers", "1", "--in-process",
-                              "--total-steps", "8192", "--no-progress", "--device", "cpu", "--logdir", str(tmp_path / "run")])
+                              "--total-steps", "8192", "--no-progress", "--device", "cpu",
+                              "--logdir", str(tmp_path / "run")])
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr()

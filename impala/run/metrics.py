@@ -132,7 +132,8 @@ class MetricsLogger:
         self._live = None
         self._start = time.time() - time_offset_s
         self.budget = run_budget(config_record)
-        self._first: tuple[float, float] | None = None  # (time, count) of this session's first row: the ETA's rate
+        # (time, count) of this session's first row: the ETA's rate is measured from there
+        self._first: tuple[float, float] | None = None
         if progress and sys.stdout.isatty():
             from rich.live import Live
 
