@@ -3,6 +3,7 @@ gymnasium's ``module:id`` or by ``--env-package``, trains through launch_impala 
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import subprocess
@@ -58,8 +59,6 @@ def test_the_package_travels_with_the_spec_to_a_fresh_process():
             "spec = pickle.loads(sys.stdin.buffer.read()); env = make_env(spec, seed=0);"
             "print(env.observation_space.shape, env.action_space);"
             "print(EnvSpec.from_dict({'id': 'TinyBox-v0', 'kwargs': {}, 'packages': ['custom_envs']}).id)")
-    import os
-
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(spec), capture_output=True, env=env,
                          timeout=120)
@@ -122,3 +121,47 @@ def test_launch_ppo_names_launch_impala_for_discrete_actions(tmp_path, capsys):
     assert rc == 2 and len(lines) == 1, err[-2000:]
     assert "Tiny-v0 has a Discrete action space; launch_ppo trains continuous (Box) actions only; " \
            "launch_impala trains discrete actions" in lines[0]
+
+
+def _script(name: str, args: list[str]) -> list[str]:
+    """A console script of this venv."""
+    return [os.path.join(os.path.dirname(sys.executable), name), *args]
+
+
+def _env(with_package: bool) -> dict:
+    """The environment of a child process; ``with_package``: tests/ (custom_envs) on its PYTHONPATH."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [p for p in paths if os.path.abspath(p) != here]
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(([here] if with_package else []) + paths)}
+
+
+def test_remote_actors_import_the_runs_package_or_say_they_cannot(tmp_path):
+    """impala-actors learn the package from the learner with the env: where it is installed they import
+    it and train; where it is not, one line names it (exit 2) instead of a timeout."""
+    from procs import free_port_pair, kill_group
+
+    port = free_port_pair()
+    learner = subprocess.Popen(
+        _script("launch_impala", []) + ["--workers", "0", "--env-package", "custom_envs", "--env", "Tiny-v0",
+                                        "--unroll-length", "8", "--batch-size", "4", "--minibatches", "1",
+                                        "--total-frames", "800", "--port", str(port), "--no-progress",
+                                        "--torch-threads", "1", "--max-seconds", "120",
+                                        "--logdir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=_env(True))
+    try:
+        endpoint = ["--learner", f"tcp://127.0.0.1:{port}", "--workers", "1", "--timeout", "60"]
+        missing = subprocess.run(_script("impala-actors", endpoint), capture_output=True, text=True, timeout=120,
+                                 env=_env(False))
+        lines = _error_lines(missing.stderr)
+        assert missing.returncode == 2 and len(lines) == 1, missing.stderr[-2000:]
+        assert lines[0].startswith("impala-actors: error: env package 'custom_envs' does not import"), lines
+        actors = subprocess.run(_script("impala-actors", [*endpoint, "--learner-timeout", "8"]), capture_output=True,
+                                text=True, timeout=180, env=_env(True))
+        assert "running 1 actors for Tiny-v0" in actors.stderr, actors.stderr[-2000:]
+        out, _ = learner.communicate(timeout=60)
+    finally:
+        kill_group(learner)
+    assert learner.returncode == 0, out[-3000:]
+    assert int(re.search(r"done: (\d+) env frames", out).group(1)) >= 800, out[-2000:]
