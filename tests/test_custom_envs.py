@@ -152,13 +152,13 @@ def test_remote_actors_import_the_runs_package_or_say_they_cannot(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=_env(True))
     try:
         endpoint = ["--learner", f"tcp://127.0.0.1:{port}", "--workers", "1", "--timeout", "60"]
-        missing = subprocess.run(_script("impala-actors", endpoint), capture_output=True, text=True, timeout=120,
-                                 env=_env(False))
+        missing = subprocess.run(_script("impala-actors", endpoint), capture_output=True, text=True,
+                                 timeout=120, env=_env(False))
         lines = _error_lines(missing.stderr)
         assert missing.returncode == 2 and len(lines) == 1, missing.stderr[-2000:]
         assert lines[0].startswith("impala-actors: error: env package 'custom_envs' does not import"), lines
-        actors = subprocess.run(_script("impala-actors", [*endpoint, "--learner-timeout", "8"]), capture_output=True,
-                                text=True, timeout=180, env=_env(True))
+        actors = subprocess.run(_script("impala-actors", [*endpoint, "--learner-timeout", "8"]),
+                                capture_output=True, text=True, timeout=180, env=_env(True))
         assert "running 1 actors for Tiny-v0" in actors.stderr, actors.stderr[-2000:]
         out, _ = learner.communicate(timeout=60)
     finally:
