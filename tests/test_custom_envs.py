@@ -165,3 +165,18 @@ def test_remote_actors_import_the_runs_package_or_say_they_cannot(tmp_path):
         kill_group(learner)
     assert learner.returncode == 0, out[-3000:]
     assert int(re.search(r"done: (\d+) env frames", out).group(1)) >= 800, out[-2000:]
+
+
+def test_impala_eval_plays_a_custom_env_checkpoint_in_worker_processes(tmp_path, capsys):
+    """The checkpoint records the package with the env: impala-eval's spawned workers import it themselves."""
+    import json
+
+    from learner import eval_cli
+
+    assert launch_impala.main(["--env", "custom_envs:Tiny-v0", *TINY_RUN, "--logdir", str(tmp_path / "run")]) == 0
+    rc = eval_cli.main([str(tmp_path / "run"), "--episodes", "2", "--workers", "1"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    data = json.loads((tmp_path / "run" / "eval-train-sample-2.json").read_text())
+    assert data["env"]["packages"] == ["custom_envs"] and len(data["returns"]) == 2
+    assert all(w["pid"] != os.getpid() for w in data["workers"])  # played in a spawned worker process
