@@ -23,6 +23,7 @@ import zmq
 
 from actors.loop import actor_configs
 from actors.pool import ActorPool
+from impala.envs import EnvPackageError
 from impala.transport import wire
 from impala.run.cpus import available_cpus
 from impala.run.config import LOOPBACK, ConfigError, FlagParser, RunConfig, add_flags, check_fields, fail, flag_name, from_flags, need, option
@@ -54,6 +55,11 @@ def fetch_run_info(params_endpoint: str, timeout_s: float, keys=None) -> RunInfo
                     # actor checks every later weights message against its own model.
                     msg = wire.decode_packed(frame, expect_kind="params")
                     return RunInfo.from_dict(msg.info.get("run"))
+                except EnvPackageError:
+                    # The run's env needs a package this machine cannot import (a name, checked to be a module
+                    # name only, that does not import here): the next message names the same one. Say so now
+                    # instead of timing out with "no weights".
+                    raise
                 except (wire.WireError, ValueError) as e:
                     bad += 1
                     if log_this_one(bad):

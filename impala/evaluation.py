@@ -169,8 +169,14 @@ class EvalConfig:
     protocol: ProtocolName = option("train", "'train': the env exactly as trained. Atari only: 'machado' (sticky actions 0.25, full action set, no no-op starts, 108,000-frame cap; Machado et al. 2018) or 'dqn' (up to 30 no-op starts, no sticky actions, 108,000-frame cap).")
     max_frames: int = option(0, "Cut each episode after this many env frames (Atari: emulator frames, the ALE's own cap; other envs: agent steps); 0: the protocol's cap (108,000 for machado and dqn, the env's step limit for train). A capped result says so in its settings.")
     seed: int = option(0, "Episode i resets its env and seeds its agent with seed + i, whichever worker plays it.")
-    out: str = option("", "JSON result file; default: eval-PROTOCOL-POLICY.json next to the checkpoint.")
-    video: str = option("", "Record the first episode(s) as OUT.mp4 (OpenCV) or OUT.gif (Pillow): the raw RGB screen (Atari: the ALE's screen; other envs: render()), not the network's input, with the step and score drawn under it.")
+    out: str = option(
+        "", "JSON result file; a relative name goes into the run folder (the checkpoint's). Default: "
+        "eval-PROTOCOL-POLICY-EPISODES.json there (eval-train-sample-30.json), so runs of other settings "
+        "keep their files.")
+    video: str = option(
+        "", "Record the first episode(s) as OUT.mp4 (H.264, plays in browsers) or OUT.gif (Pillow); a "
+        "relative name goes into the run folder (the checkpoint's): the raw RGB screen (Atari: the ALE's "
+        "screen; other envs: render()), not the network's input, with the step and score drawn under it.")
     video_episodes: int = option(1, "Episodes recorded into --video, one after the other.")
     video_max_frames: int = option(0, "Stop recording after this many frames (0: whole episodes); the episodes are still played to their end.")
     video_scale: int = option(2, "Enlarge the recorded frames by this factor (nearest neighbour; 1 keeps a GIF small).")
@@ -200,7 +206,18 @@ class EvalConfig:
                 check_writable(path, flag)
 
     def result_path(self, checkpoint_file: str) -> str:
-        return self.out or os.path.join(os.path.dirname(os.path.abspath(checkpoint_file)), f"eval-{self.protocol}-{self.policy}.json")
+        """``--out``, else eval-PROTOCOL-POLICY-EPISODES.json next to the checkpoint: the name says what was
+        measured, so a 2-episode look never overwrites a 30-episode result."""
+        name = f"eval-{self.protocol}-{self.policy}-{self.episodes}.json"
+        return self.out or os.path.join(os.path.dirname(os.path.abspath(checkpoint_file)), name)
+
+    def in_run_folder(self, run_folder: str) -> "EvalConfig":
+        """Relative ``--out`` and ``--video`` names joined to ``run_folder``: what a run's evaluation writes
+        stays with the run, wherever the command was typed."""
+        def place(path: str) -> str:
+            return os.path.join(run_folder, path) if path and not os.path.isabs(path) else path
+
+        return dataclasses.replace(self, out=place(self.out), video=place(self.video))
 
     def for_task(self, env_id: str, checkpoint_file: str) -> "EvalConfig":
         """This evaluation for one task of a multi-task checkpoint: its own result file and video."""

@@ -22,7 +22,7 @@ from impala.run.config import ConfigError, FlagParser, add_flags, fail, from_fla
 from impala.envs import UnknownEnvError
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.protocols import eval_protocol
-from impala.evaluation import EvalConfig, EvalResult, check_writable, read_policy_checkpoint
+from impala.evaluation import EvalConfig, EvalResult, check_writable, checkpoint_path, read_policy_checkpoint
 from learner.evaluator import PROG, evaluate_checkpoint
 
 
@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         options: EvalConfig = from_flags(EvalConfig, args)
-        options.check_paths()
+        run_folder = os.path.dirname(os.path.abspath(checkpoint_path(args.checkpoint)))
+        relative = any(p and not os.path.isabs(p) for p in (options.out, options.video))
+        options = options.in_run_folder(run_folder)
+        if os.path.isdir(run_folder) or not relative:  # else reading the checkpoint says the run is not there
+            options.check_paths()
         ckpt = read_policy_checkpoint(args.checkpoint)
         tasks = ckpt.select_tasks(options.task)
         if len(tasks) > 1:

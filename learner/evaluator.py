@@ -19,6 +19,7 @@ holding weights rather than a file (a training run's periodic evaluation).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import os
 import time
@@ -95,7 +96,13 @@ def _caption(frame: np.ndarray, text: str) -> np.ndarray:
 
 @dataclass
 class VideoRecorder:
-    """Frames into ``path``: MP4 (OpenCV, written as it goes) or GIF (Pillow, written at ``close``)."""
+    """Frames into ``path``: MP4 (H.264, written as it goes) or GIF (Pillow, written at ``close``).
+
+    The MP4 is H.264 in yuv420p with the index at the front (``+faststart``): what browsers play
+    inline. OpenCV's wheels only write MPEG-4 Part 2 (``mp4v``), which they do not, so the frames
+    go to the ffmpeg that imageio-ffmpeg ships (built with libx264), padded to an even size
+    (yuv420p halves the chroma planes).
+    """
 
     path: str
     fps: float
@@ -131,16 +138,29 @@ class VideoRecorder:
             import cv2
 
             if self._writer is None:
-                folder, name = os.path.split(os.path.abspath(self.path))
-                self._tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp.mp4")
-                self._size = (frame.shape[1], frame.shape[0])
-                self._writer = cv2.VideoWriter(self._tmp, cv2.VideoWriter_fourcc(*"mp4v"), float(self.fps), self._size)
-                if not self._writer.isOpened():
-                    raise OSError(f"OpenCV cannot write an MP4 file at {self._tmp}")
-            if (frame.shape[1], frame.shape[0]) != self._size:  # a render() whose size changed mid-episode
-                frame = cv2.resize(frame, self._size, interpolation=cv2.INTER_NEAREST)
-            self._writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+                self._open_mp4(frame.shape[1] + frame.shape[1] % 2, frame.shape[0] + frame.shape[0] % 2)
+            if (frame.shape[1], frame.shape[0]) != self._size:  # an odd size, or a render() that changed size
+                if frame.shape[1] > self._size[0] or frame.shape[0] > self._size[1]:
+                    frame = cv2.resize(frame, self._size, interpolation=cv2.INTER_NEAREST)
+                bottom, right = self._size[1] - frame.shape[0], self._size[0] - frame.shape[1]
+                frame = cv2.copyMakeBorder(frame, 0, bottom, 0, right, cv2.BORDER_CONSTANT, value=0)
+            self._writer.send(np.ascontiguousarray(frame))
         self.frames += 1
+
+    def _open_mp4(self, width: int, height: int) -> None:
+        """Start ffmpeg writing H.264 to a temporary file next to ``path`` (renamed at ``close``)."""
+        import imageio_ffmpeg
+
+        folder, name = os.path.split(os.path.abspath(self.path))
+        self._tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp.mp4")
+        self._size = (width, height)
+        self._writer = imageio_ffmpeg.write_frames(
+            self._tmp, self._size, fps=float(self.fps), codec="libx264",
+            pix_fmt_in="rgb24", pix_fmt_out="yuv420p",
+            macro_block_size=1,  # the size is already even; imageio-ffmpeg would otherwise rescale to 16s
+            ffmpeg_log_level="error", output_params=["-movflags", "+faststart"],
+        )
+        self._writer.send(None)  # the generator starts ffmpeg here
 
     def close(self) -> dict[str, Any]:
         if self.gif and self._images:
@@ -149,15 +169,19 @@ class VideoRecorder:
             first.save(self.path, save_all=True, append_images=rest, duration=int(round(100 / self.fps)) * 10, loop=0)
             self._images = []
         elif self._writer is not None:
-            self._writer.release()
+            self._writer.close()  # ffmpeg finishes the file and exits
             os.replace(self._tmp, self.path)
             self._writer = None
         return {"path": os.path.abspath(self.path), "frames": self.frames, "fps": round(float(self.fps), 3),
                 "episodes": self.episodes, "scale": self.scale, "max_frames": self.max_frames or None}
 
     def discard(self) -> None:
+        """Stop writing and delete the unfinished file."""
         if self._writer is not None:
-            self._writer.release()
+            try:
+                self._writer.close()
+            except (OSError, RuntimeError):  # ffmpeg already gone: nothing left to finish
+                pass
             self._writer = None
         if self._tmp and os.path.exists(self._tmp):
             os.unlink(self._tmp)
@@ -200,7 +224,7 @@ class EvalJob:
     def env_spec(self, render: bool) -> EnvSpec:
         spec = self.protocol.env
         if render and not spec.atari:  # gymnasium envs draw only when built to (Atari: the ALE's screen)
-            return EnvSpec(spec.id, {**spec.kwargs, "render_mode": "rgb_array"}, spec.preprocess)
+            return dataclasses.replace(spec, kwargs={**spec.kwargs, "render_mode": "rgb_array"})
         return spec
 
 

@@ -98,9 +98,10 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
 
 def probe_run_envs(config: RunConfig) -> tuple[EnvInfo, tuple[EnvInfo, ...], str]:
     """The run's env (task 0), its tasks (empty for one task) and a note on what a multi-task run changed."""
-    if len(config.tasks) == 1:
-        return probe_env(EnvSpec(config.env, config.env_overrides), seed=config.seed), (), ""
-    tasks, note = probe_tasks([EnvSpec(t, config.env_overrides) for t in config.tasks], seed=config.seed)
+    specs = [EnvSpec(t, config.env_overrides, packages=config.env_packages) for t in config.tasks]
+    if len(specs) == 1:
+        return probe_env(specs[0], seed=config.seed), (), ""
+    tasks, note = probe_tasks(specs, seed=config.seed)
     return tasks[0], tuple(tasks), note
 
 

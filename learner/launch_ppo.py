@@ -39,8 +39,11 @@ Update trigger and the buffer
 ML-Agents (``update_trigger=over_buffer_size``) updates once the buffer holds
 *more* than ``buffer_size`` steps, whatever the piece sizes. SB3
 (``buffer_full``) updates at ``buffer_size = n_steps * n_envs``: with T
-dividing ``buffer_size`` a buffer fills exactly (``buffer_size / T`` unrolls);
-when it does not divide it, T is lowered to the largest divisor of
+dividing ``buffer_size`` a buffer fills exactly (``buffer_size / T`` unrolls).
+Unless ``--unroll-length`` is given, T is SB3's ``n_steps``: the largest T (up
+to the cap) whose round of unrolls over the local envs divides ``buffer_size``,
+so no round straddles an update and nothing arrives stale. When a given T does
+not divide ``buffer_size``, T is lowered to the largest divisor of
 ``buffer_size`` not above it (logged; ``rollout`` only), so no update ever holds
 a partial rounding. Set ``--buffer-size = T * workers * envs_per_worker`` to get
 SB3's exact "one n_steps rollout of every env per update". Both clear the
@@ -147,7 +150,8 @@ def probe(config: RunConfig, options: PPOLaunchOptions, seed: int, *, stand_in: 
             f"{STAND_IN_ENV} (MuJoCo) as a STAND-IN for Unity Crawler; pass --unity-build PATH to train on Crawler.",
             flush=True,
         )
-    return probe_env(EnvSpec(config.env or STAND_IN_ENV, config.env_overrides), seed=seed)
+    spec = EnvSpec(config.env or STAND_IN_ENV, config.env_overrides, packages=config.env_packages)
+    return probe_env(spec, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -529,7 +529,9 @@ class PPOLearner:
 
 # --------------------------------------------------------------------------- the runtime's adapter
 
-# PPOLearner.update() key -> logged key (CleanRL's grouping).
+# PPOLearner.update() key -> logged key (CleanRL's grouping); launch_impala logs the same names
+# (losses/policy_loss, losses/value_loss, losses/entropy, losses/total, losses/grad_norm,
+# losses/clip_fraction, health/explained_variance), so runs of either launcher compare column for column.
 METRIC_KEYS = {
     "policy_loss": "losses/policy_loss",
     "value_loss": "losses/value_loss",
@@ -537,7 +539,7 @@ METRIC_KEYS = {
     "loss": "losses/total",
     "approx_kl": "losses/approx_kl",
     "clip_fraction": "losses/clip_fraction",
-    "explained_variance": "losses/explained_variance",
+    "explained_variance": "health/explained_variance",
     "grad_norm": "losses/grad_norm",
     "learning_rate": "charts/learning_rate",
     "epsilon": "charts/epsilon",

@@ -248,14 +248,17 @@ class VTraceLearner:
         state = self.model.baseline.state
         metrics = {
             "losses/total": float(loss.total.detach()),
-            "losses/policy": float(loss.pg_loss.detach()),
-            "losses/value": float(loss.baseline_loss.detach()),
+            # the names launch_ppo logs too (learner.ppo_learner.METRIC_KEYS): one scheme across launchers
+            "losses/policy_loss": float(loss.pg_loss.detach()),
+            "losses/value_loss": float(loss.baseline_loss.detach()),
             "losses/entropy": float(loss.mean_entropy),
             "losses/grad_norm": float(grad_norm),  # before clipping
             "learner/skipped_updates": float(self.skipped_updates),
             "charts/learning_rate": lr,
         }
-        if self.task_names:  # one value scale per task
+        if not self.config.popart:
+            pass  # no PopArt, no popart/ columns: its statistics would be an untouched mu 0, sigma 1
+        elif self.task_names:  # one value scale per task
             for i, name in enumerate(self.task_names):
                 metrics[f"popart/mu/{name}"] = float(state.mu[i])
                 metrics[f"popart/sigma/{name}"] = float(state.sigma[i])

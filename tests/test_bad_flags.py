@@ -40,6 +40,7 @@ BASE = {
 TEXT_BAD = {
     "--env": "NoSuchEnv-v9",
     "--env-kwargs": "{not json",
+    "--env-package": "no_such_env_package_here",
     "--logdir": "/proc/no-such-dir/run",
     "--runs-dir": "/proc/no-such-dir/runs",
     "--run-id": "../elsewhere",

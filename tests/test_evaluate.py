@@ -114,7 +114,7 @@ def check_result_schema(data: dict, *, episodes: int) -> None:
 def test_cartpole_checkpoint_json_schema_table_and_workers(cartpole):
     r = eval_cli(str(cartpole.parent), "--episodes", "4", "--workers", "2", "--seed", "7")  # a logdir is accepted for its checkpoint.pt
     assert r.returncode == 0, r.stdout + r.stderr
-    out = cartpole.parent / "eval-train-sample.json"
+    out = cartpole.parent / "eval-train-sample-4.json"
     data = json.loads(out.read_text())
     check_result_schema(data, episodes=4)
     assert data["protocol"] == "train" and data["policy"] == "sample" and data["seed"] == 7
@@ -236,6 +236,7 @@ def test_pong_checkpoint_under_each_protocol(protocol, pong, tmp_path, capsys):
     if video.suffix == ".mp4":
         import cv2
 
+        assert video_stream(video).startswith("h264")
         cap = cv2.VideoCapture(str(video))
         frames = []
         while True:
@@ -406,18 +407,49 @@ def test_bad_input_is_one_line_exit_2(case, args, expect, cartpole, ppo, tmp_pat
     assert expect.format(**names) in lines[0], lines[0]
 
 
-def test_video_of_an_env_that_cannot_draw_here(cartpole, tmp_path, capsys):
-    """CartPole draws with pygame (gymnasium[classic-control]): without it, one line before any episode."""
-    import importlib.util
+def video_stream(path: Path) -> str:
+    """The video stream line ffmpeg reads from ``path`` (``Video: h264 (High) ..., yuv420p, ...``): the
+    ffmpeg binary imageio-ffmpeg ships, so the check does not depend on how the file was written."""
+    import imageio_ffmpeg
 
-    out = tmp_path / "cartpole.mp4"
-    rc = main([str(cartpole), "--episodes", "1", "--workers", "0", "--video", str(out), "--out", str(tmp_path / "r.json")])
-    err = capsys.readouterr().err
-    if importlib.util.find_spec("pygame") is None:
-        assert rc == 2 and errors(err) == [errors(err)[0]] and "--video: CartPole-v1 cannot draw its screen here" in err, err
-        assert not out.exists()
-    else:
-        assert rc == 0 and out.stat().st_size > 0
+    probe = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-i", str(path)],
+                           capture_output=True, text=True, timeout=60)
+    lines = [line.strip() for line in probe.stderr.splitlines() if "Stream #" in line and "Video:" in line]
+    assert len(lines) == 1, probe.stderr
+    return lines[0].split("Video:", 1)[1].strip()
+
+
+def test_cartpole_video_is_h264_in_the_run_folder(cartpole, capsys):
+    """The quick start's next step (``impala-eval RUN --video episode.mp4``): CartPole draws with pygame
+    (the render extra scripts/setup.sh installs) and the MP4 is H.264 in yuv420p, what browsers play
+    inline; a relative --video name lands in the run folder, not wherever the command was typed."""
+    video, result = cartpole.parent / "episode.mp4", cartpole.parent / "eval-train-greedy-2.json"
+    rc = main([str(cartpole.parent), "--episodes", "2", "--workers", "0", "--policy", "greedy",
+               "--video", "episode.mp4"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    stream = video_stream(video)
+    assert stream.startswith("h264") and "yuv420p" in stream, stream
+    data = json.loads(result.read_text())
+    assert data["video"]["path"] == str(video) and data["video"]["frames"] == data["episode_steps"][0] + 1
+    import cv2
+
+    reader = cv2.VideoCapture(str(video))
+    frames = int(reader.get(cv2.CAP_PROP_FRAME_COUNT))
+    ok, frame = reader.read()
+    reader.release()
+    # CartPole's 600-pixel-wide screen at --video-scale 2
+    assert ok and frames == data["video"]["frames"] and frame.shape[1] == 1200
+    assert frame.std() > 5  # a picture, not a blank frame
+
+
+def test_relative_out_goes_to_the_run_folder_and_other_settings_keep_their_files(cartpole, capsys):
+    for episodes in ("2", "3"):
+        assert main([str(cartpole), "--episodes", episodes, "--workers", "0"]) == 0
+    assert main([str(cartpole), "--episodes", "2", "--workers", "0", "--out", "mine.json"]) == 0
+    capsys.readouterr()
+    for name in ("eval-train-sample-2.json", "eval-train-sample-3.json", "mine.json"):
+        assert json.loads((cartpole.parent / name).read_text())["episodes"] in (2, 3), name
 
 
 def test_eval_config_rejects_what_cannot_work():
@@ -427,7 +459,10 @@ def test_eval_config_rejects_what_cannot_work():
         EvalConfig(policy="argmax")
     with pytest.raises(ConfigError, match="--video-scale must be in 1..8"):
         EvalConfig(video_scale=0)
-    assert EvalConfig(protocol="dqn", policy="greedy").result_path("/x/run/checkpoint.pt") == "/x/run/eval-dqn-greedy.json"
+    dqn = EvalConfig(protocol="dqn", policy="greedy")
+    assert dqn.result_path("/x/run/checkpoint.pt") == "/x/run/eval-dqn-greedy-30.json"
+    # the episodes are in the name: a quick 2-episode look never overwrites a 30-episode result
+    assert EvalConfig(episodes=2).result_path("/x/run/checkpoint.pt") == "/x/run/eval-train-sample-2.json"
 
 
 def test_frameskip_plot_reads_checkpoints_through_the_same_loader(pong, ppo):

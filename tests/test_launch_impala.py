@@ -238,7 +238,7 @@ def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
 
 
 # Fields where these values are legitimate: an id/path/address checked where it is used, a threshold.
-FREE_TEXT = {"env", "logdir", "runs_dir", "run_id", "bind", "curve", "track_project"}
+FREE_TEXT = {"env", "env_package", "logdir", "runs_dir", "run_id", "bind", "curve", "track_project"}
 ANY_NUMBER = {"stop_at_return"}
 
 

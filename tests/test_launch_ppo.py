@@ -109,7 +109,7 @@ def wait_records(records: Path, ports: list[int], timeout: float = 20.0) -> dict
 def check_metrics(rows: list[dict[str, str]]) -> None:
     assert rows, "metrics.csv has no rows"
     for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
-                "losses/clip_fraction", "losses/explained_variance", "charts/fps", "transport/rejected_nan"):
+                "losses/clip_fraction", "health/explained_variance", "charts/fps", "transport/rejected_nan"):
         assert key in rows[0], f"{key} not in metrics.csv columns"
     for row in rows:
         for key in ("losses/policy_loss", "losses/value_loss", "losses/total", "losses/approx_kl", "losses/clip_fraction"):
@@ -297,7 +297,7 @@ def test_nan_unroll_rejected_and_counted():
     assert trainer.ready()
     m = trainer.update(24)
     assert m["transport/rejected_nan"] == 1.0
-    assert all(math.isfinite(m[k]) for k in ("losses/policy_loss", "losses/approx_kl", "losses/explained_variance"))
+    assert all(math.isfinite(m[k]) for k in ("losses/policy_loss", "losses/approx_kl", "health/explained_variance"))
     assert float(trainer.learner.policy.actor_norm.steps) == float(steps) + 24  # the NaN piece never reached the normalizer
 
 
@@ -372,6 +372,38 @@ def test_choose_unroll_length():
     T, note = choose_unroll_length(sb, 0)
     assert T == 512 and 2048 % T == 0 and "512" in note
     assert choose_unroll_length(PPOConfig.preset("sb3", time_horizon=256, buffer_size=2048), 0) == (256, None)
+    # Knowing the local envs, buffer_full's round of unrolls fills the buffer exactly: SB3's n_steps.
+    assert choose_unroll_length(sb, 0, n_envs=8) == (256, None)
+    assert choose_unroll_length(sb, 0, n_envs=1) == (512, None)  # capped at MAX_UNROLL: 2048 = 4 rounds
+    short = PPOConfig.preset("sb3", time_horizon=100, buffer_size=2048)
+    assert choose_unroll_length(short, 0, n_envs=8) == (64, None)
+    assert choose_unroll_length(sb, 0, n_envs=3)[0] == 512  # no round of 3 envs fills 2048: the divisor rule
+    # a given T is kept as before (lowered to a divisor, with the note)
+    assert choose_unroll_length(sb, 100, n_envs=8) == (64, choose_unroll_length(sb, 100)[1])
+
+
+def test_readme_pendulum_example_drops_nothing(tmp_path, capsys, caplog):
+    """The README's PPO example, shortened: no warning about the unroll length, and nothing collected is
+    dropped (before, T = 512 over 8 envs filled the 2048-step buffer halfway through each round of
+    unrolls and the other half arrived stale: 36 of 46 unrolls in 20k steps)."""
+    import logging
+
+    from learner import launch_ppo
+
+    caplog.set_level(logging.INFO)  # the launcher's plan line names T
+    threads = torch.get_num_threads()
+    try:
+        rc = launch_ppo.main(["--env", "Pendulum-v1", "--semantics", "sb3", "--workers", "1", "--in-process",
+                              "--total-steps", "8192", "--no-progress", "--device", "cpu",
+                              "--logdir", str(tmp_path / "run")])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    done = [line for line in out.out.splitlines() if line.startswith("launch_ppo: done")][-1]
+    assert "dropped 0" in done and "4 updates" in done, done
+    logged = caplog.text + out.err
+    assert "does not divide" not in logged and "unroll T=256 over 8 envs" in logged, logged[-3000:]
 
 
 class _Envs:

@@ -54,7 +54,7 @@ def test_track_logs_rows_config_and_commit_to_wandb_offline(tmp_path, monkeypatc
         rows = list(csv.DictReader(f))
     assert len(history) == len(rows) == 20  # --log-interval 0: one row per update
     assert history[-1]["charts/env_frames"] == float(rows[-1]["charts/env_frames"]) == 640
-    assert history[-1]["losses/policy"] == pytest.approx(float(rows[-1]["losses/policy"]))
+    assert history[-1]["losses/policy_loss"] == pytest.approx(float(rows[-1]["losses/policy_loss"]))
     assert config["batch_size"] == 4 and config["env"] == "CartPole-v1"
     assert len(str(config["git_commit"])) >= 40
     assert (logdir / "wandb_id").read_text().strip() == runs[0].name.rsplit("-", 1)[-1]
@@ -138,3 +138,99 @@ def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
     tracker.log_video(5000, "eval/video", video)
     tracker.close()
     assert list((tmp_path / "wandb").glob("offline-run-*/files/media/videos/eval/video_*.mp4"))
+
+
+# ---------------------------------------------------------------------------- one naming scheme, the display
+
+
+def _impala_step(popart: bool) -> dict:
+    """One real V-trace update on a random batch: the metric keys launch_impala logs."""
+    import torch
+
+    from impala.nets.impala_net import build_model
+    from impala.run.config import ImpalaConfig
+    from learner.vtrace_learner import VTraceLearner
+
+    torch.manual_seed(0)
+    T, B = 5, 4
+    cfg = ImpalaConfig(popart=popart, epochs=1, minibatches=1)
+    learner = VTraceLearner(build_model("mlp", (3,), 2), cfg, torch.device("cpu"), total_frames=10_000)
+    batch = {
+        "obs": torch.randn(T + 1, B, 3), "first": torch.zeros(T + 1, B, dtype=torch.bool),
+        "actions": torch.zeros(T, B, dtype=torch.long), "rewards": torch.randn(T, B),
+        "dones": torch.zeros(T, B, dtype=torch.bool),
+        "behaviour_logits": torch.zeros(T, B, 2),
+    }
+    return learner.step(batch, frames_done=0)
+
+
+def test_both_launchers_log_one_set_of_loss_names():
+    from learner.ppo_learner import METRIC_KEYS
+    from impala.run.metrics import CONSOLE_KEYS
+
+    impala = _impala_step(popart=False)
+    shared = {"losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/total", "losses/grad_norm"}
+    assert shared <= set(impala) and shared <= set(METRIC_KEYS.values()), sorted(impala)
+    # every losses/ or health/ name IMPALA logs that PPO also measures has PPO's name
+    both = {k for k in impala if k.startswith(("losses/", "health/"))} & set(METRIC_KEYS.values())
+    assert both >= shared | {"health/explained_variance"}, both
+    assert not any(k.startswith("popart/") for k in impala), sorted(impala)  # PopArt off: no popart/ columns
+    assert {"popart/mu", "popart/sigma"} <= set(_impala_step(popart=True))
+    for key, _, _ in CONSOLE_KEYS:  # what the display reads, each launcher logs
+        if key.startswith("losses/"):
+            assert key in impala and key in METRIC_KEYS.values(), key
+
+
+ROW = {"charts/env_frames": 123_456_789, "charts/agent_steps": 30_864_197, "charts/fps": 123_456.7,
+       "charts/mean_return_100": -12_345.6, "charts/episodes": 1_234_567, "charts/policy_lag": 12.5,
+       "transport/queue_depth": 1024, "transport/dropped": 99_999, "losses/entropy": -12.789,
+       "losses/grad_norm": 12_345.6}
+
+
+@pytest.mark.parametrize("record,unit,total", [
+    ({"total_frames": 200_000_000, "total_steps": None}, "frames", "123M/200M"),  # launch_impala's record
+    ({"run": {"total_frames": None, "total_steps": 50_000_000}}, "steps", "30.9M/50.0M"),  # launch_ppo's
+])
+def test_progress_display_has_total_and_eta_and_fits_80_columns(record, unit, total, tmp_path):
+    from rich.console import Console
+
+    from impala.run.metrics import MetricsLogger
+
+    m = MetricsLogger(str(tmp_path), progress=False, title="impala PongNoFrameskip-v4 (a long title)",
+                      config_record=record)
+    try:
+        key = "charts/env_frames" if unit == "frames" else "charts/agent_steps"
+        start = m._start
+        m.progress_cells({key: ROW[key] / 2}, now=start + 100)  # this session's first row: the ETA's origin
+        console = Console(width=80, record=True, color_system=None)
+        console.print(m._table(ROW, now=start + 200))
+        lines = console.export_text().splitlines()
+        assert all(len(line) <= 80 for line in lines), lines
+        header = next(line for line in lines if "ETA" in line)
+        cells = next(line for line in lines if total in line).split()
+        # one unwrapped row: half the run's count again in 100 s leaves (total - count) / rate to go
+        rate = (ROW[key] / 2) / 100
+        left = (float(total.split("/")[1][:-1]) * 1e6 - ROW[key]) / rate
+        from impala.run.metrics import duration
+
+        labels = [unit, "ETA", "fps", "return", "episodes", "lag", "queue", "dropped", "entropy", "grad"]
+        assert header.split() == labels
+        assert cells == [total, duration(left), "123k", "-12.3k", "1.2M", "12.5", "1.0k", "100k", "-12.8",
+                         "12.3k"], cells
+    finally:
+        m.close()
+
+
+def test_plain_progress_line_has_total_and_eta(tmp_path, capsys):
+    from impala.run.metrics import MetricsLogger
+
+    m = MetricsLogger(str(tmp_path), progress=False, title="t", config_record={"total_frames": 1000})
+    try:
+        m.log(1, {"charts/env_frames": 100.0})
+        m._first = (m._first[0] - 10, m._first[1])  # the first row 10 s ago: 100 more frames make 10/s
+        m.log(2, {"charts/env_frames": 200.0})
+    finally:
+        m.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[t] frames=100/1.0k eta=-", lines
+    assert lines[1] == "[t] frames=200/1.0k eta=1m20s", lines

@@ -107,7 +107,7 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
     # impala-eval plays every task, one result file each; --task picks one
     ev = run(["impala-eval", str(logdir), "--episodes", "3", "--workers", "0"], timeout=120)
     assert ev.returncode == 0, ev.stderr[-2000:]
-    results = {t: json.loads((logdir / f"eval-train-sample-{t}.json").read_text()) for t in TASKS.split(",")}
+    results = {t: json.loads((logdir / f"eval-train-sample-3-{t}.json").read_text()) for t in TASKS.split(",")}
     assert results["CartPole-v1"]["env"]["id"] == "CartPole-v1"
     assert results["CartPoleX1000-v1"]["mean"] > 100 * results["CartPole-v1"]["mean"] > 0
     one = run(["impala-eval", str(logdir), "--episodes", "2", "--workers", "0", "--task", "CartPoleX1000-v1", "--out", str(tmp_path / "x.json")], timeout=120)

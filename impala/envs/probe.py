@@ -10,6 +10,7 @@ with the message naming the launcher that would work instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,12 +70,21 @@ class EnvInfo:
         return (fp.frameskip_min + fp.frameskip_max) / 2.0
 
     def require_discrete(self, launcher: str) -> None:
+        """IMPALA's policy is a categorical over ``Discrete`` actions; other spaces name the launcher
+        that fits."""
         if self.num_actions < 1:
-            raise ConfigError(f"{self.spec.id} has a {self.action_space} action space; {launcher} needs discrete actions (try launch_ppo)")
+            box = self.action_space == "Box"
+            fits = "launch_ppo trains continuous Box actions" if box else "neither launcher does"
+            raise ConfigError(f"{self.spec.id} has a {self.action_space} action space; {launcher} trains "
+                              f"discrete (Discrete) actions only; {fits}")
 
     def require_continuous_vector(self, launcher: str) -> None:
+        """PPO's policy is a Gaussian over a ``Box`` of actions, fed vector observations."""
         if self.action_low is None:
-            raise ConfigError(f"{self.spec.id} has a {self.action_space} action space; {launcher} needs continuous (Box) actions (try launch_impala)")
+            discrete = self.action_space == "Discrete"
+            fits = "launch_impala trains discrete actions" if discrete else "neither launcher does"
+            raise ConfigError(f"{self.spec.id} has a {self.action_space} action space; {launcher} trains "
+                              f"continuous (Box) actions only; {fits}")
         if self.obs_space != "Box":
             raise ConfigError(f"{self.spec.id} has a {self.obs_space} observation space; {launcher} needs a Box (vector) observation")
         if len(self.obs_shape) >= 3:
@@ -165,7 +175,8 @@ def probe_tasks(specs: list[EnvSpec], *, seed: int = 0) -> tuple[list[EnvInfo], 
     atari = [info.spec.atari for info in infos]
     if len(infos) > 1 and all(atari) and len({info.action_meanings for info in infos}) > 1:
         minimal = ", ".join(f"{info.spec.id}: {info.num_actions}" for info in infos)
-        full = [EnvSpec(info.spec.id, {**info.spec.kwargs, "full_action_space": True}, info.spec.preprocess) for info in infos]
+        full = [dataclasses.replace(i.spec, kwargs={**i.spec.kwargs, "full_action_space": True})
+                for i in infos]
         infos = [probe_env(spec, seed=seed) for spec in full]
         note = f"the games' minimal action sets differ ({minimal}): every task uses the ALE's full set of {infos[0].num_actions} actions"
     first = infos[0]

@@ -159,7 +159,7 @@ def eval_protocol(trained: EnvSpec, name: str, *, max_frames: int = 0) -> EvalPr
                       max_num_frames_per_episode=max_frames or FRAME_CAP, max_episode_steps=None)
     elif max_frames:
         kwargs["max_num_frames_per_episode"] = max_frames
-    env = EnvSpec(trained.id, kwargs, trained.preprocess)
+    env = EnvSpec(trained.id, kwargs, trained.preprocess, trained.packages)
     noop_max = int(kwargs.get("noop_max", DQN_NOOP_MAX)) if trained.preprocess else None
     cap = kwargs.get("max_num_frames_per_episode") or None
     return EvalProtocol(name, env, configured_settings(env.id, env.kwargs), noop_max, cap, train_cfg.full_action_space)

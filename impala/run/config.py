@@ -342,6 +342,9 @@ def read_yaml(path: str, what: str) -> Any:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_SEED = 2**31 - 1  # room for seed + 1000 * actor id below numpy's 2**32 limit
 MIN_ABS_VALUE = 1e3
+# A dotted Python module name: what --env-package and the module of --env module:id may be (impala.envs checks
+# the names a remote actor receives with it before importing them).
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 RUN_ID = re.compile(r"[A-Za-z0-9._+=-]{1,100}")
 MAX_TASKS = 64  # tasks in one multi-task run (the ALE has 57 games)
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -358,6 +361,11 @@ class RunConfig:
     """
 
     env: Optional[str] = option("PongDeterministic-v4", "Environment id (classic Atari ids such as PongDeterministic-v4, ale-py ids, or gymnasium ids such as CartPole-v1). launch_impala also takes a comma-separated list for one multi-task agent (PopArt-IMPALA), e.g. PongDeterministic-v4,BreakoutDeterministic-v4: actor i runs task i %% N.")
+    env_package: str = option(
+        "", "Python packages to import before the env is made, comma-separated (mypkg or mypkg.envs): "
+        "packages that register their envs with gymnasium on import. Imported in the learner and in every "
+        "actor (the run sends the names; remote actors need them installed). --env mypkg.envs:MyEnv-v0 "
+        "(gymnasium's module:id) imports one such package for its id.")
     env_kwargs: str = option("", 'Env constructor overrides as a JSON object, e.g. \'{"frameskip": 4}\' for PongNoFrameskip-v4 with a 4-frame skip; checked in every worker like the registry settings.')
     workers: int = option(2, "Local actor processes; 0 runs no local actors and waits for remote ones (impala-actors).")
     envs_per_worker: int = option(4, "Environments stepped by each actor with one batched forward pass per step.")
@@ -442,6 +450,9 @@ class RunConfig:
             need(all(t.strip() for t in tasks), f"--env {self.env!r}: an empty env id in the list")
             need(len(set(t.strip() for t in tasks)) == len(tasks), f"--env {self.env!r}: a task is listed twice")
             need(len(tasks) <= MAX_TASKS, f"--env: at most {MAX_TASKS} tasks, got {len(tasks)}")
+        for name in self.env_packages:  # the import itself comes with the env (impala.envs.EnvSpec)
+            need(bool(MODULE_NAME.fullmatch(name)), f"--env-package {capped(repr(name), 80)} is not a Python "
+                 "module name (like mypkg or mypkg.envs); give several as mypkg,otherpkg")
         if self.env_kwargs:
             need(len(self.env_kwargs) <= 100_000, f"--env-kwargs is {len(self.env_kwargs):,} characters; an env's keyword "
                  "arguments fit in far fewer")
@@ -460,6 +471,11 @@ class RunConfig:
     def tasks(self) -> tuple[str, ...]:
         """The env ids of ``--env`` (one for a single-task run), in task order."""
         return tuple(t.strip() for t in (self.env or "").split(",") if t.strip())
+
+    @property
+    def env_packages(self) -> tuple[str, ...]:
+        """The module names of ``--env-package``, in order."""
+        return tuple(p.strip() for p in self.env_package.split(",") if p.strip())
 
     @property
     def env_overrides(self) -> dict:

@@ -27,17 +27,78 @@ def log_this_one(count: int, first: int = 20, every: int = 1000) -> bool:
     return count <= first or count % every == 0
 
 
+def compact(x: float) -> str:
+    """A count in at most 5 characters plus a sign (``950``, ``12.3k``, ``456k``, ``4.5M``, ``1.2G``): the
+    display fits 80 columns."""
+    if abs(x) < 999.5:
+        return f"{x:.0f}"
+    for size, unit in ((1e3, "k"), (1e6, "M"), (1e9, "G")):
+        v = x / size
+        if abs(v) < 99.95:
+            return f"{v:.1f}{unit}"
+        if abs(v) < 999.5:
+            return f"{v:.0f}{unit}"
+    return f"{x / 1e12:.0f}T"
+
+
+def short(x: float) -> str:
+    """A float in at most 7 characters or so: 3 significant digits, a compact count from 1000 on."""
+    if abs(x) >= 999.5:
+        return compact(x)
+    if x == 0 or abs(x) >= 0.01 or x != x:
+        return f"{x:.3g}"
+    return f"{x:.1e}"
+
+
+def one_decimal(x: float) -> str:
+    """A return or lag: one decimal up to 1000, a compact count from there (at most 7 characters)."""
+    return f"{x:.1f}" if abs(x) < 1000 else compact(x)
+
+
+def duration(seconds: float) -> str:
+    """``45s``, ``12m05s``, ``3h20m``, ``2d04h``: an ETA in at most 6 characters."""
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h" if s < 100 * 86400 else ">99d"
+
+
+# (key, column label, format) of the console display after the progress and ETA columns; every cell is at
+# most 7 characters, so that the table fits an 80-column terminal. Both launchers log these names.
 CONSOLE_KEYS = (
-    ("charts/env_frames", "frames", "{:,.0f}"),
-    ("charts/fps", "frames/s", "{:,.0f}"),
-    ("charts/mean_return_100", "return(100)", "{:.2f}"),
-    ("charts/episodes", "episodes", "{:.0f}"),
-    ("charts/policy_lag", "lag", "{:.1f}"),
-    ("transport/queue_depth", "queue", "{:.0f}"),
-    ("transport/dropped", "dropped", "{:.0f}"),
-    ("losses/entropy", "entropy", "{:.3f}"),
-    ("losses/grad_norm", "grad", "{:.3g}"),
+    ("charts/fps", "fps", compact),
+    ("charts/mean_return_100", "return", one_decimal),
+    ("charts/episodes", "episodes", compact),
+    ("charts/policy_lag", "lag", one_decimal),
+    ("transport/queue_depth", "queue", compact),
+    ("transport/dropped", "dropped", compact),
+    ("losses/entropy", "entropy", short),
+    ("losses/grad_norm", "grad", short),
 )
+
+
+def _cell(fmt: Any, value: float) -> str:
+    return fmt(value) if callable(fmt) else fmt.format(value)
+
+
+def run_budget(record: Mapping[str, Any] | None) -> tuple[str, str, float] | None:
+    """(counter key, unit, total) of a run's step budget, read from its resolved settings (launch_impala's
+    flat record, or launch_ppo's ``run`` section): ``total_frames`` counts env frames, ``total_steps`` agent
+    steps. None when the record names no budget."""
+    if not record:
+        return None
+    for section in (record, record.get("run")):
+        if isinstance(section, Mapping):
+            for name, key, unit in (("total_frames", "charts/env_frames", "frames"),
+                                    ("total_steps", "charts/agent_steps", "steps")):
+                total = section.get(name)
+                if isinstance(total, (int, float)) and not isinstance(total, bool) and total > 0:
+                    return key, unit, float(total)
+    return None
 
 
 def task_returns_text(row: Mapping[str, float]) -> str:
@@ -71,6 +132,9 @@ class MetricsLogger:
         self.title = title
         self._live = None
         self._start = time.time() - time_offset_s
+        self.budget = run_budget(config_record)
+        # (time, count) of this session's first row: the ETA's rate is measured from there
+        self._first: tuple[float, float] | None = None
         if progress and sys.stdout.isatty():
             from rich.live import Live
 
@@ -94,18 +158,42 @@ class MetricsLogger:
             line = f"{line}  {item}" if line else item
         log.info("config (also in %s):\n  %s", os.path.join(logdir, "config.yaml"), "\n  ".join(lines + [line]))
 
-    def _table(self, row: Mapping[str, float]):
+    def progress_cells(self, row: Mapping[str, float], now: float | None = None) -> tuple[str, str, str]:
+        """(label, "done/total", ETA) of the step budget: frames (or agent steps) so far over the run's total,
+        and the time left at this session's rate ("-" until two rows have been seen, or without a budget)."""
+        now = time.time() if now is None else now
+        if self.budget is None:
+            count = row.get("charts/env_frames")
+            return "frames", "-" if count is None else compact(count), "-"
+        key, unit, total = self.budget
+        if key not in row:
+            return unit, f"-/{compact(total)}", "-"
+        count = float(row[key])
+        if self._first is None:
+            self._first = (now, count)
+        t0, c0 = self._first
+        rate = (count - c0) / (now - t0) if now > t0 else 0.0
+        eta = "done" if count >= total else duration((total - count) / rate) if rate > 0 else "-"
+        return unit, f"{compact(count)}/{compact(total)}", eta
+
+    def _table(self, row: Mapping[str, float], now: float | None = None):
+        """The live display: the title and elapsed time, then one row of cells (80 columns wide at most)."""
+        from rich import box
         from rich.table import Table
 
-        table = Table(title=f"{self.title}  ({time.time() - self._start:,.0f}s)")
+        now = time.time() if now is None else now
+        # one space between columns and none at the edges: 10 columns of up to 10 characters in 80
+        table = Table(title=f"{self.title}  ({duration(now - self._start)})", box=box.SIMPLE_HEAD, padding=0,
+                      show_edge=False)
+        unit, done, eta = self.progress_cells(row, now)
+        table.add_column(unit, justify="right", no_wrap=True)
+        table.add_column("ETA", justify="right", no_wrap=True)
         for _, label, _ in CONSOLE_KEYS:
-            table.add_column(label, justify="right")
-        cells = [fmt.format(row[k]) if k in row else "-" for k, _, fmt in CONSOLE_KEYS]
+            table.add_column(label, justify="right", no_wrap=True)
+        table.add_row(done, eta, *[_cell(fmt, row[k]) if k in row else "-" for k, _, fmt in CONSOLE_KEYS])
         tasks = task_returns_text(row)
-        if tasks:
-            table.add_column("per task", justify="left")
-            cells.append(tasks)
-        table.add_row(*cells)
+        if tasks:  # below the row, wrapped to the table's width, not as a column that would widen it
+            table.caption, table.caption_justify = tasks, "left"
         return table
 
     def log(self, step: int, row: Mapping[str, float]) -> None:
@@ -123,7 +211,9 @@ class MetricsLogger:
         if self._live is not None:
             self._live.update(self._table(row))
         else:
-            parts = [f"{label}={fmt.format(row[k])}" for k, label, fmt in CONSOLE_KEYS if k in row]
+            unit, done, eta = self.progress_cells(row)
+            parts = [f"{unit}={done}", f"eta={eta}"]
+            parts += [f"{label}={_cell(fmt, row[k])}" for k, label, fmt in CONSOLE_KEYS if k in row]
             tasks = task_returns_text(row)
             print(f"[{self.title}] " + " ".join(parts) + (f" | {tasks}" if tasks else ""), flush=True)
 

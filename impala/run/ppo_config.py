@@ -561,13 +561,25 @@ MAX_UNROLL = 1000  # longer unrolls only delay the learner; ML-Agents' Crawler t
 MLAGENTS_UNROLL = 16
 
 
-def choose_unroll_length(config: PPOConfig, requested: int) -> tuple[int, str | None]:
+def choose_unroll_length(config: PPOConfig, requested: int, *, n_envs: int = 0) -> tuple[int, str | None]:
     """T = requested, or min(time_horizon, MAX_UNROLL) ('rollout'; for SB3's buffer_full, a divisor of
     buffer_size), or min(time_horizon, MLAGENTS_UNROLL) for trajectory_handling='mlagents', where the
-    learner cuts the trajectories and the buffer holds whole ones whatever T is."""
+    learner cuts the trajectories and the buffer holds whole ones whatever T is.
+
+    ``n_envs``: the envs of the local actors (0: not known, e.g. remote actors only). For buffer_full
+    without a requested T, T is then the largest one (up to the cap above) whose round of unrolls
+    (T x n_envs) divides buffer_size: SB3's n_steps = buffer_size / n_envs when that fits. A round
+    larger than the buffer would fill it halfway through, and the rest of the round, collected with
+    the weights that update replaced, would be dropped as stale under on-policy rollouts (about half of
+    what the README's Pendulum example collected with T = 512 over 8 envs and a 2048-step buffer).
+    """
     if config.trajectory_handling == "mlagents":
         return requested or min(config.time_horizon, MLAGENTS_UNROLL), None
     T = requested or min(config.time_horizon, MAX_UNROLL)
+    if config.update_trigger == "buffer_full" and not requested and n_envs:
+        fits = [d for d in range(1, T + 1) if config.buffer_size % (d * n_envs) == 0]
+        if fits:
+            return max(fits), None
     if config.update_trigger != "buffer_full" or config.buffer_size % T == 0:
         return T, None
     divisor = max(d for d in range(1, T + 1) if config.buffer_size % d == 0)
@@ -603,7 +615,8 @@ def ppo_run_config(run: RunConfig, config: PPOConfig, *, lag_given: bool, agents
                 "trajectories continue across updates, as in ML-Agents); drop --max-policy-lag or pass --trajectory-handling rollout"
             )
         run = dataclasses.replace(run, max_policy_lag=None)
-    T, note = choose_unroll_length(config, run.unroll_length)
+    n_envs = run.workers * (agents_per_instance or run.envs_per_worker)  # 0 with remote actors only
+    T, note = choose_unroll_length(config, run.unroll_length, n_envs=n_envs)
     run = dataclasses.replace(
         run,
         unroll_length=T,

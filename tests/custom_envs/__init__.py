@@ -1,0 +1,57 @@
+"""A tiny env registered on import, as a user's own package would: ``--env custom_envs:Tiny-v0`` or
+``--env-package custom_envs --env Tiny-v0`` (tests/test_custom_envs.py)."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+
+class TinyEnv(gym.Env):
+    """Reach the end of a 4-cell corridor: action 1 steps right (+1 at the end), action 0 stays.
+
+    Small enough to train for a few hundred frames, and learnable (the return grows as the policy
+    prefers action 1); episodes end after 4 right steps or 16 steps in all.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0.0, 1.0, shape=(4,), dtype=np.float32)
+        self.action_space = spaces.Discrete(2)
+        self.pos = 0
+        self.t = 0
+
+    def _obs(self) -> np.ndarray:
+        obs = np.zeros(4, dtype=np.float32)
+        obs[self.pos] = 1.0
+        return obs
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.pos, self.t = 0, 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        if int(action) == 1:
+            self.pos += 1
+        done = self.pos >= 3
+        self.pos = min(self.pos, 3)
+        return self._obs(), float(done), done, self.t >= 16 and not done, {}
+
+
+class TinyContinuousEnv(TinyEnv):
+    """The same corridor with a Box action (launch_ppo's kind, not launch_impala's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.action_space = spaces.Box(-1.0, 1.0, shape=(1,), dtype=np.float32)
+
+    def step(self, action):
+        return super().step(int(float(np.asarray(action).reshape(-1)[0]) > 0))
+
+
+gym.register("Tiny-v0", entry_point=TinyEnv)
+gym.register("TinyBox-v0", entry_point=TinyContinuousEnv)
