@@ -228,8 +228,9 @@ def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
     args = parse_args(["--config", str(preset)])
     assert args.max_policy_lag is None and args.stop_at_return == 20.0
     # on-policy only, for real: every unroll used was produced by the current weights
+    # a row after every update (--log-interval 0): the last row counts every drop, however fast the run went
     out = run(["launch_impala", "--workers", "2", *CARTPOLE, "--max-policy-lag", "0", "--total-frames", "6000",
-               "--logdir", str(tmp_path / "run")], timeout=120)
+               "--log-interval", "0", "--logdir", str(tmp_path / "run")], timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     with open(tmp_path / "run" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
