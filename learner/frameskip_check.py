@@ -286,8 +286,10 @@ def row_cells(row: Row, sep: str = " / ") -> list[str]:
     if cfg is not None:
         frameskip = f"{_cfg_frameskip(cfg)}{sep}{_distinct(f.frameskip_text() for f in fps)}"
         sticky = f"{cfg.sticky:g}{sep}{_distinct('n/a' if f.sticky is None else f'{f.sticky:g}' for f in fps)}"
-        actions = f"{'full' if cfg.full_action_space else 'minimal'}{sep}{_distinct(f'{f.action_set()} ({f.num_actions})' for f in fps)}"
-        max_steps = f"{cfg.max_episode_steps or 'none'}{sep}{_distinct(str(f.max_episode_steps or 'none') for f in fps)}"
+        action_sets = _distinct(f"{f.action_set()} ({f.num_actions})" for f in fps)
+        actions = f"{'full' if cfg.full_action_space else 'minimal'}{sep}{action_sets}"
+        step_limits = _distinct(str(f.max_episode_steps or "none") for f in fps)
+        max_steps = f"{cfg.max_episode_steps or 'none'}{sep}{step_limits}"
     else:
         frameskip = sticky = actions = "n/a"
         max_steps = f"-{sep}{_distinct(str(f.max_episode_steps or 'none') for f in fps)}"

@@ -215,7 +215,8 @@ class PPOLearner:
         # #15: ML-Agents' per-agent trajectories (None: every piece is processed as it arrives).
         self.trajectories = AgentTrajectories(config.time_horizon) if config.trajectory_handling == "mlagents" else None
         self.rng = np.random.default_rng(config.seed)
-        self.total_steps = 0  # agent steps processed (for 'mlagents' #15: in completed trajectories), the schedules' step (#6)
+        # agent steps processed (for 'mlagents' #15: in completed trajectories), the schedules' step (#6)
+        self.total_steps = 0
         self.update_count = 0
         self.rejected_batches = 0
         self._sync_obs_snapshot()
