@@ -71,11 +71,11 @@ from typing import Any, Optional
 import torch
 
 from impala.run.checkpoint import prepare_run_folder
-from impala.run.config import ConfigError, FlagParser, RunConfig, add_flags, check_fields, fail, from_flags, need, option
+from impala.run.config import ConfigError, FlagParser, RunConfig, add_flags, apply_preset, check_fields, fail, from_flags, load_preset, need, option
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_unity
 from impala.envs.unity import UnityEnvError
-from impala.run.ppo_config import MAX_UNROLL, MLAGENTS_UNROLL, actors_wait, config_from_args, config_to_argparse, ppo_run_config
+from impala.run.ppo_config import MAX_UNROLL, MLAGENTS_UNROLL, PPOConfig, PPOSource, actors_wait, config_from_args, config_to_argparse, ppo_run_config, ppo_preset_dests
 from learner.ppo_learner import PPOTrainer
 from impala.run.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, run
@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
             "checkpoints: LOGDIR/checkpoint.pt (atomic). Ctrl-C stops cleanly with a final checkpoint."
         ),
     )
+    parser.add_argument(
+        "--config", metavar="FILE", default=None,
+        help="Preset file (YAML, option: value) of run, Unity and PPO options (semantics, trainer_config, batch_size, ...), "
+        "applied before the flags, e.g. configs/pendulum_sb3.yaml; flags given on the command line override it.",
+    )
     add_flags(parser.add_argument_group("run"), RunConfig, defaults=RUN_DEFAULTS, helps=RUN_HELP)
     add_flags(parser.add_argument_group("Unity and actors"), PPOLaunchOptions)
     config_to_argparse(parser)
@@ -154,10 +159,19 @@ def probe(config: RunConfig, options: PPOLaunchOptions, seed: int, *, stand_in: 
     return probe_env(spec, seed=seed)
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Defaults < ``--config`` preset (run, launch and PPO options by name) < flags given on the command line."""
+    args = build_parser().parse_args(argv)
+    if not args.config:
+        return apply_preset(args, {})
+    preset = load_preset(args.config, (PPOConfig, PPOSource, PPOLaunchOptions, RunConfig))
+    return apply_preset(args, ppo_preset_dests(preset, {f.name for f in dataclasses.fields(RunConfig)}))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``launch_ppo``: parse, resolve, probe the env, wire the run; bad input is one line, exit 2."""
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_args(argv)
         config = from_flags(RunConfig, args)
         options = from_flags(PPOLaunchOptions, args)
     except ConfigError as e:

@@ -310,7 +310,7 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
     assert _frames(_done_line(out)) >= at_forgery + 4000  # actor 0 kept training after the forgeries
 
 
-@pytest.mark.parametrize("name", ["atari.yaml", "atari_deep.yaml", "pong_small_cpu.yaml"])
+@pytest.mark.parametrize("name", ["atari.yaml", "atari_deep.yaml", "pong_small_cpu.yaml", "cartpole.yaml"])
 def test_shipped_presets_load_and_validate(name):
     """Every preset in configs/ names only real options with valid values, and says where its numbers come from."""
     from learner.launch_impala import parse_args, resolve
@@ -326,13 +326,14 @@ def test_shipped_presets_load_and_validate(name):
         if isinstance(resolved, float) and isinstance(value, str):
             value = float(value)  # YAML 1.1 reads 1e-05 (no dot) as a string; the loader takes it as the number
         assert resolved == value, (name, key, resolved, value)
-    assert impala.model == {"atari.yaml": "shallow", "atari_deep.yaml": "deep", "pong_small_cpu.yaml": written.get("model", "auto")}[name]
+    expected_model = {"atari.yaml": "shallow", "atari_deep.yaml": "deep"}.get(name, written.get("model", "auto"))
+    assert impala.model == expected_model
     if name == "pong_small_cpu.yaml":
         # the file pins today's defaults; if a default moves, this file (and docs/PONG.md) must say so
         default_run, default_impala = resolve(parse_args(["--env", "PongDeterministic-v4"]))
         assert dataclasses.replace(impala, model="auto") == default_impala
         assert run_config == default_run
-    else:
+    elif name.startswith("atari"):
         assert (impala.loss_reduction, impala.optimizer, impala.learning_rate, run_config.unroll_length) == ("sum", "rmsprop", 6e-4, 20)
 
 

@@ -31,7 +31,7 @@ from fake_unity import write_fake_build  # noqa: E402
 
 from actors.ppo_agent import PPOAgent  # noqa: E402
 from impala.transport import wire  # noqa: E402
-from impala.run.config import RunConfig  # noqa: E402
+from impala.run.config import ConfigError, RunConfig  # noqa: E402
 from impala.envs import EnvSpec  # noqa: E402
 from impala.envs.probe import EnvInfo  # noqa: E402
 from impala.envs.vector import StepResult  # noqa: E402
@@ -484,3 +484,26 @@ def test_bad_log_level_is_an_argparse_error_not_a_traceback():
     out = subprocess.run([sys.executable, "-m", "learner.launch_ppo", "--log-level", "BOGUS"], capture_output=True, text=True, timeout=60,
                          cwd=HERE.parent)
     assert out.returncode == 2 and "invalid choice: 'BOGUS'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_config_preset_sets_run_launch_and_ppo_options_and_flags_win(tmp_path):
+    """launch_ppo --config: the shipped Pendulum preset resolves key by key; a flag given beside it wins; a PPO
+    option set by the preset counts as chosen (not overwritten by --semantics' preset); an unknown key is one line."""
+    import yaml as _yaml
+
+    from impala.run.ppo_config import config_from_args
+    from learner.launch_ppo import parse_args
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "pendulum_sb3.yaml")
+    args = parse_args(["--config", path])
+    written = _yaml.safe_load(open(path))
+    assert (args.env, args.ppo__semantics, args.workers, args.in_process, args.total_steps) == (
+        written["env"], written["semantics"], written["workers"], written["in_process"], written["total_steps"])
+    mine = tmp_path / "p.yaml"
+    mine.write_text("semantics: sb3\nbatch_size: 128\nworkers: 3\n")
+    args = parse_args(["--config", str(mine), "--workers", "1"])
+    cfg = config_from_args(args)
+    assert (args.workers, cfg.batch_size, cfg.advantage_norm) == (1, 128, "minibatch")  # sb3's, batch from the file
+    mine.write_text("batch_sise: 128\n")
+    with pytest.raises(ConfigError, match="unknown option 'batch_sise'; did you mean batch_size"):
+        parse_args(["--config", str(mine)])

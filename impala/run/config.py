@@ -210,9 +210,10 @@ def from_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "", **
 
 
 def given_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "") -> dict[str, Any]:
-    """The fields of ``cls`` whose flags were given on the command line (``args.given``, :class:`FlagParser`)."""
-    given = getattr(args, "given", set())
-    return {f.name: getattr(args, dest_prefix + f.name) for f in dataclasses.fields(cls) if dest_prefix + f.name in given}
+    """The fields of ``cls`` set on the command line (``args.given``, :class:`FlagParser`) or by a preset
+    (``args.preset``, :func:`apply_preset`)."""
+    chosen = getattr(args, "given", set()) | getattr(args, "preset", set())  # by a flag, or by a --config preset
+    return {f.name: getattr(args, dest_prefix + f.name) for f in dataclasses.fields(cls) if dest_prefix + f.name in chosen}
 
 
 def apply_preset(args: argparse.Namespace, preset: dict[str, Any]) -> argparse.Namespace:

@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from impala.algos import ppo
 
@@ -531,6 +531,23 @@ def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     }
     add_flags(g, PPOConfig, dest_prefix=_DEST, only=names, defaults=dict.fromkeys(names, argparse.SUPPRESS), helps=helps)
     return parser
+
+
+@dataclass(frozen=True)
+class PPOSource:
+    """Where PPOConfig's values come from: ``launch_ppo``'s ``--semantics``, ``--trainer-config`` and
+    ``--behavior``, as keys a ``--config`` preset may set too."""
+
+    semantics: Literal["mlagents", "sb3"] = _f("mlagents", "Preset every option to ML-Agents or SB3 semantics.")
+    trainer_config: Optional[str] = _f(None, "ML-Agents trainer YAML; its values override the preset.")
+    behavior: Optional[str] = _f(None, "Behavior name inside the trainer YAML.")
+
+
+def ppo_preset_dests(preset: dict[str, Any], run_fields: set[str]) -> dict[str, Any]:
+    """A ``launch_ppo --config`` preset's values keyed by their argparse destinations: PPO's options (and the
+    three of :class:`PPOSource`) live under the ``ppo__`` prefix, run options under their own names."""
+    ppo_names = set(field_names()) | {f.name for f in dataclasses.fields(PPOSource)}
+    return {(f"{_DEST}{k}" if k in ppo_names and k not in run_fields else k): v for k, v in preset.items()}
 
 
 def _shown(value: Any) -> str:
