@@ -185,6 +185,10 @@ def run_actor(
         if config.local_token:
             hello_info["local_token"] = config.local_token
         hello = wire.encode("hello", actor=config.actor_id, version=-1, info=hello_info)
+        # Said mid-run (the learner forgot us or restarted): our envs are mid-episode, and the learner
+        # must not count the rest of those episodes as whole ones.
+        rehello = wire.encode("hello", actor=config.actor_id, version=-1,
+                              info={**hello_info, "resumed": True})
         link.send(hello)
 
         params = None
@@ -227,7 +231,8 @@ def run_actor(
                 buf[name][:, T] = value
             returns, lengths = episodes.pop()
             for k in range(K):
-                # Episode stats ride on the first env's message only, so none is counted twice.
+                # The actor's own episode count rides on the first env's message, for logs and checks
+                # only: the learner sums its statistics from the rewards and ends of what it accepted.
                 info = wire.episode_info(returns, lengths) if k == 0 else {}
                 info["env"] = k  # which env stream this unroll continues (PPO's per-env reward normalization)
                 info["run_id"] = run_id  # the learner process whose weights made it; another one drops it
@@ -249,13 +254,13 @@ def run_actor(
             if newest is not None and config.actor_id in _unknown_actors(newest) and time.monotonic() - last_rehello > 5.0:
                 # The learner dropped our unrolls as unknown (it forgot us, or never got our hello).
                 log.warning("actor %d: the learner does not know this actor (its unrolls were dropped); saying hello again", config.actor_id)
-                link.send(hello)
+                link.send(rehello)
                 last_rehello = time.monotonic()
             if newest is not None and _run_id(newest) != run_id:
                 # A new learner process (say, resumed after a crash) knows nothing of us: say hello
                 # again and take its weights, whatever their version number.
                 log.warning("actor %d: the learner restarted; saying hello again", config.actor_id)
-                link.send(hello)
+                link.send(rehello)
                 run_id, version = _run_id(newest), -1
             if newest is not None and newest.version > version:
                 agent.load_params(newest.arrays)

@@ -40,12 +40,54 @@ MAX_ACTORS = 4096  # accepted actor ids the learner keeps state for
 MAX_REFUSED = 1024  # refused ids remembered (oldest forgotten first); they never take an actor slot
 ACTOR_IDLE_S = 600.0  # an accepted actor silent this long gives its slot up when the table is full
 MAX_UNKNOWN_REPORTED = 64  # ids whose unrolls were dropped as unknown, told back in the weights message
+MAX_STREAMS = 65536  # (actor, env) streams whose running episode the server tracks; more are not counted
+MAX_ENVS_PER_ACTOR = 10_000  # an unroll's env index bound when the hello did not say (RunInfo's own bound)
 
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
 DROP_REASONS = (
     "malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale", "future_version",
     "other_run", "unverified_local",
 )
+
+
+class _Stream:
+    """The running episode of one env of one actor, summed from the unrolls the server accepted.
+
+    ``counted`` is False while the episode's start was not seen (the stream joined mid-episode, or
+    lost an unroll): its end is then not reported, since its return and length would be partial.
+    """
+
+    __slots__ = ("ret", "length", "counted")
+
+    def __init__(self, counted: bool) -> None:
+        self.ret = 0.0
+        self.length = 0
+        self.counted = counted
+
+    def advance(self, rewards: np.ndarray, ends: np.ndarray) -> tuple[list[float], list[int]]:
+        """Add one unroll's T transitions; return the episodes that ended in it (as the actor's
+        ``EpisodeTracker`` counted them: the sum of the raw rewards and the number of steps)."""
+        returns: list[float] = []
+        lengths: list[int] = []
+        start = 0
+        for t in np.flatnonzero(ends):
+            t = int(t)
+            ret = self.ret + float(rewards[start:t + 1].sum(dtype=np.float64))
+            length = self.length + t + 1 - start
+            if self.counted:
+                returns.append(ret)
+                lengths.append(length)
+            self.ret, self.length, self.counted = 0.0, 0, True
+            start = t + 1
+        self.ret += float(rewards[start:].sum(dtype=np.float64))
+        self.length += len(rewards) - start
+        return returns, lengths
+
+
+def unroll_episode_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """An unroll's raw rewards [T] and episode ends [T] (IMPALA: ``dones``; PPO: terminated or truncated)."""
+    ends = arrays["dones"] if "dones" in arrays else arrays["terminated"] | arrays["truncated"]
+    return arrays["rewards"], ends
 
 
 class TrajectoryServer:
@@ -133,6 +175,11 @@ class TrajectoryServer:
         self.unknown_recent: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.received = 0
+        # Episode statistics are summed here from the rewards and episode ends of accepted unrolls, per
+        # (actor, env) stream: what a peer claims in an unroll's info never reaches them.
+        self.streams: dict[int, dict[int, _Stream]] = {}
+        self.stream_count = 0
+        self.fresh: dict[int, bool] = {}  # actor -> its hello said it starts its envs afresh
         self.episode_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.episode_lengths: collections.deque[int] = collections.deque(maxlen=100)
         self.episodes_total = 0
@@ -235,6 +282,11 @@ class TrajectoryServer:
                         log.info("actor %d joined (%s envs; #%d)", actor, kept.get("num_envs", "?"), self.joined)
                 self.accepted[actor] = kept
                 self.last_seen[actor] = time.monotonic()
+                # A hello starts the actor's episode accounting again: a new actor process starts
+                # its envs at a reset; one saying hello again mid-run ("resumed") is mid-episode,
+                # so its first episode per env is only partly seen and is not counted.
+                self._forget_streams(actor)
+                self.fresh[actor] = info.get("resumed") is not True
                 self.refused.pop(actor, None)
                 with self._stats_lock:
                     self.unknown_recent.pop(actor, None)
@@ -249,6 +301,7 @@ class TrajectoryServer:
                     self.refused.popitem(last=False)
                 self.accepted.pop(actor, None)
                 self.last_seen.pop(actor, None)
+                self._forget_streams(actor)
                 self.refused_hellos += 1
                 if log_this_one(self.refused_hellos):  # each line cut to 300 characters
                     log.error("refused actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
@@ -267,13 +320,14 @@ class TrajectoryServer:
             return
         try:
             msg = wire.decode(frames, schema=self.schema, max_bytes=self.max_bytes)
-            returns, lengths = wire.parse_episode_info(msg.info)
         except wire.WireError as e:
             self._drop("schema", actor, str(e))
+            self._lose_episode(actor, header["info"])
             return
         bad = wire.check_finite(msg.arrays)
         if bad is not None:
             self._drop("non_finite", actor, f"{bad} holds NaN/inf")
+            self._lose_episode(actor, msg.info)
             return
         problem = self.validate(msg.arrays)
         task = 0
@@ -281,8 +335,13 @@ class TrajectoryServer:
             task, expected = int(msg.arrays["task"][0]), actor % len(self.task_names)
             if task != expected:  # tasks are dealt by actor id: an unroll labelled otherwise is mislabelled
                 problem = f"unroll labelled task {task}, but actor {actor} runs task {expected}"
+        env = msg.info.get("env", 0)
+        num_envs = self.accepted[actor].get("num_envs", MAX_ENVS_PER_ACTOR)
+        if problem is None and (type(env) is not int or not 0 <= env < num_envs):
+            problem = f"env index {env!r} outside [0, {num_envs})"
         if problem is not None:
             self._drop("schema", actor, problem)
+            self._lose_episode(actor, msg.info)
             return
         run_id = self.run_info.get("run_id")
         if run_id is not None and msg.info.get("run_id") != run_id:
@@ -290,8 +349,7 @@ class TrajectoryServer:
             self._drop("other_run", actor, "unroll from another learner run")
             return
         if actor in self.protected_ids:
-            token = msg.info.get("local_token")
-            if not (isinstance(token, str) and hmac.compare_digest(token, self.local_token)):
+            if not self._has_token(msg.info):
                 self._drop("unverified_local", actor, "unroll in the name of a local actor without its token")
                 return
         if msg.version > self.published_version:
@@ -299,6 +357,7 @@ class TrajectoryServer:
             self._drop("future_version", actor, f"policy version {msg.version} > published {self.published_version}")
             return
         self.last_seen[actor] = time.monotonic()
+        returns, lengths = self._episodes(actor, env, msg.arrays)
         with self._stats_lock:
             self.episode_returns.extend(returns)
             self.episode_lengths.extend(lengths)
@@ -312,6 +371,42 @@ class TrajectoryServer:
                 return
             except queue.Full:
                 continue
+
+    def _episodes(
+        self, actor: int, env: int, arrays: Mapping[str, np.ndarray]
+    ) -> tuple[list[float], list[int]]:
+        """The episodes that ended in this accepted unroll, from its own rewards and episode ends."""
+        streams = self.streams.setdefault(actor, {})
+        stream = streams.get(env)
+        if stream is None:
+            if self.stream_count >= MAX_STREAMS:
+                return [], []  # table full (thousands of actors): these episodes go uncounted
+            stream = streams[env] = _Stream(counted=self.fresh.get(actor, False))
+            self.stream_count += 1
+        if "first" in arrays and arrays["first"][0]:
+            # IMPALA unrolls say when obs[0] starts an episode: from here the episode is seen whole.
+            stream.ret, stream.length, stream.counted = 0.0, 0, True
+        rewards, ends = unroll_episode_arrays(arrays)
+        return stream.advance(rewards, ends)
+
+    def _lose_episode(self, actor: int, info: Mapping[str, Any]) -> None:
+        """An unroll of an accepted actor was dropped: the running episode of its stream has a gap,
+        so its end is not counted. A local actor's stream only loses an unroll stamped with its token
+        (anyone else's unroll in its name is not part of the stream)."""
+        env = info.get("env", 0)
+        if actor in self.protected_ids and not self._has_token(info):
+            return
+        stream = self.streams.get(actor, {}).get(env) if type(env) is int else None
+        if stream is not None:
+            stream.counted = False
+
+    def _has_token(self, info: Mapping[str, Any]) -> bool:
+        token = info.get("local_token")
+        return isinstance(token, str) and hmac.compare_digest(token, self.local_token)
+
+    def _forget_streams(self, actor: int) -> None:
+        self.stream_count -= len(self.streams.pop(actor, {}))
+        self.fresh.pop(actor, None)
 
     # ---- learner side ---------------------------------------------------
     def get(self, timeout: float | None = None) -> wire.Message | None:
@@ -327,6 +422,7 @@ class TrajectoryServer:
         for actor in idle:
             self.accepted.pop(actor, None)
             self.last_seen.pop(actor, None)
+            self._forget_streams(actor)
         if idle:
             log.info("forgot %d actor(s) silent for more than %.0fs", len(idle), ACTOR_IDLE_S)
         return bool(idle)
