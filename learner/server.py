@@ -43,10 +43,12 @@ MAX_UNKNOWN_REPORTED = 64  # ids whose unrolls were dropped as unknown, told bac
 MAX_STREAMS = 65536  # (actor, env) streams whose running episode the server tracks; more are not counted
 MAX_ENVS_PER_ACTOR = 10_000  # an unroll's env index bound when the hello did not say (RunInfo's own bound)
 
+ACTIVE_S = 10.0  # an actor with an accepted message this recent counts as active for the fair share
+
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
 DROP_REASONS = (
     "malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale", "future_version",
-    "other_run", "unverified_local",
+    "other_run", "unverified_local", "over_share",
 )
 
 
@@ -88,6 +90,53 @@ def unroll_episode_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray,
     """An unroll's raw rewards [T] and episode ends [T] (IMPALA: ``dones``; PPO: terminated or truncated)."""
     ends = arrays["dones"] if "dones" in arrays else arrays["terminated"] | arrays["truncated"]
     return arrays["rewards"], ends
+
+
+class FairQueue:
+    """A bounded queue of unrolls that hands them out round-robin across actor ids.
+
+    Each actor's unrolls stay in order; the learner takes one from each actor with unrolls waiting
+    in turn, so an id holding many queued unrolls cannot push the others' back in line. ``put`` blocks
+    while ``maxsize`` unrolls wait (ZeroMQ's high-water marks then push back on the actors).
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._by_actor: collections.OrderedDict[int, collections.deque] = collections.OrderedDict()
+        self._size = 0
+        self._cond = threading.Condition()
+
+    def qsize(self) -> int:
+        return self._size
+
+    def queued(self, actor: int) -> int:
+        """Unrolls of ``actor`` waiting."""
+        with self._cond:
+            waiting = self._by_actor.get(actor)
+            return len(waiting) if waiting else 0
+
+    def put(self, msg: wire.Message, timeout: float) -> None:
+        """Append ``msg``; raise queue.Full if no room came within ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._size < self.maxsize, timeout):
+                raise queue.Full
+            self._by_actor.setdefault(msg.actor, collections.deque()).append(msg)
+            self._size += 1
+            self._cond.notify_all()
+
+    def get(self, timeout: float | None = None) -> wire.Message:
+        """The next actor's oldest unroll; raise queue.Empty after ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._size > 0, timeout):
+                raise queue.Empty
+            actor, waiting = next(iter(self._by_actor.items()))
+            msg = waiting.popleft()
+            del self._by_actor[actor]
+            if waiting:  # to the back of the line
+                self._by_actor[actor] = waiting
+            self._size -= 1
+            self._cond.notify_all()
+            return msg
 
 
 class TrajectoryServer:
@@ -166,7 +215,7 @@ class TrajectoryServer:
         host = "127.0.0.1" if bind in ("0.0.0.0", "*") else bind
         self.trajectory_endpoint = f"tcp://{host}:{self.trajectory_port}"
         self.params_endpoint = f"tcp://{host}:{self.params_port}"
-        self.queue: queue.Queue[wire.Message] = queue.Queue(maxsize=queue_size)
+        self.queue = FairQueue(queue_size)
         self.accepted: dict[int, dict[str, Any]] = {}
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.last_seen: dict[int, float] = {}  # accepted actor -> monotonic time of its last valid message
@@ -182,6 +231,11 @@ class TrajectoryServer:
         self.fresh: dict[int, bool] = {}  # actor -> its hello said it starts its envs afresh
         self.episode_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.episode_lengths: collections.deque[int] = collections.deque(maxlen=100)
+        # Fair share: the number of active actors, recounted at most twice a second.
+        self._active = 1
+        self._active_at = 0.0
+        # Per-actor accounting (accepted unrolls, first and last time), logged when the server closes.
+        self.unrolls_by_actor: dict[int, list[float]] = {}
         self.episodes_total = 0
         self.task_returns: list[collections.deque[float]] = [collections.deque(maxlen=100) for _ in self.task_names]
         self.task_episodes = [0] * len(self.task_names)
@@ -240,16 +294,24 @@ class TrajectoryServer:
             try:
                 if not self.pull.poll(100, zmq.POLLIN):
                     continue
-                frames = self.pull.recv_multipart(copy=False)
+                # Read what is waiting without a poll per message: each call gives the GIL up, and under
+                # a flood the honest actors' messages wait behind every flooding connection's.
+                for _ in range(256):
+                    try:
+                        frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.received += 1
+                    try:
+                        self._handle(frames)
+                    except Exception as e:  # noqa: BLE001 - no message may kill the receiver
+                        self._drop("malformed", "?", f"{type(e).__name__}: {str(e)[:200]}")
+                    if self._stop.is_set():
+                        return
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
                 raise
-            self.received += 1
-            try:
-                self._handle(frames)
-            except Exception as e:  # noqa: BLE001 - no message may kill the receiver
-                self._drop("malformed", "?", f"{type(e).__name__}: {str(e)[:200]}")
 
     def _handle(self, frames: list) -> None:
         try:
@@ -318,6 +380,15 @@ class TrajectoryServer:
                     while len(self.unknown_recent) > MAX_UNKNOWN_REPORTED:
                         self.unknown_recent.popitem(last=False)
             return
+        # Before decoding (cheap): one id, over however many connections, gets at most its share of
+        # the queue, so a flood under one accepted id cannot crowd the other actors out.
+        share = self.fair_share()
+        queued = self.queue.queued(actor)
+        if queued >= share:
+            self._drop("over_share", actor, f"{queued} unrolls already queued (fair share {share})")
+            self._account(actor)[3] += 1
+            self._lose_episode(actor, header["info"])
+            return
         try:
             msg = wire.decode(frames, schema=self.schema, max_bytes=self.max_bytes)
         except wire.WireError as e:
@@ -365,6 +436,9 @@ class TrajectoryServer:
             if self.task_names:
                 self.task_returns[task].extend(returns)
                 self.task_episodes[task] += len(returns)
+        seen = self._account(actor)
+        seen[0] += 1
+        seen[2] = time.monotonic()
         while not self._stop.is_set():
             try:
                 self.queue.put(msg, timeout=0.1)
@@ -389,6 +463,16 @@ class TrajectoryServer:
         rewards, ends = unroll_episode_arrays(arrays)
         return stream.advance(rewards, ends)
 
+    def _account(self, actor: int) -> list:
+        """``actor``'s entry in the per-actor accounting: [accepted, first time, last time, over share]."""
+        seen = self.unrolls_by_actor.get(actor)
+        if seen is None:
+            now = time.monotonic()
+            seen = [0, now, now, 0]
+            if len(self.unrolls_by_actor) < 2 * MAX_ACTORS:  # bounded; beyond that, counted nowhere
+                self.unrolls_by_actor[actor] = seen
+        return seen
+
     def _lose_episode(self, actor: int, info: Mapping[str, Any]) -> None:
         """An unroll of an accepted actor was dropped: the running episode of its stream has a gap,
         so its end is not counted. A local actor's stream only loses an unroll stamped with its token
@@ -410,10 +494,28 @@ class TrajectoryServer:
 
     # ---- learner side ---------------------------------------------------
     def get(self, timeout: float | None = None) -> wire.Message | None:
+        """The next queued unroll (round-robin across actors), or None after ``timeout`` seconds."""
         try:
             return self.queue.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def fair_share(self) -> int:
+        """Unrolls one actor id may have queued: ceil(queue size / active actors) + 1."""
+        now = time.monotonic()
+        if now - self._active_at > 0.5:
+            self._active = max(1, sum(now - t < ACTIVE_S for t in self.last_seen.values()))
+            self._active_at = now
+        return -(-self.queue.maxsize // self._active) + 1
+
+    def actor_report(self, top: int = 8) -> str:
+        """The actors with the most accepted unrolls: count, seconds from first to last, rate."""
+        rows = sorted(self.unrolls_by_actor.items(), key=lambda kv: -kv[1][0])[:top]
+        return ", ".join(
+            f"actor {a}: {int(n)} unrolls in {last - first:.1f}s ({n / max(last - first, 1e-9):.1f}/s, "
+            f"{over} over its share)"
+            for a, (n, first, last, over) in rows
+        )
 
     def _expire_idle(self) -> bool:
         """Free the slots of accepted actors silent for ACTOR_IDLE_S (never a verified local one)."""
@@ -475,6 +577,9 @@ class TrajectoryServer:
         for t in (self._thread, self._heartbeat):
             if t.is_alive():
                 t.join(timeout=5)
+        if getattr(self, "unrolls_by_actor", None):  # (absent when binding failed in __init__)
+            log.info("accepted unrolls by actor (top %d of %d): %s", min(8, len(self.unrolls_by_actor)),
+                     len(self.unrolls_by_actor), self.actor_report())
         with self._pub_lock:
             for s in (self.pull, self.pub):
                 if not s.closed:
