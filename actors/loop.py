@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from impala.run.metrics import log_this_one
 log = logging.getLogger(__name__)
 
 LEARNER_GONE_EXIT = 3
+REFUSED_EXIT = 4  # the learner refused this actor's own hello: restarting would not change its answer
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,15 @@ def _unknown_actors(msg: wire.Message) -> list:
     return ids if isinstance(ids, list) else []
 
 
+def _refusals(msg: wire.Message, actor_id: int) -> list[tuple[Any, str]]:
+    """(nonce, reason) of each refused hello in ``actor_id``'s name that the weights message reports."""
+    rows = msg.info.get("refused_actors")
+    if not isinstance(rows, list):
+        return []
+    return [(row[1], str(row[2])[:300]) for row in rows
+            if isinstance(row, list) and len(row) == 3 and row[0] == actor_id]
+
+
 def _run_id(msg: wire.Message) -> Any:
     run = msg.info.get("run")
     return run.get("run_id") if isinstance(run, dict) else None
@@ -168,8 +179,8 @@ def run_actor(
 
     Runs until ``max_unrolls`` unrolls were sent, ``stop_event`` is set (thread
     mode), the learner stops sending weights (``learner_timeout_s``), or the
-    process is terminated. Returns why it stopped: "max_unrolls", "stopped",
-    "no_weights" or "learner_gone".
+    process is terminated, or the learner refuses this actor's hello. Returns why it stopped:
+    "max_unrolls", "stopped", "no_weights", "learner_gone" or "refused".
     """
     stop_event = stop_event or threading.Event()
     # Measured here, on a probe env built from the same spec (Unity builds have none).
@@ -181,7 +192,10 @@ def run_actor(
         obs = envs.reset()
         agent = make_agent(config.agent, envs=envs, first_obs=obs, unroll_length=T, seed=config.seed)
         link = ActorLink(config, parent_pid, stop_event, message_bytes=agent.schema.nbytes)
-        hello_info = {"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K}
+        # The nonce tells this actor's own hellos apart from anyone else's in its name: when the learner
+        # reports a refused hello for our id with our nonce, the refusal is ours.
+        nonce = secrets.token_hex(8)
+        hello_info = {"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K, "nonce": nonce}
         if config.local_token:
             hello_info["local_token"] = config.local_token
         hello = wire.encode("hello", actor=config.actor_id, version=-1, info=hello_info)
@@ -251,7 +265,19 @@ def run_actor(
             while (newest is None or newest.version <= version) and time.monotonic() < wait_until and not stop_event.is_set():
                 link._alive()
                 newest = link.latest_params(agent.params_schema, timeout_ms=100)
-            if newest is not None and config.actor_id in _unknown_actors(newest) and time.monotonic() - last_rehello > 5.0:
+            refusals = _refusals(newest, config.actor_id) if newest is not None else []
+            mine = [reason for theirs, reason in refusals if theirs == nonce]
+            if mine:
+                log.error("actor %d: the learner refused this actor: %s; exiting", config.actor_id, mine[0])
+                return "refused"
+            if refusals and time.monotonic() - last_rehello > 5.0:
+                # Someone else's hello in our name was refused, and the learner dropped us with it.
+                log.warning("actor %d: a hello in this actor's name from elsewhere was refused (%s); "
+                            "saying hello again", config.actor_id, refusals[0][1])
+                link.send(rehello)
+                last_rehello = time.monotonic()
+            elif (newest is not None and config.actor_id in _unknown_actors(newest)
+                  and time.monotonic() - last_rehello > 5.0):
                 # The learner dropped our unrolls as unknown (it forgot us, or never got our hello).
                 log.warning("actor %d: the learner does not know this actor (its unrolls were dropped); saying hello again", config.actor_id)
                 link.send(rehello)

@@ -48,8 +48,10 @@ ACTIVE_S = 10.0  # an actor with an accepted message this recent counts as activ
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
 DROP_REASONS = (
     "malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale", "future_version",
-    "other_run", "unverified_local", "over_share",
+    "other_run", "unverified_local", "over_share", "wrong_key",
 )
+MAX_OWNERS = 4 * MAX_ACTORS  # actor id -> CURVE key that first claimed it (oldest forgotten first)
+MAX_NONCE_CHARS = 64  # a hello's nonce, echoed when that hello is refused
 
 
 class _Stream:
@@ -222,6 +224,12 @@ class TrajectoryServer:
         # Ids whose unrolls were dropped because the learner does not know them (never said hello,
         # or their slot expired): the weights message lists them, so such an actor says hello again.
         self.unknown_recent: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Recently refused hellos, told back in the weights message with the nonce of the refused
+        # hello and why: the actor whose own hello it was exits with the reason; an actor evicted by
+        # someone else's hello in its name (its nonce differs) says hello again.
+        self.refused_recent: collections.OrderedDict[int, tuple[str | None, str]] = collections.OrderedDict()
+        # With CURVE: each actor id belongs to the client key (ZAP User-Id) whose hello first claimed it.
+        self.owners: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.received = 0
         # Episode statistics are summed here from the rewards and episode ends of accepted unrolls, per
@@ -303,7 +311,9 @@ class TrajectoryServer:
                         break
                     self.received += 1
                     try:
-                        self._handle(frames)
+                        # the sender's CURVE key, as the authenticator vouched for it (None without CURVE)
+                        user = frames[0].get("User-Id") if self.auth is not None else None
+                        self._handle(frames, user)
                     except Exception as e:  # noqa: BLE001 - no message may kill the receiver
                         self._drop("malformed", "?", f"{type(e).__name__}: {str(e)[:200]}")
                     if self._stop.is_set():
@@ -313,7 +323,10 @@ class TrajectoryServer:
                     return
                 raise
 
-    def _handle(self, frames: list) -> None:
+    def _handle(self, frames: list, user: str | None = None) -> None:
+        """Check one message and act on it: a hello accepts or refuses its actor id, a valid unroll of
+        an accepted id goes into the queue; anything else is dropped and counted. ``user``: the
+        sender's CURVE key (None without CURVE)."""
         try:
             header = wire.decode_header(frames[0])
         except wire.WireError as e:
@@ -325,6 +338,15 @@ class TrajectoryServer:
             self._drop("oversized", actor, f"{size} payload bytes > {self.max_bytes}")
             return
         kind = header["kind"]
+        owner = self.owners.get(actor)
+        if user is not None and owner is not None and user != owner:
+            # Another client key speaking for an id that belongs to someone else: never accepted, and
+            # the owner is not evicted (a hello in its name cannot lock it out).
+            self._drop("wrong_key", actor, f"{kind} from a key other than the one that owns actor {actor}")
+            if kind == "hello":
+                self.refused_hellos += 1
+                self._tell_refused(actor, header["info"], f"actor id {actor} belongs to another client key")
+            return
         if kind == "hello":
             if actor not in self.accepted and len(self.accepted) >= MAX_ACTORS and not self._expire_idle():
                 self._drop("unknown_actor", actor, f"more than {MAX_ACTORS} active actor ids")
@@ -344,6 +366,12 @@ class TrajectoryServer:
                         log.info("actor %d joined (%s envs; #%d)", actor, kept.get("num_envs", "?"), self.joined)
                 self.accepted[actor] = kept
                 self.last_seen[actor] = time.monotonic()
+                if user is not None and owner is None:
+                    self.owners[actor] = user
+                    while len(self.owners) > MAX_OWNERS:
+                        self.owners.popitem(last=False)
+                with self._stats_lock:
+                    self.refused_recent.pop(actor, None)
                 # A hello starts the actor's episode accounting again: a new actor process starts
                 # its envs at a reset; one saying hello again mid-run ("resumed") is mid-episode,
                 # so its first episode per env is only partly seen and is not counted.
@@ -364,6 +392,7 @@ class TrajectoryServer:
                 self.accepted.pop(actor, None)
                 self.last_seen.pop(actor, None)
                 self._forget_streams(actor)
+                self._tell_refused(actor, header["info"], reason)
                 self.refused_hellos += 1
                 if log_this_one(self.refused_hellos):  # each line cut to 300 characters
                     log.error("refused actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
@@ -463,6 +492,16 @@ class TrajectoryServer:
         rewards, ends = unroll_episode_arrays(arrays)
         return stream.advance(rewards, ends)
 
+    def _tell_refused(self, actor: int, info: Mapping[str, Any], reason: str) -> None:
+        """Remember a refused hello for the weights message (bounded: the newest MAX_UNKNOWN_REPORTED)."""
+        nonce = info.get("nonce")
+        nonce = nonce if isinstance(nonce, str) and len(nonce) <= MAX_NONCE_CHARS else None
+        with self._stats_lock:  # publish() reads it from the learner's thread
+            self.refused_recent[actor] = (nonce, reason[:200])
+            self.refused_recent.move_to_end(actor)
+            while len(self.refused_recent) > MAX_UNKNOWN_REPORTED:
+                self.refused_recent.popitem(last=False)
+
     def _account(self, actor: int) -> list:
         """``actor``'s entry in the per-actor accounting: [accepted, first time, last time, over share]."""
         seen = self.unrolls_by_actor.get(actor)
@@ -532,7 +571,8 @@ class TrajectoryServer:
     def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
         with self._stats_lock:
             unknown = list(self.unknown_recent)
-        info = {"run": self.run_info, "unknown_actors": unknown}
+            refused = [[a, nonce, reason] for a, (nonce, reason) in self.refused_recent.items()]
+        info = {"run": self.run_info, "unknown_actors": unknown, "refused_actors": refused}
         packed = wire.encode_packed("params", actor=0, version=version, arrays=arrays, info=info)
         with self._pub_lock:
             self.published_version = version

@@ -320,3 +320,166 @@ def test_a_flooding_id_does_not_starve_an_honest_actor(tmp_path):
     # traffic) takes CPU from the honest actor; what the learner's fairness decides is whether the actor
     # is held back while it could run, so the rate counts the time it was not waiting for a CPU.
     assert flooded_ready >= 0.8 * alone_ready, (alone_ready, flooded_ready)
+
+
+# ------------------------------------------------------------------ identities
+
+
+def test_with_curve_an_id_belongs_to_the_key_that_claimed_it(tmp_path):
+    """Two authorized client keys: the second one's hello and unrolls for an id the first one owns are
+    dropped (wrong_key) and the owner stays accepted; the weights message tells the refused hello's
+    sender (by its nonce) why."""
+    import os
+    import shutil
+
+    from impala.transport.curve import ClientKeys, make_client_keys, make_client_socket, prepare_server
+
+    keys_dir = str(tmp_path / "keys")
+    prepare_server(keys_dir)
+    clients = []
+    for name in ("alice", "mallory"):
+        d = str(tmp_path / name)
+        public = make_client_keys(d)
+        shutil.copy(os.path.join(keys_dir, "server.key"), d)
+        shutil.copy(public, os.path.join(keys_dir, "authorized", f"{name}.key"))
+        clients.append(ClientKeys(os.path.join(d, "server.key"), os.path.join(d, "client.key_secret")))
+    srv = TrajectoryServer(SCHEMA, queue_size=8, curve_dir=keys_dir)
+    srv.start()
+    ctx = zmq.Context.instance()
+    socks = []
+    for keys in clients:
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        make_client_socket(s, keys)
+        s.connect(srv.trajectory_endpoint)
+        socks.append(s)
+    alice, mallory = socks
+    u = SCHEMA.allocate()
+    try:
+        alice.send_multipart(_frames("hello", 5, info={"nonce": "a1"}))
+        assert _wait(lambda: 5 in srv.accepted)
+        mallory.send_multipart(_frames("hello", 5, info={"nonce": "m1"}))
+        mallory.send_multipart(_frames("unroll", 5, u))
+        assert _wait(lambda: srv.dropped["wrong_key"] == 2), dict(srv.dropped)
+        assert 5 in srv.accepted and srv.refused_hellos == 1
+        alice.send_multipart(_frames("unroll", 5, u))
+        assert srv.get(timeout=10).actor == 5 and srv.queue.qsize() == 0
+        # mallory's own ids are hers
+        mallory.send_multipart(_frames("hello", 6, info={"nonce": "m2"}))
+        assert _wait(lambda: 6 in srv.accepted)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        make_client_socket(sub, clients[1])
+        sub.connect(srv.params_endpoint)
+        socks.append(sub)
+        msg = None
+        deadline = time.monotonic() + 10
+        while msg is None and time.monotonic() < deadline:
+            srv.publish(0, {})
+            if sub.poll(200):
+                msg = wire.decode_packed(sub.recv(), expect_kind="params")
+        assert msg is not None
+        assert msg.info["refused_actors"] == [[5, "m1", "actor id 5 belongs to another client key"]]
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+
+
+def _learner_and_actor(tmp_path, seconds: int, extra=(), actor_extra=()):
+    from procs import free_port_pair, start
+
+    port = free_port_pair()
+    learner = start(["launch_impala", "--env", "CartPole-v1", "--workers", "0", "--unroll-length", "20",
+                     "--batch-size", "8", "--port", str(port), "--total-frames", "100000000",
+                     "--max-seconds", str(seconds), "--torch-threads", "1", "--no-progress",
+                     "--log-interval", "2",
+                     "--logdir", str(tmp_path / "run"), *extra])
+    return port, learner
+
+
+def _frames_so_far(tmp_path) -> float:
+    """The run's env frames in its latest metrics row (0 before the first)."""
+    import csv
+
+    metrics = tmp_path / "run" / "metrics.csv"
+    if not metrics.exists():
+        return 0.0
+    with open(metrics) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("charts/env_frames")]
+    return float(rows[-1]["charts/env_frames"]) if rows else 0.0
+
+
+def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
+    """Without CURVE, a forged hello {actor: 1000, fingerprint: junk} while impala-actors --first-id 1000
+    trains is refused and evicts id 1000; the weights message reports the refusal with another nonce
+    than the actor's, so the actor says hello again and keeps training."""
+    from procs import kill_group, start, wait_for
+
+    port, learner = _learner_and_actor(tmp_path, 30)
+    actors = start(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1",
+                    "--first-id", "1000", "--learner-timeout", "5"])
+    frames = lambda: _frames_so_far(tmp_path)  # noqa: E731
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    try:
+        assert wait_for(lambda: frames() > 0, 60), "the remote actor never trained"
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send_multipart(_frames("hello", 1000, info={"fingerprint": {"junk": 1}}))
+        at_forgery = frames()
+        out, _ = learner.communicate(timeout=90)
+        actors_out, _ = actors.communicate(timeout=30)
+    finally:
+        push.close()
+        kill_group(learner)
+        kill_group(actors)
+    assert learner.returncode == 0, out[-3000:]
+    assert "refused actor 1000" in out, out[-3000:]
+    assert "a hello in this actor's name from elsewhere was refused" in actors_out, actors_out[-3000:]
+    assert "actor 1000 joined" in out.split("refused actor 1000", 1)[1], out[-3000:]
+    # it trained on after the forgery (the only actor: locked out, the frames would have stopped there)
+    import re
+
+    final = int(re.search(r"done: (\d+) env frames", out).group(1))
+    assert final > at_forgery + 20000, (at_forgery, final)
+    print(f"forged hello: actor 1000 said hello again;"
+          f" frames {at_forgery:.0f} at the forgery, {final} at the end")
+
+
+def test_an_actor_refused_for_good_exits_with_one_line(tmp_path):
+    """With CURVE, a second machine (its own key) running --first-id 1000 while the first one trains
+    as 1000: the learner refuses its hello, and its impala-actors exits with the reason, exit code 2."""
+    import os
+    import shutil
+
+    from impala.transport.curve import make_client_keys
+    from procs import kill_group, run, start, wait_for
+
+    keys_dir = str(tmp_path / "learner-keys")
+    port, learner = _learner_and_actor(tmp_path, 60, ["--curve", keys_dir])
+    first = None
+    try:
+        assert wait_for(lambda: os.path.exists(os.path.join(keys_dir, "server.key"))
+                        and os.path.isdir(os.path.join(keys_dir, "authorized")), 60)
+        dirs = []
+        for name in ("first", "second"):
+            d = str(tmp_path / name)
+            shutil.copy(make_client_keys(d), os.path.join(keys_dir, "authorized", f"{name}.key"))
+            shutil.copy(os.path.join(keys_dir, "server.key"), d)
+            dirs.append(d)
+        cmd = ["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1",
+               "--first-id", "1000", "--learner-timeout", "5"]
+        first = start([*cmd, "--curve", dirs[0]])
+        assert wait_for(lambda: _frames_so_far(tmp_path) > 0, 60)  # the first one's unrolls: it owns 1000
+        second = run([*cmd, "--curve", dirs[1], "--max-seconds", "50"], timeout=90)
+        assert first.poll() is None  # the owner trains on
+    finally:
+        kill_group(learner)
+        if first is not None:
+            kill_group(first)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert "the learner refused this actor: actor id 1000 belongs to another client key" in second.stderr
+    assert "impala-actors: the learner refused actor(s) [1000]" in second.stderr
+    assert "Traceback" not in second.stderr
+
