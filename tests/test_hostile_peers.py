@@ -483,3 +483,78 @@ def test_an_actor_refused_for_good_exits_with_one_line(tmp_path):
     assert "impala-actors: the learner refused actor(s) [1000]" in second.stderr
     assert "Traceback" not in second.stderr
 
+
+# ------------------------------------------------------------------ values at the bound
+
+
+def test_behaviour_logits_at_the_bound_are_dropped_before_they_stall_an_update():
+    """Logits at exactly +-1e6 (the default --max-abs-value) passed receipt, and an unroll whose taken
+    action they call impossible made the whole (APPO-clipped) update non-finite. validate() now drops
+    it; the same logits with the likely action taken stay trainable."""
+    import torch
+
+    from impala.envs import EnvSpec
+    from impala.envs.probe import EnvInfo
+    from impala.run.config import ImpalaConfig, RunConfig
+    from learner.vtrace_learner import ImpalaTrainer
+
+    B = 4
+    run = RunConfig(env="CartPole-v1", unroll_length=T, total_frames=1000, device="cpu")
+    trainer = ImpalaTrainer(ImpalaConfig(batch_size=B, minibatches=1, epochs=1), run,
+                            EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete",
+                                    num_actions=2))
+    assert run.max_abs_value == 1e6
+    rng = np.random.default_rng(0)
+
+    def unroll(actions):
+        schema = trainer.schema
+        u = schema.allocate()
+        u["obs"][:] = rng.standard_normal(u["obs"].shape)
+        u["rewards"][:] = rng.standard_normal(T)
+        u["behaviour_logits"][:] = [1e6, -1e6]
+        u["actions"][:] = actions
+        return u
+
+    unlikely, likely = unroll(1), unroll(0)
+    assert "log-probability" in trainer.validate(unlikely) and trainer.validate(likely) is None
+    honest = [unroll(rng.integers(0, 2, T)) for _ in range(B)]
+    for u in honest:
+        u["behaviour_logits"][:] = rng.standard_normal((T, 2))
+        assert trainer.validate(u) is None
+
+    def skipped(unrolls):
+        before = trainer.learner.skipped_updates
+        metrics = trainer.learner.train(trainer.learner.stage(unrolls, trainer.schema), frames_done=0)
+        return trainer.learner.skipped_updates - before, metrics
+
+    # what used to reach a minibatch: the update is not finite and is skipped
+    assert skipped(honest[:-1] + [unlikely])[0] == 1
+    # what passes validate() now trains
+    n, metrics = skipped(honest[:-1] + [likely])
+    assert n == 0 and np.isfinite(metrics["losses/total"])
+    assert all(torch.isfinite(p).all() for p in trainer.learner.model.parameters())
+
+
+def test_ppo_log_probs_at_the_bound_are_dropped():
+    """PPO: a log-probability of -1e6 passes --max-abs-value but overflows exp(new - old); honest
+    samples from the policy pass."""
+    import torch
+
+    from impala.envs import EnvSpec
+    from impala.envs.probe import EnvInfo
+    from impala.run.config import RunConfig
+    from impala.run.ppo_config import PPOConfig
+    from learner.ppo_learner import PPOTrainer
+
+    ones = np.ones(2, np.float32)
+    env = EnvInfo(EnvSpec("Pendulum-v1"), (3,), "float32", "Box", "Box", action_low=-ones, action_high=ones)
+    trainer = PPOTrainer(PPOConfig(), RunConfig(env="Pendulum-v1", unroll_length=T, device="cpu"), env)
+    policy = trainer.learner.policy
+    u = trainer.schema.allocate()
+    mu = torch.zeros(T, 2)
+    actions = mu + torch.exp(policy.log_sigma) * torch.randn(T, 2, generator=torch.Generator().manual_seed(0))
+    u["actions"][:] = actions.detach().numpy()
+    u["log_probs"][:] = policy.log_prob_per_dim(actions, mu).detach().numpy()
+    assert trainer.validate(u) is None
+    u["log_probs"][3] = -1e6
+    assert "overflow" in trainer.validate(u)
