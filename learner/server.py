@@ -88,6 +88,12 @@ class _Stream:
         return returns, lengths
 
 
+def _nonce(info: Mapping[str, Any]) -> str | None:
+    """A hello's nonce (a short string the actor drew), or None when it sent none or a bad one."""
+    nonce = info.get("nonce")
+    return nonce if isinstance(nonce, str) and len(nonce) <= MAX_NONCE_CHARS else None
+
+
 def unroll_episode_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """An unroll's raw rewards [T] and episode ends [T] (IMPALA: ``dones``; PPO: terminated or truncated)."""
     ends = arrays["dones"] if "dones" in arrays else arrays["terminated"] | arrays["truncated"]
@@ -193,6 +199,8 @@ class TrajectoryServer:
         # while the main thread is busy in a long update. The lock gives the PUB socket one user at a time.
         self._pub_lock = threading.Lock()
         self._last_params: bytes | None = None
+        self._last_arrays: tuple[int, Mapping[str, np.ndarray]] | None = None  # to re-pack with new reports
+        self._reports_changed = False  # unknown or refused ids not yet in the packed weights message
         self._heartbeat = threading.Thread(target=self._republish_loop, name="weights-heartbeat", daemon=True)
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -220,6 +228,7 @@ class TrajectoryServer:
         self.queue = FairQueue(queue_size)
         self.accepted: dict[int, dict[str, Any]] = {}
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self.refused_nonces: dict[int, str | None] = {}  # the nonce of each refused id's refused hello
         self.last_seen: dict[int, float] = {}  # accepted actor -> monotonic time of its last valid message
         # Ids whose unrolls were dropped because the learner does not know them (never said hello,
         # or their slot expired): the weights message lists them, so such an actor says hello again.
@@ -277,6 +286,17 @@ class TrajectoryServer:
 
     def _republish_loop(self) -> None:
         while not self._stop.wait(1.0):
+            with self._stats_lock:
+                changed, self._reports_changed = self._reports_changed, False
+            last = self._last_arrays
+            if changed and last is not None:
+                # New unknown or refused ids since the weights were packed: tell them now, not at the
+                # next update (a learner whose only actor was just evicted makes no more updates).
+                version, arrays = last
+                packed = self._pack(version, arrays)
+                with self._pub_lock:
+                    if self.published_version == version:  # publish() may have sent newer weights meanwhile
+                        self._last_params = packed
             with self._pub_lock:
                 if self._last_params is not None and not self.pub.closed:
                     self.pub.send(self._last_params, copy=False)
@@ -378,6 +398,7 @@ class TrajectoryServer:
                 self._forget_streams(actor)
                 self.fresh[actor] = info.get("resumed") is not True
                 self.refused.pop(actor, None)
+                self.refused_nonces.pop(actor, None)
                 with self._stats_lock:
                     self.unknown_recent.pop(actor, None)
             elif actor in self.accepted and actor in self.protected_ids:
@@ -387,8 +408,9 @@ class TrajectoryServer:
             else:
                 self.refused[actor] = reason[:1000]
                 self.refused.move_to_end(actor)
+                self.refused_nonces[actor] = _nonce(header["info"])
                 while len(self.refused) > MAX_REFUSED:
-                    self.refused.popitem(last=False)
+                    self.refused_nonces.pop(self.refused.popitem(last=False)[0], None)
                 self.accepted.pop(actor, None)
                 self.last_seen.pop(actor, None)
                 self._forget_streams(actor)
@@ -402,8 +424,15 @@ class TrajectoryServer:
             return
         if actor not in self.accepted:
             self._drop("unknown_actor", actor, self.refused.get(actor, "no hello received"))
-            if actor not in self.refused:
+            if actor in self.refused:
+                # Still sending: keep its refusal among the reported ones, however many other ids
+                # were refused since (a flood of refused hellos must not push a victim's out).
+                if actor not in self.refused_recent:
+                    self._tell_refused(actor, {"nonce": self.refused_nonces.get(actor)}, self.refused[actor])
+            else:
                 with self._stats_lock:  # publish() reads it from the learner's thread
+                    if actor not in self.unknown_recent:
+                        self._reports_changed = True
                     self.unknown_recent[actor] = None
                     self.unknown_recent.move_to_end(actor)
                     while len(self.unknown_recent) > MAX_UNKNOWN_REPORTED:
@@ -494,11 +523,10 @@ class TrajectoryServer:
 
     def _tell_refused(self, actor: int, info: Mapping[str, Any], reason: str) -> None:
         """Remember a refused hello for the weights message (bounded: the newest MAX_UNKNOWN_REPORTED)."""
-        nonce = info.get("nonce")
-        nonce = nonce if isinstance(nonce, str) and len(nonce) <= MAX_NONCE_CHARS else None
         with self._stats_lock:  # publish() reads it from the learner's thread
-            self.refused_recent[actor] = (nonce, reason[:200])
+            self.refused_recent[actor] = (_nonce(info), reason[:200])
             self.refused_recent.move_to_end(actor)
+            self._reports_changed = True
             while len(self.refused_recent) > MAX_UNKNOWN_REPORTED:
                 self.refused_recent.popitem(last=False)
 
@@ -568,15 +596,22 @@ class TrajectoryServer:
             log.info("forgot %d actor(s) silent for more than %.0fs", len(idle), ACTOR_IDLE_S)
         return bool(idle)
 
-    def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
+    def _pack(self, version: int, arrays: Mapping[str, np.ndarray]) -> bytes:
+        """A weights message: the arrays, the run, and the ids recently dropped as unknown or refused."""
         with self._stats_lock:
             unknown = list(self.unknown_recent)
             refused = [[a, nonce, reason] for a, (nonce, reason) in self.refused_recent.items()]
+            self._reports_changed = False
         info = {"run": self.run_info, "unknown_actors": unknown, "refused_actors": refused}
-        packed = wire.encode_packed("params", actor=0, version=version, arrays=arrays, info=info)
+        return wire.encode_packed("params", actor=0, version=version, arrays=arrays, info=info)
+
+    def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Send the weights of ``version`` to every actor (and re-send them every second)."""
+        packed = self._pack(version, arrays)
         with self._pub_lock:
             self.published_version = version
             self._last_params = packed
+            self._last_arrays = (version, arrays)
             self.pub.send(packed, copy=False)
 
     def full_window_mean_return(self) -> float | None:

@@ -387,6 +387,49 @@ def test_with_curve_an_id_belongs_to_the_key_that_claimed_it(tmp_path):
         srv.close()
 
 
+def test_a_refusal_is_told_without_an_update_and_outlives_a_flood_of_others():
+    """The weights heartbeat carries a new refusal within a second, with no update to publish (an
+    evicted sole actor makes none), and a victim that keeps sending stays reported however many other
+    ids are refused meanwhile (the report holds the newest 64)."""
+    srv = TrajectoryServer(SCHEMA, queue_size=8, on_hello=lambda a, info: "junk" if info.get("junk") else None)
+    srv.start()
+    ctx = zmq.Context.instance()
+    push, sub = ctx.socket(zmq.PUSH), ctx.socket(zmq.SUB)
+    for sock in (push, sub):
+        sock.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.CONFLATE, 1)
+    push.connect(srv.trajectory_endpoint)
+    sub.connect(srv.params_endpoint)
+
+    def reported(timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sub.poll(200):
+                rows = wire.decode_packed(sub.recv(), expect_kind="params").info["refused_actors"]
+                if any(r[0] == 1000 for r in rows):
+                    return rows
+        return None
+
+    try:
+        push.send_multipart(_frames("hello", 1000, info={"nonce": "real"}))
+        assert _wait(lambda: 1000 in srv.accepted)
+        srv.publish(0, {})  # the last publish() of this test
+        push.send_multipart(_frames("hello", 1000, info={"nonce": "forged", "junk": 1}))
+        assert _wait(lambda: 1000 not in srv.accepted)
+        assert [1000, "forged", "junk"] in reported()
+        for actor in range(2000, 2100):
+            push.send_multipart(_frames("hello", actor, info={"junk": 1}))
+        assert _wait(lambda: srv.refused_hellos == 101)
+        assert 1000 not in srv.refused_recent  # pushed out by the newer refusals ...
+        push.send_multipart(_frames("unroll", 1000, SCHEMA.allocate()))  # ... until the victim sends again
+        assert [1000, "forged", "junk"] in reported()
+    finally:
+        push.close()
+        sub.close()
+        srv.close()
+
+
 def _learner_and_actor(tmp_path, seconds: int, extra=(), actor_extra=()):
     from procs import free_port_pair, start
 
