@@ -7,6 +7,10 @@ actor) anything malformed, oversized, off-schema or non-finite. It never lets a
 bad message raise out of the thread. Valid unrolls go into a bounded queue: when
 the learner falls behind, the queue fills, the thread stops reading, and
 ZeroMQ's high-water marks push back on the actors.
+
+Nothing a peer claims steers the learner's statistics: episode returns and lengths are summed
+here from the rewards and episode ends of accepted unrolls. No actor id gets more than its fair
+share of the queue, and with CURVE an id belongs to the client key that first claimed it.
 """
 
 from __future__ import annotations
