@@ -203,7 +203,6 @@ class TrajectoryServer:
         # while the main thread is busy in a long update. The lock gives the PUB socket one user at a time.
         self._pub_lock = threading.Lock()
         self._last_params: bytes | None = None
-        self._last_arrays: tuple[int, Mapping[str, np.ndarray]] | None = None  # to re-pack with new reports
         self._reports_changed = False  # unknown or refused ids not yet in the packed weights message
         self._heartbeat = threading.Thread(target=self._republish_loop, name="weights-heartbeat", daemon=True)
         self.ctx = zmq.Context.instance()
@@ -255,7 +254,8 @@ class TrajectoryServer:
         # Fair share: the number of active actors, recounted at most twice a second.
         self._active = 1
         self._active_at = 0.0
-        # Per-actor accounting (accepted unrolls, first and last time), logged when the server closes.
+        # Per-actor accounting (accepted unrolls, first and last time, unrolls over its share), logged
+        # when the server closes.
         self.unrolls_by_actor: dict[int, list[float]] = {}
         self.episodes_total = 0
         self.task_returns: list[collections.deque[float]] = [collections.deque(maxlen=100) for _ in self.task_names]
@@ -292,15 +292,21 @@ class TrajectoryServer:
         while not self._stop.wait(1.0):
             with self._stats_lock:
                 changed, self._reports_changed = self._reports_changed, False
-            last = self._last_arrays
+            last = self._last_params
             if changed and last is not None:
                 # New unknown or refused ids since the weights were packed: tell them now, not at the
                 # next update (a learner whose only actor was just evicted makes no more updates).
-                version, arrays = last
-                packed = self._pack(version, arrays)
-                with self._pub_lock:
-                    if self.published_version == version:  # publish() may have sent newer weights meanwhile
-                        self._last_params = packed
+                # The weights come from the packed message itself (its bytes never change), not from
+                # the learner's arrays, which the next optimizer step changes in place.
+                try:
+                    old = wire.decode_packed(last, expect_kind="params")
+                    packed = self._pack(old.version, old.arrays)
+                except (wire.WireError, ValueError) as e:  # the heartbeat itself must go on
+                    log.error("could not re-pack the weights message: %s", e)
+                else:
+                    with self._pub_lock:
+                        if self._last_params is last:  # publish() may have sent newer weights meanwhile
+                            self._last_params = packed
             with self._pub_lock:
                 if self._last_params is not None and not self.pub.closed:
                     self.pub.send(self._last_params, copy=False)
@@ -615,7 +621,6 @@ class TrajectoryServer:
         with self._pub_lock:
             self.published_version = version
             self._last_params = packed
-            self._last_arrays = (version, arrays)
             self.pub.send(packed, copy=False)
 
     def full_window_mean_return(self) -> float | None:

@@ -213,7 +213,7 @@ def _flood(port: int, stop: threading.Event, rate: float, counts: dict) -> None:
     from impala.envs import EnvSpec
     from impala.envs.probe import measure_env_fingerprint
 
-    os.sched_setaffinity(0, {0})  # this thread only: beside the learner, away from the honest actor
+    os.sched_setaffinity(0, {LEARNER_CPU})  # this thread only: beside the learner, away from the honest actor
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     run_id = fetch_run_info(f"tcp://127.0.0.1:{port + 1}", 60).run_id
     fingerprint = measure_env_fingerprint(EnvSpec("CartPole-v1"), seed=7).to_dict()
@@ -247,10 +247,14 @@ def _flood(port: int, stop: threading.Event, rate: float, counts: dict) -> None:
             s.close()
 
 
+CPUS = sorted(os.sched_getaffinity(0))
+LEARNER_CPU, ACTOR_CPU = CPUS[0], CPUS[-1]  # the flood test needs two (it is skipped otherwise)
+
+
 def _own_cpu() -> None:
-    """The honest actor: CPU 1, ahead of the machine's other work (root may raise a priority), so
+    """The honest actor: a CPU of its own, ahead of the machine's other work (root may raise a priority), so
     that what the test measures is the learner's fairness, not the box's load."""
-    os.sched_setaffinity(0, {1})
+    os.sched_setaffinity(0, {ACTOR_CPU})
     try:
         os.setpriority(os.PRIO_PROCESS, 0, -10)
     except PermissionError:
@@ -258,9 +262,9 @@ def _own_cpu() -> None:
 
 
 def _honest_run(tmp_path, name: str, flood_rate: float) -> tuple[float, float, str, dict]:
-    """A real learner on CPU 0 and one honest impala-actors process (id 2000) on CPU 1 for 25 s, with a
-    flooder thread (niced, CPU 0) when ``flood_rate``. Returns the honest actor's accepted unrolls per
-    second of wall time, and per second it was not kept waiting for a CPU by other processes."""
+    """A real learner on one CPU and one honest impala-actors process (id 2000) on another for 25 s,
+    with a flooder thread (niced, on the learner's CPU) when ``flood_rate``. Returns the honest actor's
+    accepted unrolls per second of wall time, and per second it was not kept waiting for a CPU."""
     from procs import descendants, free_port_pair, kill_group, start
 
     port = free_port_pair()
@@ -268,7 +272,7 @@ def _honest_run(tmp_path, name: str, flood_rate: float) -> tuple[float, float, s
                      "--batch-size", "32", "--envs-per-worker", "1", "--port", str(port),
                      "--total-frames", "100000000", "--max-seconds", "25", "--no-progress",
                      "--log-interval", "5", "--logdir", str(tmp_path / name)],
-                    preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+                    preexec_fn=lambda: os.sched_setaffinity(0, {LEARNER_CPU}))
     honest = start(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1",
                     "--first-id", "2000", "--learner-timeout", "5", "--max-seconds", "60"],
                    preexec_fn=_own_cpu)
