@@ -47,7 +47,10 @@ MAX_UNKNOWN_REPORTED = 64  # ids whose unrolls were dropped as unknown, told bac
 MAX_STREAMS = 65536  # (actor, env) streams whose running episode the server tracks; more are not counted
 MAX_ENVS_PER_ACTOR = 10_000  # an unroll's env index bound when the hello did not say (RunInfo's own bound)
 
-ACTIVE_S = 10.0  # an actor with an accepted message this recent counts as active for the fair share
+# An actor with an accepted message this recent counts as active for the fair share. Short on purpose:
+# an actor that just died (say, killed and restarting) must not shrink the others' share for long, and
+# one that sends less often than this waits for room like any other (it is never over its share).
+ACTIVE_S = 0.25
 
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
 DROP_REASONS = (
@@ -251,7 +254,7 @@ class TrajectoryServer:
         self.fresh: dict[int, bool] = {}  # actor -> its hello said it starts its envs afresh
         self.episode_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.episode_lengths: collections.deque[int] = collections.deque(maxlen=100)
-        # Fair share: the number of active actors, recounted at most twice a second.
+        # Fair share: the number of active actors, recounted at most every 50 ms.
         self._active = 1
         self._active_at = 0.0
         # Per-actor accounting (accepted unrolls, first and last time, unrolls over its share), logged
@@ -448,8 +451,11 @@ class TrajectoryServer:
                     while len(self.unknown_recent) > MAX_UNKNOWN_REPORTED:
                         self.unknown_recent.popitem(last=False)
             return
-        # Before decoding (cheap): one id, over however many connections, gets at most its share of
-        # the queue, so a flood under one accepted id cannot crowd the other actors out.
+        # Before decoding (cheap): an id holding its share of the queue or more has this unroll
+        # dropped. Queueing it would hand the slots to whichever connections the receive thread reads
+        # most often (ZeroMQ reads connections in turn): one id over 16 connections took 16 of every
+        # 17 slots. An id under its share is queued, or waits for room (back pressure, as ever), and
+        # the learner takes unrolls round-robin across ids.
         share = self.fair_share()
         queued = self.queue.queued(actor)
         if queued >= share:
@@ -578,12 +584,17 @@ class TrajectoryServer:
             return None
 
     def fair_share(self) -> int:
-        """Unrolls one actor id may have queued: ceil(queue size / active actors) + 1."""
+        """Unrolls one actor id may have queued: ceil(queue size / active
+        actors) + 2 K (active: an accepted message within ACTIVE_S). K, the run's envs per actor, is
+        the burst an honest actor sends at once (one unroll per env, back to back), and one round may
+        arrive while the last one still waits; K comes from the run's own settings, never a peer."""
         now = time.monotonic()
-        if now - self._active_at > 0.5:
+        if now - self._active_at > 0.05:
             self._active = max(1, sum(now - t < ACTIVE_S for t in self.last_seen.values()))
             self._active_at = now
-        return -(-self.queue.maxsize // self._active) + 1
+        burst = self.run_info.get("envs_per_worker")
+        burst = burst if type(burst) is int and burst >= 1 else 1
+        return -(-self.queue.maxsize // self._active) + 2 * burst
 
     def actor_report(self, top: int = 8) -> str:
         """The actors with the most accepted unrolls: count, seconds from first to last, rate."""

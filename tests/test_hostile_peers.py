@@ -167,8 +167,9 @@ def test_an_honest_actor_reports_the_same_returns_as_before():
 
 
 def test_one_id_gets_at_most_its_share_of_the_queue():
-    """Queue of 8, two active ids: each may hold ceil(8 / 2) + 1 = 5 queued unrolls; one id's excess
-    is dropped as over_share (whatever the number of connections), the other id still gets in."""
+    """Queue of 8, two active ids: each may hold ceil(8 / 2) + 2 = 6 queued unrolls; one id's excess
+    is dropped as over_share (whatever the number of connections) while the other id still gets in.
+    An id alone (the other one silent) may fill the queue, and then waits for room."""
     srv = TrajectoryServer(SCHEMA, queue_size=8)
     srv.start()
     socks = [zmq.Context.instance().socket(zmq.PUSH) for _ in range(4)]
@@ -180,21 +181,42 @@ def test_one_id_gets_at_most_its_share_of_the_queue():
         for actor in (1, 2):
             socks[0].send_multipart(_frames("hello", actor))
         assert _wait(lambda: {1, 2} <= set(srv.accepted))
+        srv.last_seen[2] = time.monotonic() + 60  # actor 2 stays active while actor 1 floods
         for i in range(20):
             socks[i % 4].send_multipart(_frames("unroll", 1, u))
-        assert _wait(lambda: srv.dropped["over_share"] == 15), dict(srv.dropped)
+        assert _wait(lambda: srv.dropped["over_share"] == 14), dict(srv.dropped)
         socks[0].send_multipart(_frames("unroll", 2, u))
         socks[0].send_multipart(_frames("unroll", 2, u))
-        got = [m.actor for m in _drain(srv, 7)]
-        assert sorted(got) == [1] * 5 + [2] * 2 and srv.queue.qsize() == 0
-        assert srv.stats()["transport/dropped_over_share"] == 15.0
-        # the learner took them: the id's share is free again
-        socks[1].send_multipart(_frames("unroll", 1, u))
-        assert srv.get(timeout=10).actor == 1 and srv.dropped["over_share"] == 15
+        got = [m.actor for m in _drain(srv, 8)]
+        assert sorted(got) == [1] * 6 + [2] * 2 and srv.queue.qsize() == 0, got
+        assert srv.stats()["transport/dropped_over_share"] == 14.0
+        # an id alone is never over its share (ceil(8 / 1) + 2): it fills the queue and waits for room
+        srv.last_seen[2] = time.monotonic() - 60
+        time.sleep(0.1)  # (the active count is refreshed every 50 ms)
+        for i in range(12):
+            socks[i % 4].send_multipart(_frames("unroll", 1, u))
+        assert _wait(lambda: srv.queue.qsize() == 8)
+        assert len(_drain(srv, 12)) == 12 and srv.dropped["over_share"] == 14
     finally:
         for s in socks:
             s.close()
         srv.close()
+
+
+def test_the_queue_hands_unrolls_out_round_robin_across_ids():
+    from learner.server import FairQueue
+
+    q = FairQueue(8)
+    for actor in (1, 1, 1, 2, 3, 1):
+        q.put(wire.Message("unroll", actor, 0), timeout=0)
+    assert q.queued(1) == 4 and q.qsize() == 6
+    with pytest.raises(__import__("queue").Full):
+        for _ in range(3):
+            q.put(wire.Message("unroll", 4, 0), timeout=0.01)
+    got = [q.get(timeout=0).actor for _ in range(8)]
+    assert got == [1, 2, 3, 4, 1, 4, 1, 1], got  # each id with unrolls waiting in turn
+    with pytest.raises(__import__("queue").Empty):
+        q.get(timeout=0.01)
 
 
 def _accepted(out: str, actor: int) -> tuple[int, float]:

@@ -254,7 +254,7 @@ def test_multi_task_defaults_yield_to_flags_and_presets(tmp_path):
     """PopArt on and rewards unclipped for several tasks, unless a flag or a preset says otherwise."""
     def resolved(*argv):
         _, impala = launch_impala.resolve(launch_impala.parse_args(list(argv)))
-        return impala.algos.popart, impala.reward_clip
+        return impala.popart, impala.reward_clip
 
     assert resolved("--env", "CartPole-v1") == (False, 1.0)  # one task: the single-task defaults
     assert resolved("--env", TASKS) == (True, 0.0)
