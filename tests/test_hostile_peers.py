@@ -456,15 +456,15 @@ def test_a_refusal_is_told_without_an_update_and_outlives_a_flood_of_others():
         srv.close()
 
 
-def _learner_and_actor(tmp_path, seconds: int, extra=(), actor_extra=()):
+def _cartpole_learner(tmp_path, seconds: int, extra=()):
+    """A real launch_impala without actors of its own (--workers 0) for ``seconds``: (port, process)."""
     from procs import free_port_pair, start
 
     port = free_port_pair()
     learner = start(["launch_impala", "--env", "CartPole-v1", "--workers", "0", "--unroll-length", "20",
                      "--batch-size", "8", "--port", str(port), "--total-frames", "100000000",
                      "--max-seconds", str(seconds), "--torch-threads", "1", "--no-progress",
-                     "--log-interval", "2",
-                     "--logdir", str(tmp_path / "run"), *extra])
+                     "--log-interval", "2", "--logdir", str(tmp_path / "run"), *extra])
     return port, learner
 
 
@@ -486,7 +486,7 @@ def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
     than the actor's, so the actor says hello again and keeps training."""
     from procs import kill_group, start, wait_for
 
-    port, learner = _learner_and_actor(tmp_path, 30)
+    port, learner = _cartpole_learner(tmp_path, 30)
     actors = start(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1",
                     "--first-id", "1000", "--learner-timeout", "5"])
     frames = lambda: _frames_so_far(tmp_path)  # noqa: E731
@@ -526,7 +526,7 @@ def test_an_actor_refused_for_good_exits_with_one_line(tmp_path):
     from procs import kill_group, run, start, wait_for
 
     keys_dir = str(tmp_path / "learner-keys")
-    port, learner = _learner_and_actor(tmp_path, 60, ["--curve", keys_dir])
+    port, learner = _cartpole_learner(tmp_path, 60, ["--curve", keys_dir])
     first = None
     try:
         assert wait_for(lambda: os.path.exists(os.path.join(keys_dir, "server.key"))
