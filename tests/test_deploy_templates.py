@@ -373,8 +373,8 @@ def test_actor_pods_get_disjoint_id_ranges_from_their_ordinals():
     script = container["args"][0].replace("exec impala-actors", "echo")
     ranges = []
     for ordinal in [*range(64), 4095, 65000]:
-        env = {"POD_NAME": f"impala-actors-{ordinal}", "ACTORS_PER_POD": str(per_pod), "PATH": "/usr/bin:/bin",
-               "POD_IP": "fd00::1"}  # an IPv6 pod: must not matter
+        env = {"POD_NAME": f"impala-actors-{ordinal}", "ACTORS_PER_POD": str(per_pod),
+               "PATH": "/usr/bin:/bin", "POD_IP": "fd00::1"}  # an IPv6 pod: must not matter
         out = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
         first = int(re.search(r"--first-id (\d+)", out).group(1))
         ranges.append(range(first, first + per_pod))

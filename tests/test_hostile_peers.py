@@ -61,13 +61,14 @@ def test_claimed_episode_returns_in_info_steer_nothing(link):
     assert _wait(lambda: 4242 in srv.accepted)
     u = SCHEMA.allocate()
     u["behaviour_logits"][:] = 0.5
-    push.send_multipart(_frames("unroll", 4242, u, {"env": 0, **wire.episode_info([500.0] * 100, [10] * 100)}))
+    claims = wire.episode_info([500.0] * 100, [10] * 100)
+    push.send_multipart(_frames("unroll", 4242, u, {"env": 0, **claims}))
     _drain(srv, 1)
     assert srv.full_window_mean_return() is None
     assert "charts/mean_return_100" not in srv.stats() and srv.stats()["charts/episodes"] == 0.0
     # The same peer's data with one real episode end counts exactly that episode, claims or not.
     u["first"][0], u["rewards"][:], u["dones"][T - 1] = True, 1.0, True
-    push.send_multipart(_frames("unroll", 4242, u, {"env": 0, **wire.episode_info([500.0] * 100, [10] * 100)}))
+    push.send_multipart(_frames("unroll", 4242, u, {"env": 0, **claims}))
     _drain(srv, 1)
     assert srv.stats()["charts/episodes"] == 1.0 and srv.stats()["charts/mean_return_100"] == float(T)
 
@@ -417,7 +418,8 @@ def test_a_refusal_is_told_without_an_update_and_outlives_a_flood_of_others():
     """The weights heartbeat carries a new refusal within a second, with no update to publish (an
     evicted sole actor makes none), and a victim that keeps sending stays reported however many other
     ids are refused meanwhile (the report holds the newest 64)."""
-    srv = TrajectoryServer(SCHEMA, queue_size=8, on_hello=lambda a, info: "junk" if info.get("junk") else None)
+    srv = TrajectoryServer(SCHEMA, queue_size=8,
+                           on_hello=lambda actor, info: "junk" if info.get("junk") else None)
     srv.start()
     ctx = zmq.Context.instance()
     push, sub = ctx.socket(zmq.PUSH), ctx.socket(zmq.SUB)
