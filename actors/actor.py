@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from actors.loop import LEARNER_GONE_EXIT, ActorConfig, run_actor
+from actors.loop import LEARNER_GONE_EXIT, REFUSED_EXIT, ActorConfig, run_actor
 
 class Actor(multiprocessing.Process):
     """One actor process. Holds only its config until ``run()``."""
@@ -36,5 +36,8 @@ class Actor(multiprocessing.Process):
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         torch.set_num_threads(1)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s actor-%(process)d %(message)s")
-        if run_actor(self.config, parent_pid=os.getppid()) == "learner_gone":
+        why = run_actor(self.config, parent_pid=os.getppid())
+        if why == "learner_gone":
             sys.exit(LEARNER_GONE_EXIT)  # the pool does not restart an actor whose learner is gone
+        if why == "refused":
+            sys.exit(REFUSED_EXIT)  # nor one the learner refused (it logged why)

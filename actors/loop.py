@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from impala.run.orphans import exit_if_orphaned
 log = logging.getLogger(__name__)
 
 LEARNER_GONE_EXIT = 3
+REFUSED_EXIT = 4  # the learner refused this actor's own hello: restarting would not change its answer
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,15 @@ def _unknown_actors(msg: wire.Message) -> list:
     return ids if isinstance(ids, list) else []
 
 
+def _refusals(msg: wire.Message, actor_id: int) -> list[tuple[Any, str]]:
+    """(nonce, reason) of each refused hello in ``actor_id``'s name that the weights message reports."""
+    rows = msg.info.get("refused_actors")
+    if not isinstance(rows, list):
+        return []
+    return [(row[1], str(row[2])[:300]) for row in rows
+            if isinstance(row, list) and len(row) == 3 and row[0] == actor_id]
+
+
 def _run_id(msg: wire.Message) -> Any:
     run = msg.info.get("run")
     return run.get("run_id") if isinstance(run, dict) else None
@@ -186,8 +197,8 @@ def run_actor(
 
     Runs until ``max_unrolls`` unrolls were sent, ``stop_event`` is set (thread
     mode), the learner stops sending weights (``learner_timeout_s``), or the
-    process is terminated. Returns why it stopped: "max_unrolls", "stopped",
-    "no_weights" or "learner_gone".
+    process is terminated, or the learner refuses this actor's hello. Returns why it stopped:
+    "max_unrolls", "stopped", "no_weights", "learner_gone" or "refused".
     """
     stop_event = stop_event or threading.Event()
     # Measured here, on a probe env built from the same spec (Unity builds have none).
@@ -199,10 +210,17 @@ def run_actor(
         obs = envs.reset()
         agent = make_agent(config.agent, envs=envs, first_obs=obs, unroll_length=T, seed=config.seed)
         link = ActorLink(config, parent_pid, stop_event, message_bytes=agent.schema.nbytes)
-        hello_info = {"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K}
+        # The nonce tells this actor's own hellos apart from anyone else's in its name: when the learner
+        # reports a refused hello for our id with our nonce, the refusal is ours.
+        nonce = secrets.token_hex(8)
+        hello_info = {"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K, "nonce": nonce}
         if config.local_token:
             hello_info["local_token"] = config.local_token
         hello = wire.encode("hello", actor=config.actor_id, version=-1, info=hello_info)
+        # Said mid-run (the learner forgot us or restarted): our envs are mid-episode, and the learner
+        # must not count the rest of those episodes as whole ones.
+        rehello = wire.encode("hello", actor=config.actor_id, version=-1,
+                              info={**hello_info, "resumed": True})
         link.send(hello)
 
         params = None
@@ -245,7 +263,8 @@ def run_actor(
                 buf[name][:, T] = value
             returns, lengths = episodes.pop()
             for k in range(K):
-                # Episode stats ride on the first env's message only, so none is counted twice.
+                # The actor's own episode count rides on the first env's message, for logs and checks
+                # only: the learner sums its statistics from the rewards and ends of what it accepted.
                 info = wire.episode_info(returns, lengths) if k == 0 else {}
                 info["env"] = k  # which env stream this unroll continues (PPO's per-env reward normalization)
                 info["run_id"] = run_id  # the learner process whose weights made it; another one drops it
@@ -264,16 +283,28 @@ def run_actor(
             while (newest is None or newest.version <= version) and time.monotonic() < wait_until and not stop_event.is_set():
                 link._alive()
                 newest = link.latest_params(agent.params_schema, timeout_ms=100)
-            if newest is not None and config.actor_id in _unknown_actors(newest) and time.monotonic() - last_rehello > 5.0:
+            refusals = _refusals(newest, config.actor_id) if newest is not None else []
+            mine = [reason for theirs, reason in refusals if theirs == nonce]
+            if mine:
+                log.error("actor %d: the learner refused this actor: %s; exiting", config.actor_id, mine[0])
+                return "refused"
+            if refusals and time.monotonic() - last_rehello > 5.0:
+                # Someone else's hello in our name was refused, and the learner dropped us with it.
+                log.warning("actor %d: a hello in this actor's name from elsewhere was refused (%s); "
+                            "saying hello again", config.actor_id, refusals[0][1])
+                link.send(rehello)
+                last_rehello = time.monotonic()
+            elif (newest is not None and config.actor_id in _unknown_actors(newest)
+                  and time.monotonic() - last_rehello > 5.0):
                 # The learner dropped our unrolls as unknown (it forgot us, or never got our hello).
                 log.warning("actor %d: the learner does not know this actor (its unrolls were dropped); saying hello again", config.actor_id)
-                link.send(hello)
+                link.send(rehello)
                 last_rehello = time.monotonic()
             if newest is not None and _run_id(newest) != run_id:
                 # A new learner process (say, resumed after a crash) knows nothing of us: say hello
                 # again and take its weights, whatever their version number.
                 log.warning("actor %d: the learner restarted; saying hello again", config.actor_id)
-                link.send(hello)
+                link.send(rehello)
                 run_id, version = _run_id(newest), -1
             if newest is not None and newest.version > version:
                 agent.load_params(newest.arrays)

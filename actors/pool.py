@@ -11,7 +11,7 @@ import time
 from typing import Callable
 
 from actors.actor import Actor
-from actors.loop import LEARNER_GONE_EXIT, ActorConfig, run_actor
+from actors.loop import LEARNER_GONE_EXIT, REFUSED_EXIT, ActorConfig, run_actor
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ class ActorPool:
         self.actors: list[Actor] = []
         self.restarts = 0
         self._incarnation = [0] * len(configs)
-        self.finished: set[int] = set()  # actors that exited because their learner is gone
+        self.finished: set[int] = set()  # actors that exited because their learner is gone (or refused them)
+        self.refused: set[int] = set()  # ids of actors the learner refused
         # Restart backoff per slot: an actor that dies at start-up (say, a Unity port in use) must
         # not be re-spawned ten times a second, each spawn importing torch on the learner's cores.
         self._next_start: list[float | None] = [None] * len(configs)
@@ -61,6 +62,12 @@ class ActorPool:
                 if actor.exitcode == LEARNER_GONE_EXIT:
                     log.warning("actor %d: its learner stopped sending weights; not restarting it", self.configs[i].actor_id)
                     self.finished.add(i)
+                    continue
+                if actor.exitcode == REFUSED_EXIT:
+                    log.warning("actor %d: refused by the learner; not restarting it",
+                                self.configs[i].actor_id)
+                    self.finished.add(i)
+                    self.refused.add(self.configs[i].actor_id)
                     continue
                 # Back off only when an actor keeps dying quickly; one that ran a while restarts at once.
                 quick = now - self._started_at[i] < 30.0
@@ -110,11 +117,15 @@ class ThreadActors:
         self.restarts = 0
         self.errors: list[BaseException] = []
         self.finished: set[int] = set()
+        self.refused: set[int] = set()  # ids of actors the learner refused
 
     def _target(self, i: int, config: ActorConfig) -> None:
         try:
-            if run_actor(config, stop_event=self.stop_event) in ("learner_gone", "no_weights"):
+            why = run_actor(config, stop_event=self.stop_event)
+            if why in ("learner_gone", "no_weights", "refused"):
                 self.finished.add(i)
+            if why == "refused":
+                self.refused.add(config.actor_id)
         except BaseException as e:  # surfaced by supervise()
             self.errors.append(e)
 

@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         while not config.max_seconds or time.monotonic() - start < config.max_seconds:
             pool.supervise()
             if pool.all_finished():
+                if pool.refused:
+                    # each refused actor logged the learner's reason; say once what happened here
+                    ids = sorted(pool.refused)
+                    print(f"impala-actors: the learner refused actor(s) {ids} (reason above); stopping",
+                          file=sys.stderr, flush=True)
+                    return 2
                 log.info("the learner is gone; stopping")
                 break
             time.sleep(1.0)

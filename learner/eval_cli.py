@@ -7,7 +7,7 @@ to the checkpoint. The episodes are played by :mod:`learner.evaluator`.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+from concurrent.futures.process import BrokenProcessPool  # imported by name: the package loads it lazily
 import dataclasses
 import json
 import os
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     except FingerprintMismatchError as e:
         fail(PROG, e)
         return 1
-    except concurrent.futures.process.BrokenProcessPool as e:
+    except BrokenProcessPool as e:
         fail(PROG, f"an evaluation worker process died ({e})")
         return 1
     except KeyboardInterrupt:

@@ -631,8 +631,25 @@ class PPOTrainer:
         """Nothing to release (one learner process)."""
 
     def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
-        """Finite but huge floats (a peer's, or a diverging env's) are dropped on receipt."""
-        return wire.check_bounded(arrays, self.max_abs_value)
+        """Finite but huge floats (a peer's, or a diverging env's) are dropped on receipt, and so are
+        behaviour log-probabilities the update cannot survive.
+
+        The update takes exp(new - old log-probability); -1e6 (within --max-abs-value) overflows it.
+        Per step, with the policy's current log-sigma, an action's log-probability is
+        -0.5 * sum(z^2) - sum(log sigma) - A/2 log(2 pi): an unroll whose 0.5 * sum(z^2) exceeds 80
+        (so that the ratio could pass e^80 of float32's e^88) is dropped. An honest sample gets there
+        with chi-square(A) > 160: never, for action sizes up to ~50.
+        """
+        problem = wire.check_bounded(arrays, self.max_abs_value)
+        if problem is not None:
+            return problem
+        log_sigma = self.learner.policy.log_sigma.detach().cpu().numpy().astype(np.float64)
+        half_z2 = -(arrays["log_probs"].astype(np.float64) + log_sigma + 0.5 * np.log(2 * np.pi)).sum(axis=-1)
+        if half_z2.size and half_z2.max() > 80.0:
+            low, depth = float(arrays["log_probs"].min()), float(half_z2.max())
+            return (f"log_probs {low:.3g} put an action {depth:.3g} nats below the policy's mode: "
+                    "the update's ratio would overflow float32")
+        return None
 
     def ingest(self, msg: wire.Message, version: int) -> bool:
         """False when the unroll held NaN/inf: counted (``transport/rejected_nan``), never trained on."""

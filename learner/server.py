@@ -7,6 +7,10 @@ actor) anything malformed, oversized, off-schema or non-finite. It never lets a
 bad message raise out of the thread. Valid unrolls go into a bounded queue: when
 the learner falls behind, the queue fills, the thread stops reading, and
 ZeroMQ's high-water marks push back on the actors.
+
+Nothing a peer claims steers the learner's statistics: episode returns and lengths are summed
+here from the rewards and episode ends of accepted unrolls. No actor id gets more than its fair
+share of the queue, and with CURVE an id belongs to the client key that first claimed it.
 """
 
 from __future__ import annotations
@@ -41,12 +45,114 @@ MAX_ACTORS = 4096  # accepted actor ids the learner keeps state for
 MAX_REFUSED = 1024  # refused ids remembered (oldest forgotten first); they never take an actor slot
 ACTOR_IDLE_S = 600.0  # an accepted actor silent this long gives its slot up when the table is full
 MAX_UNKNOWN_REPORTED = 64  # ids whose unrolls were dropped as unknown, told back in the weights message
+MAX_STREAMS = 65536  # (actor, env) streams whose running episode the server tracks; more are not counted
+MAX_ENVS_PER_ACTOR = 10_000  # an unroll's env index bound when the hello did not say (RunInfo's own bound)
+
+# An actor with an accepted message this recent counts as active for the fair share. Short on purpose:
+# an actor that just died (say, killed and restarting) must not shrink the others' share for long, and
+# one that sends less often than this waits for room like any other (it is never over its share).
+ACTIVE_S = 0.25
 
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
 DROP_REASONS = (
     "malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale", "future_version",
-    "other_run", "unverified_local",
+    "other_run", "unverified_local", "over_share", "wrong_key",
 )
+MAX_OWNERS = 4 * MAX_ACTORS  # actor id -> CURVE key that first claimed it (oldest forgotten first)
+MAX_NONCE_CHARS = 64  # a hello's nonce, echoed when that hello is refused
+
+
+class _Stream:
+    """The running episode of one env of one actor, summed from the unrolls the server accepted.
+
+    ``counted`` is False while the episode's start was not seen (the stream joined mid-episode, or
+    lost an unroll): its end is then not reported, since its return and length would be partial.
+    """
+
+    __slots__ = ("ret", "length", "counted")
+
+    def __init__(self, counted: bool) -> None:
+        self.ret = 0.0
+        self.length = 0
+        self.counted = counted
+
+    def advance(self, rewards: np.ndarray, ends: np.ndarray) -> tuple[list[float], list[int]]:
+        """Add one unroll's T transitions; return the episodes that ended in it (as the actor's
+        ``EpisodeTracker`` counted them: the sum of the raw rewards and the number of steps)."""
+        returns: list[float] = []
+        lengths: list[int] = []
+        start = 0
+        for t in np.flatnonzero(ends):
+            t = int(t)
+            ret = self.ret + float(rewards[start:t + 1].sum(dtype=np.float64))
+            length = self.length + t + 1 - start
+            if self.counted:
+                returns.append(ret)
+                lengths.append(length)
+            self.ret, self.length, self.counted = 0.0, 0, True
+            start = t + 1
+        self.ret += float(rewards[start:].sum(dtype=np.float64))
+        self.length += len(rewards) - start
+        return returns, lengths
+
+
+def _nonce(info: Mapping[str, Any]) -> str | None:
+    """A hello's nonce (a short string the actor drew), or None when it sent none or a bad one."""
+    nonce = info.get("nonce")
+    return nonce if isinstance(nonce, str) and len(nonce) <= MAX_NONCE_CHARS else None
+
+
+def unroll_episode_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """An unroll's raw rewards [T] and episode ends [T] (IMPALA: ``dones``; PPO: terminated or truncated)."""
+    ends = arrays["dones"] if "dones" in arrays else arrays["terminated"] | arrays["truncated"]
+    return arrays["rewards"], ends
+
+
+class FairQueue:
+    """A bounded queue of unrolls that hands them out round-robin across actor ids.
+
+    Each actor's unrolls stay in order; the learner takes one from each actor with unrolls waiting
+    in turn, so an id holding many queued unrolls cannot push the others' back in line. ``put`` blocks
+    while ``maxsize`` unrolls wait (ZeroMQ's high-water marks then push back on the actors).
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._by_actor: collections.OrderedDict[int, collections.deque] = collections.OrderedDict()
+        self._size = 0
+        self._cond = threading.Condition()
+
+    def qsize(self) -> int:
+        return self._size
+
+    def queued(self, actor: int) -> int:
+        """Unrolls of ``actor`` waiting."""
+        with self._cond:
+            waiting = self._by_actor.get(actor)
+            return len(waiting) if waiting else 0
+
+    def put(self, msg: wire.Message, timeout: float) -> None:
+        """Append ``msg``; raise queue.Full if no room came within ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._size < self.maxsize, timeout):
+                raise queue.Full
+            self._by_actor.setdefault(msg.actor, collections.deque()).append(msg)
+            self._size += 1
+            self._cond.notify_all()
+
+    def get(self, timeout: float | None = None) -> wire.Message:
+        """The next actor's oldest unroll; raise queue.Empty after ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._size > 0, timeout):
+                raise queue.Empty
+            actor, waiting = next(iter(self._by_actor.items()))
+            msg = waiting.popleft()
+            del self._by_actor[actor]
+            if waiting:  # to the back of the line
+                self._by_actor[actor] = waiting
+            self._size -= 1
+            self._cond.notify_all()
+            return msg
 
 
 class TrajectoryServer:
@@ -101,6 +207,7 @@ class TrajectoryServer:
         # while the main thread is busy in a long update. The lock gives the PUB socket one user at a time.
         self._pub_lock = threading.Lock()
         self._last_params: bytes | None = None
+        self._reports_changed = False  # unknown or refused ids not yet in the packed weights message
         self._heartbeat = threading.Thread(target=self._republish_loop, name="weights-heartbeat", daemon=True)
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -125,17 +232,35 @@ class TrajectoryServer:
         host = "127.0.0.1" if bind in ("0.0.0.0", "*") else bind
         self.trajectory_endpoint = f"tcp://{host}:{self.trajectory_port}"
         self.params_endpoint = f"tcp://{host}:{self.params_port}"
-        self.queue: queue.Queue[wire.Message] = queue.Queue(maxsize=queue_size)
+        self.queue = FairQueue(queue_size)
         self.accepted: dict[int, dict[str, Any]] = {}
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self.refused_nonces: dict[int, str | None] = {}  # the nonce of each refused id's refused hello
         self.last_seen: dict[int, float] = {}  # accepted actor -> monotonic time of its last valid message
         # Ids whose unrolls were dropped because the learner does not know them (never said hello,
         # or their slot expired): the weights message lists them, so such an actor says hello again.
         self.unknown_recent: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Recently refused hellos, told back in the weights message with the nonce of the refused
+        # hello and why: the actor whose own hello it was exits with the reason; an actor evicted by
+        # someone else's hello in its name (its nonce differs) says hello again.
+        self.refused_recent: collections.OrderedDict[int, tuple[str | None, str]] = collections.OrderedDict()
+        # With CURVE: each actor id belongs to the client key (ZAP User-Id) whose hello first claimed it.
+        self.owners: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.received = 0
+        # Episode statistics are summed here from the rewards and episode ends of accepted unrolls, per
+        # (actor, env) stream: what a peer claims in an unroll's info never reaches them.
+        self.streams: dict[int, dict[int, _Stream]] = {}
+        self.stream_count = 0
+        self.fresh: dict[int, bool] = {}  # actor -> its hello said it starts its envs afresh
         self.episode_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.episode_lengths: collections.deque[int] = collections.deque(maxlen=100)
+        # Fair share: the number of active actors, recounted at most every 50 ms.
+        self._active = 1
+        self._active_at = 0.0
+        # Per-actor accounting (accepted unrolls, first and last time, unrolls over its share), logged
+        # when the server closes.
+        self.unrolls_by_actor: dict[int, list[float]] = {}
         self.episodes_total = 0
         self.task_returns: list[collections.deque[float]] = [collections.deque(maxlen=100) for _ in self.task_names]
         self.task_episodes = [0] * len(self.task_names)
@@ -169,6 +294,23 @@ class TrajectoryServer:
 
     def _republish_loop(self) -> None:
         while not self._stop.wait(1.0):
+            with self._stats_lock:
+                changed, self._reports_changed = self._reports_changed, False
+            last = self._last_params
+            if changed and last is not None:
+                # New unknown or refused ids since the weights were packed: tell them now, not at the
+                # next update (a learner whose only actor was just evicted makes no more updates).
+                # The weights come from the packed message itself (its bytes never change), not from
+                # the learner's arrays, which the next optimizer step changes in place.
+                try:
+                    old = wire.decode_packed(last, expect_kind="params")
+                    packed = self._pack(old.version, old.arrays)
+                except (wire.WireError, ValueError) as e:  # the heartbeat itself must go on
+                    log.error("could not re-pack the weights message: %s", e)
+                else:
+                    with self._pub_lock:
+                        if self._last_params is last:  # publish() may have sent newer weights meanwhile
+                            self._last_params = packed
             with self._pub_lock:
                 if self._last_params is not None and not self.pub.closed:
                     self.pub.send(self._last_params, copy=False)
@@ -194,18 +336,31 @@ class TrajectoryServer:
             try:
                 if not self.pull.poll(100, zmq.POLLIN):
                     continue
-                frames = self.pull.recv_multipart(copy=False)
+                # Read what is waiting without a poll per message: each call gives the GIL up, and under
+                # a flood the honest actors' messages wait behind every flooding connection's.
+                for _ in range(256):
+                    try:
+                        frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.received += 1
+                    try:
+                        # the sender's CURVE key, as the authenticator vouched for it (None without CURVE)
+                        user = frames[0].get("User-Id") if self.auth is not None else None
+                        self._handle(frames, user)
+                    except Exception as e:  # noqa: BLE001 - no message may kill the receiver
+                        self._drop("malformed", "?", f"{type(e).__name__}: {str(e)[:200]}")
+                    if self._stop.is_set():
+                        return
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
                 raise
-            self.received += 1
-            try:
-                self._handle(frames)
-            except Exception as e:  # noqa: BLE001 - no message may kill the receiver
-                self._drop("malformed", "?", f"{type(e).__name__}: {str(e)[:200]}")
 
-    def _handle(self, frames: list) -> None:
+    def _handle(self, frames: list, user: str | None = None) -> None:
+        """Check one message and act on it: a hello accepts or refuses its actor id, a valid unroll of
+        an accepted id goes into the queue; anything else is dropped and counted. ``user``: the
+        sender's CURVE key (None without CURVE)."""
         try:
             header = wire.decode_header(frames[0])
         except wire.WireError as e:
@@ -217,6 +372,15 @@ class TrajectoryServer:
             self._drop("oversized", actor, f"{size} payload bytes > {self.max_bytes}")
             return
         kind = header["kind"]
+        owner = self.owners.get(actor)
+        if user is not None and owner is not None and user != owner:
+            # Another client key speaking for an id that belongs to someone else: never accepted, and
+            # the owner is not evicted (a hello in its name cannot lock it out).
+            self._drop("wrong_key", actor, f"{kind} from a key other than the one that owns actor {actor}")
+            if kind == "hello":
+                self.refused_hellos += 1
+                self._tell_refused(actor, header["info"], f"actor id {actor} belongs to another client key")
+            return
         if kind == "hello":
             if actor not in self.accepted and len(self.accepted) >= MAX_ACTORS and not self._expire_idle():
                 self._drop("unknown_actor", actor, f"more than {MAX_ACTORS} active actor ids")
@@ -236,7 +400,19 @@ class TrajectoryServer:
                         log.info("actor %d joined (%s envs; #%d)", actor, kept.get("num_envs", "?"), self.joined)
                 self.accepted[actor] = kept
                 self.last_seen[actor] = time.monotonic()
+                if user is not None and owner is None:
+                    self.owners[actor] = user
+                    while len(self.owners) > MAX_OWNERS:
+                        self.owners.popitem(last=False)
+                with self._stats_lock:
+                    self.refused_recent.pop(actor, None)
+                # A hello starts the actor's episode accounting again: a new actor process starts
+                # its envs at a reset; one saying hello again mid-run ("resumed") is mid-episode,
+                # so its first episode per env is only partly seen and is not counted.
+                self._forget_streams(actor)
+                self.fresh[actor] = info.get("resumed") is not True
                 self.refused.pop(actor, None)
+                self.refused_nonces.pop(actor, None)
                 with self._stats_lock:
                     self.unknown_recent.pop(actor, None)
             elif actor in self.accepted and actor in self.protected_ids:
@@ -246,10 +422,13 @@ class TrajectoryServer:
             else:
                 self.refused[actor] = reason[:1000]
                 self.refused.move_to_end(actor)
+                self.refused_nonces[actor] = _nonce(header["info"])
                 while len(self.refused) > MAX_REFUSED:
-                    self.refused.popitem(last=False)
+                    self.refused_nonces.pop(self.refused.popitem(last=False)[0], None)
                 self.accepted.pop(actor, None)
                 self.last_seen.pop(actor, None)
+                self._forget_streams(actor)
+                self._tell_refused(actor, header["info"], reason)
                 self.refused_hellos += 1
                 if log_this_one(self.refused_hellos):  # each line cut to 300 characters
                     log.error("refused actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
@@ -259,22 +438,42 @@ class TrajectoryServer:
             return
         if actor not in self.accepted:
             self._drop("unknown_actor", actor, self.refused.get(actor, "no hello received"))
-            if actor not in self.refused:
+            if actor in self.refused:
+                # Still sending: keep its refusal among the reported ones, however many other ids
+                # were refused since (a flood of refused hellos must not push a victim's out).
+                if actor not in self.refused_recent:
+                    self._tell_refused(actor, {"nonce": self.refused_nonces.get(actor)}, self.refused[actor])
+            else:
                 with self._stats_lock:  # publish() reads it from the learner's thread
+                    if actor not in self.unknown_recent:
+                        self._reports_changed = True
                     self.unknown_recent[actor] = None
                     self.unknown_recent.move_to_end(actor)
                     while len(self.unknown_recent) > MAX_UNKNOWN_REPORTED:
                         self.unknown_recent.popitem(last=False)
             return
+        # Before decoding (cheap): an id holding its share of the queue or more has this unroll
+        # dropped. Queueing it would hand the slots to whichever connections the receive thread reads
+        # most often (ZeroMQ reads connections in turn): one id over 16 connections took 16 of every
+        # 17 slots. An id under its share is queued, or waits for room (back pressure, as ever), and
+        # the learner takes unrolls round-robin across ids.
+        share = self.fair_share()
+        queued = self.queue.queued(actor)
+        if queued >= share:
+            self._drop("over_share", actor, f"{queued} unrolls already queued (fair share {share})")
+            self._account(actor)[3] += 1
+            self._lose_episode(actor, header["info"])
+            return
         try:
             msg = wire.decode(frames, schema=self.schema, max_bytes=self.max_bytes)
-            returns, lengths = wire.parse_episode_info(msg.info)
         except wire.WireError as e:
             self._drop("schema", actor, str(e))
+            self._lose_episode(actor, header["info"])
             return
         bad = wire.check_finite(msg.arrays)
         if bad is not None:
             self._drop("non_finite", actor, f"{bad} holds NaN/inf")
+            self._lose_episode(actor, msg.info)
             return
         problem = self.validate(msg.arrays)
         task = 0
@@ -282,8 +481,13 @@ class TrajectoryServer:
             task, expected = int(msg.arrays["task"][0]), actor % len(self.task_names)
             if task != expected:  # tasks are dealt by actor id: an unroll labelled otherwise is mislabelled
                 problem = f"unroll labelled task {task}, but actor {actor} runs task {expected}"
+        env = msg.info.get("env", 0)
+        num_envs = self.accepted[actor].get("num_envs", MAX_ENVS_PER_ACTOR)
+        if problem is None and (type(env) is not int or not 0 <= env < num_envs):
+            problem = f"env index {env!r} outside [0, {num_envs})"
         if problem is not None:
             self._drop("schema", actor, problem)
+            self._lose_episode(actor, msg.info)
             return
         run_id = self.run_info.get("run_id")
         if run_id is not None and msg.info.get("run_id") != run_id:
@@ -291,8 +495,7 @@ class TrajectoryServer:
             self._drop("other_run", actor, "unroll from another learner run")
             return
         if actor in self.protected_ids:
-            token = msg.info.get("local_token")
-            if not (isinstance(token, str) and hmac.compare_digest(token, self.local_token)):
+            if not self._has_token(msg.info):
                 self._drop("unverified_local", actor, "unroll in the name of a local actor without its token")
                 return
         if msg.version > self.published_version:
@@ -300,6 +503,7 @@ class TrajectoryServer:
             self._drop("future_version", actor, f"policy version {msg.version} > published {self.published_version}")
             return
         self.last_seen[actor] = time.monotonic()
+        returns, lengths = self._episodes(actor, env, msg.arrays)
         with self._stats_lock:
             self.episode_returns.extend(returns)
             self.episode_lengths.extend(lengths)
@@ -307,6 +511,9 @@ class TrajectoryServer:
             if self.task_names:
                 self.task_returns[task].extend(returns)
                 self.task_episodes[task] += len(returns)
+        seen = self._account(actor)
+        seen[0] += 1
+        seen[2] = time.monotonic()
         while not self._stop.is_set():
             try:
                 self.queue.put(msg, timeout=0.1)
@@ -314,12 +521,90 @@ class TrajectoryServer:
             except queue.Full:
                 continue
 
+    def _episodes(
+        self, actor: int, env: int, arrays: Mapping[str, np.ndarray]
+    ) -> tuple[list[float], list[int]]:
+        """The episodes that ended in this accepted unroll, from its own rewards and episode ends."""
+        streams = self.streams.setdefault(actor, {})
+        stream = streams.get(env)
+        if stream is None:
+            if self.stream_count >= MAX_STREAMS:
+                return [], []  # table full (thousands of actors): these episodes go uncounted
+            stream = streams[env] = _Stream(counted=self.fresh.get(actor, False))
+            self.stream_count += 1
+        if "first" in arrays and arrays["first"][0]:
+            # IMPALA unrolls say when obs[0] starts an episode: from here the episode is seen whole.
+            stream.ret, stream.length, stream.counted = 0.0, 0, True
+        rewards, ends = unroll_episode_arrays(arrays)
+        return stream.advance(rewards, ends)
+
+    def _tell_refused(self, actor: int, info: Mapping[str, Any], reason: str) -> None:
+        """Remember a refused hello for the weights message (bounded: the newest MAX_UNKNOWN_REPORTED)."""
+        with self._stats_lock:  # publish() reads it from the learner's thread
+            self.refused_recent[actor] = (_nonce(info), reason[:200])
+            self.refused_recent.move_to_end(actor)
+            self._reports_changed = True
+            while len(self.refused_recent) > MAX_UNKNOWN_REPORTED:
+                self.refused_recent.popitem(last=False)
+
+    def _account(self, actor: int) -> list:
+        """``actor``'s entry in the per-actor accounting: [accepted, first time, last time, over share]."""
+        seen = self.unrolls_by_actor.get(actor)
+        if seen is None:
+            now = time.monotonic()
+            seen = [0, now, now, 0]
+            if len(self.unrolls_by_actor) < 2 * MAX_ACTORS:  # bounded; beyond that, counted nowhere
+                self.unrolls_by_actor[actor] = seen
+        return seen
+
+    def _lose_episode(self, actor: int, info: Mapping[str, Any]) -> None:
+        """An unroll of an accepted actor was dropped: the running episode of its stream has a gap,
+        so its end is not counted. A local actor's stream only loses an unroll stamped with its token
+        (anyone else's unroll in its name is not part of the stream)."""
+        env = info.get("env", 0)
+        if actor in self.protected_ids and not self._has_token(info):
+            return
+        stream = self.streams.get(actor, {}).get(env) if type(env) is int else None
+        if stream is not None:
+            stream.counted = False
+
+    def _has_token(self, info: Mapping[str, Any]) -> bool:
+        token = info.get("local_token")
+        return isinstance(token, str) and hmac.compare_digest(token, self.local_token)
+
+    def _forget_streams(self, actor: int) -> None:
+        self.stream_count -= len(self.streams.pop(actor, {}))
+        self.fresh.pop(actor, None)
+
     # ---- learner side ---------------------------------------------------
     def get(self, timeout: float | None = None) -> wire.Message | None:
+        """The next queued unroll (round-robin across actors), or None after ``timeout`` seconds."""
         try:
             return self.queue.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def fair_share(self) -> int:
+        """Unrolls one actor id may have queued: ceil(queue size / active
+        actors) + 2 K (active: an accepted message within ACTIVE_S). K, the run's envs per actor, is
+        the burst an honest actor sends at once (one unroll per env, back to back), and one round may
+        arrive while the last one still waits; K comes from the run's own settings, never a peer."""
+        now = time.monotonic()
+        if now - self._active_at > 0.05:
+            self._active = max(1, sum(now - t < ACTIVE_S for t in self.last_seen.values()))
+            self._active_at = now
+        burst = self.run_info.get("envs_per_worker")
+        burst = burst if type(burst) is int and burst >= 1 else 1
+        return -(-self.queue.maxsize // self._active) + 2 * burst
+
+    def actor_report(self, top: int = 8) -> str:
+        """The actors with the most accepted unrolls: count, seconds from first to last, rate."""
+        rows = sorted(self.unrolls_by_actor.items(), key=lambda kv: -kv[1][0])[:top]
+        return ", ".join(
+            f"actor {a}: {int(n)} unrolls in {last - first:.1f}s ({n / max(last - first, 1e-9):.1f}/s, "
+            f"{over} over its share)"
+            for a, (n, first, last, over) in rows
+        )
 
     def _expire_idle(self) -> bool:
         """Free the slots of accepted actors silent for ACTOR_IDLE_S (never a verified local one)."""
@@ -328,15 +613,23 @@ class TrajectoryServer:
         for actor in idle:
             self.accepted.pop(actor, None)
             self.last_seen.pop(actor, None)
+            self._forget_streams(actor)
         if idle:
             log.info("forgot %d actor(s) silent for more than %.0fs", len(idle), ACTOR_IDLE_S)
         return bool(idle)
 
-    def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
+    def _pack(self, version: int, arrays: Mapping[str, np.ndarray]) -> bytes:
+        """A weights message: the arrays, the run, and the ids recently dropped as unknown or refused."""
         with self._stats_lock:
             unknown = list(self.unknown_recent)
-        info = {"run": self.run_info, "unknown_actors": unknown}
-        packed = wire.encode_packed("params", actor=0, version=version, arrays=arrays, info=info)
+            refused = [[a, nonce, reason] for a, (nonce, reason) in self.refused_recent.items()]
+            self._reports_changed = False
+        info = {"run": self.run_info, "unknown_actors": unknown, "refused_actors": refused}
+        return wire.encode_packed("params", actor=0, version=version, arrays=arrays, info=info)
+
+    def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Send the weights of ``version`` to every actor (and re-send them every second)."""
+        packed = self._pack(version, arrays)
         with self._pub_lock:
             self.published_version = version
             self._last_params = packed
@@ -380,6 +673,9 @@ class TrajectoryServer:
         for t in (self._thread, self._heartbeat):
             if t.is_alive():
                 t.join(timeout=5)
+        if getattr(self, "unrolls_by_actor", None):  # (absent when binding failed in __init__)
+            log.info("accepted unrolls by actor (top %d of %d): %s", min(8, len(self.unrolls_by_actor)),
+                     len(self.unrolls_by_actor), self.actor_report())
         with self._pub_lock:
             for s in (self.pull, self.pub):
                 if not s.closed:

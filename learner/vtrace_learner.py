@@ -88,6 +88,26 @@ def logit_spread(logits: torch.Tensor) -> float:
     return float(log_p.std(dim=0).mean()) if log_p.shape[0] > 1 else 0.0
 
 
+# The least behaviour log-probability of a taken action an unroll may carry. The update takes
+# exp(target - behaviour log-probability) (V-trace's rho; with --pg-clip, the surrogate's ratio), which
+# overflows float32 past ~88: logits at +-1e6 that pass --max-abs-value made whole updates non-finite.
+# An honest actor samples an action this unlikely with probability below e^-50 (2e-22).
+MIN_BEHAVIOUR_LOG_PROB = -50.0
+
+
+def untrainable_behaviour(logits: np.ndarray, actions: np.ndarray) -> str | None:
+    """Why an unroll's behaviour policy cannot be trained on (its taken actions' log-probabilities,
+    computed in float64, fall below MIN_BEHAVIOUR_LOG_PROB), else None."""
+    x = logits.astype(np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    log_z = top[..., 0] + np.log(np.exp(x - top).sum(axis=-1))
+    taken = np.take_along_axis(x, actions[..., None], axis=-1)[..., 0] - log_z
+    if taken.size and not taken.min() >= MIN_BEHAVIOUR_LOG_PROB:
+        return (f"behaviour_logits give a taken action log-probability {taken.min():.3g} < "
+                f"{MIN_BEHAVIOUR_LOG_PROB:g}: the update's importance ratio would overflow")
+    return None
+
+
 class VTraceLearner:
     """Owns the model and optimizer; ``step`` runs one update on a time-major batch."""
 
@@ -402,15 +422,18 @@ class ImpalaTrainer:
             self.group.command(STOP)
 
     def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
-        """Values the schema cannot express: actions must index the policy's logits, and float
-        arrays stay within --max-abs-value (uint8 frames are bounded by their dtype)."""
+        """Values the schema cannot express: actions must index the policy's logits, float arrays
+        stay within --max-abs-value (uint8 frames are bounded by their dtype), and the behaviour
+        policy must give each taken action a log-probability the update survives."""
         actions = arrays["actions"]
         n = arrays["behaviour_logits"].shape[-1]
         if actions.size and (actions.min() < 0 or actions.max() >= n):
             return f"actions outside [0, {n})"
         if "task" in arrays and not 0 <= int(arrays["task"][0]) < self.num_tasks:
             return f"task {int(arrays['task'][0])} outside [0, {self.num_tasks})"
-        return wire.check_bounded(arrays, self.max_abs_value, tuple(n for n in ("obs", "behaviour_logits", "rewards") if n in arrays))
+        floats = tuple(n for n in ("obs", "behaviour_logits", "rewards") if n in arrays)
+        problem = wire.check_bounded(arrays, self.max_abs_value, floats)
+        return problem or untrainable_behaviour(arrays["behaviour_logits"], actions)
 
     def state_dict(self) -> dict[str, Any]:
         return self.learner.state_dict()

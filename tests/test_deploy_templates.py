@@ -350,3 +350,44 @@ def test_a_drifted_flag_or_value_fails():
     assert "unrecognized arguments: --no-such-flag" in check_command("launch_impala", ["--no-such-flag", "3"])
     assert "--batch-size must be >= 1" in check_command("launch_impala", ["--env", "CartPole-v1", "--batch-size", "0"])
     assert check_command("launch_impala", ["--env", "CartPole-v1", "--batch-size", "8"]) is None
+
+
+# --------------------------------------------------------------------------- Kubernetes identities
+
+
+def _k8s(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / name).read_text()) if d]
+
+
+def test_actor_pods_get_disjoint_id_ranges_from_their_ordinals():
+    """The actor pods' start-up script, run by sh for many pod names: each pod's ids are its own,
+    stay within the wire's limit, and do not depend on the pod's address (IPv6 pods, pod networks
+    wider than /16 and pods restarted elsewhere all gave colliding or changing ids before)."""
+    import subprocess
+
+    from impala.transport.wire import MAX_ACTOR_ID
+
+    (actors,) = [d for d in _k8s("actors.yaml") if d["kind"] == "StatefulSet"]
+    container = actors["spec"]["template"]["spec"]["containers"][0]
+    per_pod = int(next(e["value"] for e in container["env"] if e["name"] == "ACTORS_PER_POD"))
+    script = container["args"][0].replace("exec impala-actors", "echo")
+    ranges = []
+    for ordinal in [*range(64), 4095, 65000]:
+        env = {"POD_NAME": f"impala-actors-{ordinal}", "ACTORS_PER_POD": str(per_pod),
+               "PATH": "/usr/bin:/bin", "POD_IP": "fd00::1"}  # an IPv6 pod: must not matter
+        out = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+        first = int(re.search(r"--first-id (\d+)", out).group(1))
+        ranges.append(range(first, first + per_pod))
+    ids = [i for r in ranges for i in r]
+    assert len(ids) == len(set(ids)), "two pods share actor ids"
+    assert max(ids) <= MAX_ACTOR_ID and min(ids) >= 1000
+
+
+def test_the_learner_is_a_job_that_stays_down_once_finished():
+    (learner,) = [d for d in _k8s("learner.yaml") if d["kind"] not in ("Service", "PersistentVolumeClaim")]
+    assert learner["kind"] == "Job" and learner["spec"]["parallelism"] == 1
+    pod = learner["spec"]["template"]
+    assert pod["spec"]["restartPolicy"] == "OnFailure"  # exit 0 completes the Job; a crash restarts it
+    # the Service still finds the learner's pod
+    (service,) = [d for d in _k8s("learner.yaml") if d["kind"] == "Service"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()

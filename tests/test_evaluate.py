@@ -361,6 +361,18 @@ def _foreign(tmp_path: Path, kind: str, cartpole: Path) -> str:
         state = torch.load(cartpole, weights_only=True)
         state["env"] = {"id": "NoSuchGame-v9", "kwargs": {}, "preprocess": True}
         torch.save(state, path)
+    elif kind == "deep_tasks":  # a list nested 5,000 deep: repr() of it exhausts the recursion limit
+        state = torch.load(cartpole, weights_only=True)
+        deep: list = []
+        for _ in range(5000):
+            deep = [deep]
+        state["tasks"] = deep
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(50000)  # (for pickling it here)
+        try:
+            torch.save(state, path)
+        finally:
+            sys.setrecursionlimit(limit)
     elif kind == "wrong_weights":
         state = torch.load(cartpole, weights_only=True)
         state["env"] = {"id": "Acrobot-v1", "kwargs": {}, "preprocess": True}  # 6 observations, the network takes 4
@@ -378,6 +390,7 @@ def _foreign(tmp_path: Path, kind: str, cartpole: Path) -> str:
         ("no_trainer", ["{no_trainer}"], "not a launch_impala or launch_ppo checkpoint"),
         ("env_not_installed", ["{env_not_installed}"], "not installed here: unknown env id 'NoSuchGame-v9'"),
         ("wrong_weights", ["{wrong_weights}"], "the checkpoint cannot play Acrobot-v1"),
+        ("deep_tasks", ["{deep_tasks}"], "its env/agent record is unusable (env spec must be"),
         ("protocol", ["{cartpole}", "--protocol", "machado"], "--protocol machado is defined for Atari envs only"),
         ("ppo_protocol", ["{ppo}", "--protocol", "dqn"], "--protocol dqn is defined for Atari envs only"),
         ("episodes", ["{cartpole}", "--episodes", "0"], "--episodes must be >= 1, got 0"),
@@ -391,7 +404,7 @@ def _foreign(tmp_path: Path, kind: str, cartpole: Path) -> str:
 )
 def test_bad_input_is_one_line_exit_2(case, args, expect, cartpole, ppo, tmp_path, capsys):
     names = {"tmp": str(tmp_path), "cartpole": str(cartpole), "ppo": str(ppo)}
-    for kind in ("text", "list", "no_trainer", "env_not_installed", "wrong_weights"):
+    for kind in ("text", "list", "no_trainer", "env_not_installed", "wrong_weights", "deep_tasks"):
         if "{" + kind + "}" in " ".join(args):
             names[kind] = _foreign(tmp_path, kind, cartpole)
     argv = [a.format(**names) for a in args] + (["--workers", "0"] if "--workers" not in args else [])

@@ -172,7 +172,8 @@ def test_the_server_drops_an_unroll_labelled_with_another_task():
             u = schema.allocate()
             u["behaviour_logits"][:] = 0.5
             u["task"][:] = task
-            return [bytes(f) for f in wire.encode("unroll", actor=actor, version=0, arrays=u, info=wire.episode_info([ret], [4]))]
+            u["first"][0], u["rewards"][0], u["dones"][3] = True, ret, True  # one whole episode of return ret
+            return [bytes(f) for f in wire.encode("unroll", actor=actor, version=0, arrays=u)]
 
         push.send_multipart(unroll(4, 0, 1.0))  # actor 4 runs task 4 % 2 = 0: kept
         push.send_multipart(unroll(5, 1, 1000.0))  # actor 5 runs task 1: kept

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,7 +119,9 @@ class EnvSpec:
     def from_dict(cls, d: Any) -> "EnvSpec":
         """Validate a peer's env description; ``ValueError`` (``UnknownEnvError`` for an unknown id) says what is wrong."""
         if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not isinstance(d.get("kwargs", {}), dict):
-            raise ValueError(f"env spec must be {{'id': str, 'kwargs': dict, 'preprocess': bool}}, got {d!r:.200}")
+            # reprlib: a bounded repr (a 5,000-deep list would exhaust the recursion limit in repr())
+            shape = "{'id': str, 'kwargs': dict, 'preprocess': bool}"
+            raise ValueError(f"env spec must be {shape}, got {reprlib.repr(d)}")
         preprocess = d.get("preprocess", True)
         if not isinstance(preprocess, bool):
             raise ValueError(f"env spec: preprocess must be true or false, got {preprocess!r}")
