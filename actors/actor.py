@@ -18,6 +18,7 @@ import torch
 
 from actors.loop import LEARNER_GONE_EXIT, REFUSED_EXIT, ActorConfig, run_actor
 
+
 class Actor(multiprocessing.Process):
     """One actor process. Holds only its config until ``run()``."""
 

@@ -21,6 +21,7 @@ from impala.transport.trajectory import TrajectorySchema
 
 class Agent(Protocol):
     """What an actor steps its envs with: loads weights, acts on a batch of observations, fills unrolls."""
+
     schema: TrajectorySchema  # what one unroll holds
     params_schema: TrajectorySchema  # what a weights message holds
 
@@ -28,7 +29,9 @@ class Agent(Protocol):
     def unroll_start(self, obs: np.ndarray) -> dict[str, np.ndarray]: ...
     def observation(self, obs: np.ndarray, first: np.ndarray) -> dict[str, np.ndarray]: ...
     def act(self, obs: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]: ...
-    def act_greedy(self, obs: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]: ...  # evaluation only
+    def act_greedy(
+        self, obs: np.ndarray, first: np.ndarray
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]: ...  # evaluation only
     def transition(self, result: StepResult) -> dict[str, np.ndarray]: ...
     def params_wait_s(self, unrolls_sent: int) -> float: ...
 

@@ -17,11 +17,15 @@ from impala.transport.trajectory import impala_unroll_schema
 class ImpalaAgent:
     """Discrete actions sampled from the policy logits of an IMPALA network."""
 
-    def __init__(self, spec: ImpalaAgentSpec, *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int) -> None:
+    def __init__(
+        self, spec: ImpalaAgentSpec, *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int
+    ) -> None:
         obs_shape, obs_dtype = tuple(first_obs.shape[1:]), str(first_obs.dtype)
         num_actions, num_envs = int(envs.action_space.n), envs.num_envs
 
-        self.model = build_model(spec.model, obs_shape, num_actions, use_lstm=spec.use_lstm, num_tasks=spec.num_tasks)
+        self.model = build_model(
+            spec.model, obs_shape, num_actions, use_lstm=spec.use_lstm, num_tasks=spec.num_tasks
+        )
         self.model.eval()
         if hasattr(self.model.torso, "to_channels_last"):
             # NHWC: a 4-env CPU forward pass takes 0.64 ms instead of 1.03 ms (oneDNN). The params
@@ -30,8 +34,12 @@ class ImpalaAgent:
         self.use_lstm = spec.use_lstm
         self.core_size = self.model.core.hidden_size if self.use_lstm else 0
         self.frame_stack = spec.frame_stack
-        self.schema = impala_unroll_schema(unroll_length, obs_shape, obs_dtype, num_actions, self.core_size, spec.frame_stack, spec.num_tasks)
-        self._last_obs: np.ndarray | None = None  # frame dedup: the previous observation, to check the stacking rule
+        self.schema = impala_unroll_schema(
+            unroll_length, obs_shape, obs_dtype, num_actions, self.core_size, spec.frame_stack, spec.num_tasks
+        )
+        self._last_obs: np.ndarray | None = (
+            None  # frame dedup: the previous observation, to check the stacking rule
+        )
         self.params_schema = state_dict_schema(self.model)
         self.generator = torch.Generator().manual_seed(seed)
         self.core_state = self.model.initial_state(num_envs) if self.use_lstm else None
@@ -40,7 +48,8 @@ class ImpalaAgent:
         load_state_arrays(self.model, arrays)
 
     def unroll_start(self, obs: np.ndarray) -> dict[str, np.ndarray]:
-        """Arrays recorded once per unroll (per env along axis 0); ``obs`` is the unroll's first observation."""
+        """Arrays recorded once per unroll (per env along axis 0); ``obs`` is the unroll's first
+        observation."""
         out = {}
         if self.frame_stack > 1:
             out["obs_head"] = obs[:, :-1]  # the older frames of obs[0]; every later frame travels once
@@ -59,7 +68,8 @@ class ImpalaAgent:
         return {"frames": obs[:, -1], "first": first}
 
     def _check_stacking(self, obs: np.ndarray, first: np.ndarray) -> None:
-        """The learner rebuilds stacks by a rule (``impala.transport.trajectory.rebuild_frame_stacks``); an env that
+        """The learner rebuilds stacks by a rule (``impala.transport.trajectory.rebuild_frame_stacks``); an
+        env that
         stacks otherwise would train on wrong observations, so say so instead of sending frames."""
         prev = self._last_obs
         for k in range(obs.shape[0]):
@@ -69,8 +79,10 @@ class ImpalaAgent:
                 ok = prev is None or np.array_equal(obs[k, :-1], prev[k, 1:])
             if not ok:
                 raise RuntimeError(
-                    f"env {k}: its observation is not a sliding stack of {self.frame_stack} frames (an episode start "
-                    "repeating its first frame), so frames cannot be sent once each; run with --no-frame-dedup"
+                    f"env {k}: its observation is not a sliding stack of {self.frame_stack} frames (an "
+                    "episode start "
+                    "repeating its first frame), so frames cannot be sent once each; run with "
+                    "--no-frame-dedup"
                 )
 
     @torch.inference_mode()

@@ -63,11 +63,20 @@ class ActorConfig:
     curve: Any = None  # impala.transport.curve.ClientKeys when the learner requires CURVE
     local_token: str = ""  # handed to the learner's own actors at spawn; proves a hello is theirs
     learner_timeout_s: float = 60.0  # no weights heartbeat for this long: the learner is gone, exit
-    task: int = 0  # multi-task runs: the index of this actor's env in the run's task list, sent with every unroll
+    task: int = (
+        0  # multi-task runs: the index of this actor's env in the run's task list, sent with every unroll
+    )
 
 
-def actor_configs(run: RunInfo, actor_ids: Iterable[int], *, trajectory_endpoint: str, params_endpoint: str, seed: int,
-                  **settings: Any) -> list[ActorConfig]:
+def actor_configs(
+    run: RunInfo,
+    actor_ids: Iterable[int],
+    *,
+    trajectory_endpoint: str,
+    params_endpoint: str,
+    seed: int,
+    **settings: Any,
+) -> list[ActorConfig]:
     """The one place an actor's configuration is made (the learner's own actors, ``impala-actors`` on other
     machines, ``frameskip_check``'s worker check). Actor ``i`` runs task ``i % N`` of the run and seeds its
     envs with ``seed + 1000 * i``: by id, so machines started alike (other ids, same seed) never share seeds.
@@ -107,7 +116,13 @@ def build_vec_env(config: ActorConfig):
 class ActorLink:
     """The actor's two sockets: PUSH trajectories, SUB parameters."""
 
-    def __init__(self, config: ActorConfig, parent_pid: int | None, stop_event: threading.Event | None = None, message_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        config: ActorConfig,
+        parent_pid: int | None,
+        stop_event: threading.Event | None = None,
+        message_bytes: int = 0,
+    ) -> None:
         self.config = config
         self.parent_pid = parent_pid
         self.stop_event = stop_event or threading.Event()
@@ -132,8 +147,13 @@ class ActorLink:
     def _alive(self) -> None:
         if self.parent_pid is not None:
             exit_if_orphaned(self.parent_pid)
-        if self.last_weights is not None and time.monotonic() - self.last_weights > self.config.learner_timeout_s:
-            raise LearnerGone(f"no weights from {self.config.params_endpoint} for {self.config.learner_timeout_s:.0f}s")
+        if (
+            self.last_weights is not None
+            and time.monotonic() - self.last_weights > self.config.learner_timeout_s
+        ):
+            raise LearnerGone(
+                f"no weights from {self.config.params_endpoint} for {self.config.learner_timeout_s:.0f}s"
+            )
 
     def send(self, frames: list) -> bool:
         """Send one message; False when stopped while blocked by backpressure."""
@@ -157,7 +177,12 @@ class ActorLink:
             except wire.WireError as e:
                 self.bad_params += 1
                 if log_this_one(self.bad_params):
-                    log.error("actor %d: dropping bad params message (#%d): %s", self.config.actor_id, self.bad_params, str(e)[:300])
+                    log.error(
+                        "actor %d: dropping bad params message (#%d): %s",
+                        self.config.actor_id,
+                        self.bad_params,
+                        str(e)[:300],
+                    )
                 continue
             if newest is None or msg.version > newest.version:
                 newest = msg
@@ -178,8 +203,11 @@ def _refusals(msg: wire.Message, actor_id: int) -> list[tuple[Any, str]]:
     rows = msg.info.get("refused_actors")
     if not isinstance(rows, list):
         return []
-    return [(row[1], str(row[2])[:300]) for row in rows
-            if isinstance(row, list) and len(row) == 3 and row[0] == actor_id]
+    return [
+        (row[1], str(row[2])[:300])
+        for row in rows
+        if isinstance(row, list) and len(row) == 3 and row[0] == actor_id
+    ]
 
 
 def _run_id(msg: wire.Message) -> Any:
@@ -202,7 +230,11 @@ def run_actor(
     """
     stop_event = stop_event or threading.Event()
     # Measured here, on a probe env built from the same spec (Unity builds have none).
-    fingerprint = None if config.env.is_unity else measure_env_fingerprint(config.env, seed=config.seed, steps=config.fingerprint_steps).to_dict()
+    fingerprint = (
+        None
+        if config.env.is_unity
+        else measure_env_fingerprint(config.env, seed=config.seed, steps=config.fingerprint_steps).to_dict()
+    )
     envs = build_vec_env(config)
     link: ActorLink | None = None
     try:
@@ -219,8 +251,9 @@ def run_actor(
         hello = wire.encode("hello", actor=config.actor_id, version=-1, info=hello_info)
         # Said mid-run (the learner forgot us or restarted): our envs are mid-episode, and the learner
         # must not count the rest of those episodes as whole ones.
-        rehello = wire.encode("hello", actor=config.actor_id, version=-1,
-                              info={**hello_info, "resumed": True})
+        rehello = wire.encode(
+            "hello", actor=config.actor_id, version=-1, info={**hello_info, "resumed": True}
+        )
         link.send(hello)
 
         params = None
@@ -230,7 +263,12 @@ def run_actor(
             if stop_event.is_set():
                 return "stopped"
             if time.monotonic() > deadline:
-                log.error("actor %d: no parameters from %s after %.0fs; exiting", config.actor_id, config.params_endpoint, config.params_timeout_s)
+                log.error(
+                    "actor %d: no parameters from %s after %.0fs; exiting",
+                    config.actor_id,
+                    config.params_endpoint,
+                    config.params_timeout_s,
+                )
                 return "no_weights"
             params = link.latest_params(agent.params_schema, timeout_ms=200)
         agent.load_params(params.arrays)
@@ -270,7 +308,15 @@ def run_actor(
                 info["run_id"] = run_id  # the learner process whose weights made it; another one drops it
                 if config.local_token:
                     info["local_token"] = config.local_token
-                if not link.send(wire.encode("unroll", actor=config.actor_id, version=version, arrays={n: buf[n][k] for n in buf}, info=info)):
+                if not link.send(
+                    wire.encode(
+                        "unroll",
+                        actor=config.actor_id,
+                        version=version,
+                        arrays={n: buf[n][k] for n in buf},
+                        info=info,
+                    )
+                ):
                     return "stopped"
             unrolls += 1
             sent_with_version += 1
@@ -280,7 +326,11 @@ def run_actor(
             # of an update: an unroll collected meanwhile with the old weights would be dropped as stale.
             wait_s = agent.params_wait_s(sent_with_version)
             wait_until = time.monotonic() + wait_s
-            while (newest is None or newest.version <= version) and time.monotonic() < wait_until and not stop_event.is_set():
+            while (
+                (newest is None or newest.version <= version)
+                and time.monotonic() < wait_until
+                and not stop_event.is_set()
+            ):
                 link._alive()
                 newest = link.latest_params(agent.params_schema, timeout_ms=100)
             refusals = _refusals(newest, config.actor_id) if newest is not None else []
@@ -290,14 +340,25 @@ def run_actor(
                 return "refused"
             if refusals and time.monotonic() - last_rehello > 5.0:
                 # Someone else's hello in our name was refused, and the learner dropped us with it.
-                log.warning("actor %d: a hello in this actor's name from elsewhere was refused (%s); "
-                            "saying hello again", config.actor_id, refusals[0][1])
+                log.warning(
+                    "actor %d: a hello in this actor's name from elsewhere was refused (%s); "
+                    "saying hello again",
+                    config.actor_id,
+                    refusals[0][1],
+                )
                 link.send(rehello)
                 last_rehello = time.monotonic()
-            elif (newest is not None and config.actor_id in _unknown_actors(newest)
-                  and time.monotonic() - last_rehello > 5.0):
+            elif (
+                newest is not None
+                and config.actor_id in _unknown_actors(newest)
+                and time.monotonic() - last_rehello > 5.0
+            ):
                 # The learner dropped our unrolls as unknown (it forgot us, or never got our hello).
-                log.warning("actor %d: the learner does not know this actor (its unrolls were dropped); saying hello again", config.actor_id)
+                log.warning(
+                    "actor %d: the learner does not know this actor (its unrolls were dropped); saying hello "
+                    "again",
+                    config.actor_id,
+                )
                 link.send(rehello)
                 last_rehello = time.monotonic()
             if newest is not None and _run_id(newest) != run_id:

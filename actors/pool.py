@@ -23,9 +23,18 @@ class ActorPool:
     the restart is logged and counted; the learner never goes down with it.
     """
 
-    def __init__(self, configs: list[ActorConfig], *, start_method: str = "spawn", actor_class: Callable[..., Actor] = Actor) -> None:
+    def __init__(
+        self,
+        configs: list[ActorConfig],
+        *,
+        start_method: str = "spawn",
+        actor_class: Callable[..., Actor] = Actor,
+    ) -> None:
         if start_method not in multiprocessing.get_all_start_methods():
-            raise ValueError(f"start method {start_method!r} is not available here (have: {multiprocessing.get_all_start_methods()})")
+            raise ValueError(
+                f"start method {start_method!r} is not available here (have: "
+                f"{multiprocessing.get_all_start_methods()})"
+            )
         self.ctx = multiprocessing.get_context(start_method)
         self.start_method = start_method
         self.configs = list(configs)
@@ -60,12 +69,16 @@ class ActorPool:
             if self._next_start[i] is None:  # a death not seen before
                 actor.join(timeout=0)
                 if actor.exitcode == LEARNER_GONE_EXIT:
-                    log.warning("actor %d: its learner stopped sending weights; not restarting it", self.configs[i].actor_id)
+                    log.warning(
+                        "actor %d: its learner stopped sending weights; not restarting it",
+                        self.configs[i].actor_id,
+                    )
                     self.finished.add(i)
                     continue
                 if actor.exitcode == REFUSED_EXIT:
-                    log.warning("actor %d: refused by the learner; not restarting it",
-                                self.configs[i].actor_id)
+                    log.warning(
+                        "actor %d: refused by the learner; not restarting it", self.configs[i].actor_id
+                    )
                     self.finished.add(i)
                     self.refused.add(self.configs[i].actor_id)
                     continue
@@ -73,11 +86,18 @@ class ActorPool:
                 quick = now - self._started_at[i] < 30.0
                 self._backoff[i] = min(30.0, max(1.0, 2 * self._backoff[i])) if quick else 0.0
                 self._next_start[i] = now + self._backoff[i]
-                log.warning("actor %d exited with code %s; restarting in %.0fs", self.configs[i].actor_id, actor.exitcode, self._backoff[i])
+                log.warning(
+                    "actor %d exited with code %s; restarting in %.0fs",
+                    self.configs[i].actor_id,
+                    actor.exitcode,
+                    self._backoff[i],
+                )
             if now < self._next_start[i]:
                 continue
             self._incarnation[i] += 1
-            config = dataclasses.replace(self.configs[i], seed=self.configs[i].seed + 7919 * self._incarnation[i])
+            config = dataclasses.replace(
+                self.configs[i], seed=self.configs[i].seed + 7919 * self._incarnation[i]
+            )
             self.actors[i] = self._spawn(config)
             self._next_start[i] = None
             self._started_at[i] = now
@@ -131,7 +151,8 @@ class ThreadActors:
 
     def start(self) -> None:
         self.threads = [
-            threading.Thread(target=self._target, args=(i, c), name=f"actor-{c.actor_id}", daemon=True) for i, c in enumerate(self.configs)
+            threading.Thread(target=self._target, args=(i, c), name=f"actor-{c.actor_id}", daemon=True)
+            for i, c in enumerate(self.configs)
         ]
         for t in self.threads:
             t.start()

@@ -29,20 +29,30 @@ from impala.transport.params import load_state_arrays, state_dict_schema
 from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
 
+
 class PPOAgent:
     """Samples continuous actions from the broadcast policy; records what ``ppo_unroll_schema`` needs."""
 
-    def __init__(self, spec: PPOAgentSpec, *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int) -> None:
+    def __init__(
+        self, spec: PPOAgentSpec, *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int
+    ) -> None:
         self.config = spec.config
         self.num_envs = int(envs.num_envs)
         self.obs_dim = spec.obs_dim
         self.action_dim = spec.action_dim
         got = flat_obs_dim(tuple(np.shape(first_obs)[1:]))
         if got != self.obs_dim:
-            raise ValueError(f"PPOAgent: the env's observations have {got} values, the learner expects {self.obs_dim}")
-        got_a = int(getattr(envs, "action_dim", 0) or np.prod(getattr(getattr(envs, "action_space", None), "shape", None) or (0,)))
+            raise ValueError(
+                f"PPOAgent: the env's observations have {got} values, the learner expects {self.obs_dim}"
+            )
+        got_a = int(
+            getattr(envs, "action_dim", 0)
+            or np.prod(getattr(getattr(envs, "action_space", None), "shape", None) or (0,))
+        )
         if got_a and got_a != self.action_dim:
-            raise ValueError(f"PPOAgent: the env takes {got_a} action values, the learner expects {self.action_dim}")
+            raise ValueError(
+                f"PPOAgent: the env takes {got_a} action values, the learner expects {self.action_dim}"
+            )
         self.action_low = np.asarray(spec.action_low, np.float32)
         self.action_high = np.asarray(spec.action_high, np.float32)
         self.policy = make_policy(self.config, self.obs_dim, self.action_dim)
@@ -54,7 +64,8 @@ class PPOAgent:
         self.unrolls_per_update = spec.unrolls_per_update
         self.wait_s = spec.params_wait_s
         # trajectory_handling='mlagents' (#15): the learner cuts each env's steps into trajectories (episode
-        # end or time_horizon steps from the trajectory's start) and its buffer fills with completed ones only.
+        # end or time_horizon steps from the trajectory's start) and its buffer fills with completed ones
+        # only.
         # The same cut, counted here, tells when this actor sent its share of an update.
         self.count_trajectories = self.config.trajectory_handling == "mlagents"
         self.share_steps = self.unrolls_per_update * unroll_length * self.num_envs
@@ -67,15 +78,21 @@ class PPOAgent:
         self.completed_steps = 0
 
     def params_wait_s(self, unrolls_sent: int) -> float:
-        """Seconds the actor loop waits for newer weights after sending ``unrolls_sent`` unrolls with the current ones.
+        """Seconds the actor loop waits for newer weights after sending ``unrolls_sent`` unrolls with the
+        current ones.
 
-        On-policy: once this actor sent its share of one update's buffer (``unrolls_per_update``, computed by the
-        launcher), anything more it collected with these weights would arrive after the update and be dropped as
-        stale; waiting for the new weights instead saves that work. The wait is bounded, so an estimate that is off
+        On-policy: once this actor sent its share of one update's buffer (``unrolls_per_update``, computed by
+        the
+        launcher), anything more it collected with these weights would arrive after the update and be dropped
+        as
+        stale; waiting for the new weights instead saves that work. The wait is bounded, so an estimate that
+        is off
         (e.g. a dropped unroll) costs at most ``params_wait_s`` once, never a deadlock.
 
-        trajectory_handling='mlagents': the learner's buffer takes only completed trajectories, so the share is
-        counted in steps of trajectories this actor completed since the weights arrived (``unrolls_per_update``
+        trajectory_handling='mlagents': the learner's buffer takes only completed trajectories, so the share
+        is
+        counted in steps of trajectories this actor completed since the weights arrived
+        (``unrolls_per_update``
         rounds' worth); the steps of unfinished ones go on with the new weights, as in ML-Agents.
         """
         if not self.unrolls_per_update:

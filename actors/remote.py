@@ -26,7 +26,19 @@ from actors.pool import ActorPool
 from impala.envs import EnvPackageError
 from impala.transport import wire
 from impala.run.cpus import available_cpus
-from impala.run.config import LOOPBACK, ConfigError, FlagParser, RunConfig, add_flags, check_fields, fail, flag_name, from_flags, need, option
+from impala.run.config import (
+    LOOPBACK,
+    ConfigError,
+    FlagParser,
+    RunConfig,
+    add_flags,
+    check_fields,
+    fail,
+    flag_name,
+    from_flags,
+    need,
+    option,
+)
 from impala.transport.curve import client_keys, make_client_keys, make_client_socket
 from impala.transport.messages import RunInfo
 from impala.run.metrics import LOG_FORMAT, log_this_one
@@ -64,13 +76,17 @@ def fetch_run_info(params_endpoint: str, timeout_s: float, keys=None) -> RunInfo
                     bad += 1
                     if log_this_one(bad):
                         log.error("bad weights message from %s (#%d): %s", params_endpoint, bad, str(e)[:300])
-        raise TimeoutError(f"no weights from {params_endpoint} within {timeout_s:.0f}s: is the learner running and bound to a reachable address (--bind)?")
+        raise TimeoutError(
+            f"no weights from {params_endpoint} within {timeout_s:.0f}s: is the learner running and bound to "
+            "a reachable address (--bind)?"
+        )
     finally:
         sub.close()
 
 
 def parse_endpoint(text: str) -> tuple[str, str]:
-    """``tcp://HOST:PORT`` -> (trajectory endpoint, weights endpoint at PORT+1); ValueError says what is wrong."""
+    """``tcp://HOST:PORT`` -> (trajectory endpoint, weights endpoint at PORT+1); ValueError says what is
+    wrong."""
     m = re.fullmatch(r"tcp://([^:/]+):(\d+)", text)
     if not m or not 1 <= int(m.group(2)) <= 65534:
         raise ValueError(f"--learner must look like tcp://HOST:PORT, got {text!r}")
@@ -82,14 +98,19 @@ def parse_endpoint(text: str) -> tuple[str, str]:
 class RemoteOptions:
     """impala-actors' own settings (the shared ones are RunConfig's: --workers, --seed, --curve, ...)."""
 
-    learner: Optional[str] = option(None, "The learner's trajectory endpoint, tcp://HOST:PORT (its --port). Required unless --make-keys.")
+    learner: Optional[str] = option(
+        None, "The learner's trajectory endpoint, tcp://HOST:PORT (its --port). Required unless --make-keys."
+    )
     first_id: int = option(1000, "Actor id of the first actor here; give each machine its own range.")
     timeout: float = option(60.0, "Seconds to wait for the learner's first weights.")
-    learner_timeout: float = option(60.0, "An actor exits when no weights (sent every second) arrive for this long.")
+    learner_timeout: float = option(
+        60.0, "An actor exits when no weights (sent every second) arrive for this long."
+    )
     make_keys: bool = option(False, "With --curve: create this machine's client keypair and exit.")
     insecure: bool = option(
         False,
-        "Allow a non-loopback learner without --curve. The learner's weights messages choose what these actors run "
+        "Allow a non-loopback learner without --curve. The learner's weights messages choose what these "
+        "actors run "
         "(env id and kwargs, a Unity build path), so only do this on a network you trust.",
     )
 
@@ -97,7 +118,10 @@ class RemoteOptions:
         check_fields(self)
         need(self.first_id >= 0, f"--first-id must be >= 0, got {self.first_id}")
         for name in ("timeout", "learner_timeout"):
-            need(getattr(self, name) > 0, f"{flag_name(name)} must be a number of seconds > 0, got {getattr(self, name)}")
+            need(
+                getattr(self, name) > 0,
+                f"{flag_name(name)} must be a number of seconds > 0, got {getattr(self, name)}",
+            )
 
 
 SHARED = ("workers", "seed", "start_method", "max_seconds", "curve", "log_level")
@@ -107,17 +131,23 @@ def build_parser() -> argparse.ArgumentParser:
     """``impala-actors``' flags: the learner's address, how many actors, their ids, seed and CURVE keys."""
     p = FlagParser(
         prog="impala-actors",
-        description="Run N actor processes on this machine, streaming to a learner elsewhere (trajectories to PORT, weights from PORT+1). "
+        description="Run N actor processes on this machine, streaming to a learner elsewhere (trajectories "
+        "to PORT, weights from PORT+1). "
         "What to run (env, agent, unroll length) comes from the learner.",
     )
     add_flags(p, RemoteOptions)
     add_flags(
-        p, RunConfig, only=SHARED, defaults={"workers": available_cpus(), "seed": 12345},
+        p,
+        RunConfig,
+        only=SHARED,
+        defaults={"workers": available_cpus(), "seed": 12345},
         helps={
             "workers": "Actor processes to run here.",
-            "seed": "Base seed; the actor with id A seeds its envs with seed + 1000 * A, so machines with their own --first-id never share seeds.",
+            "seed": "Base seed; the actor with id A seeds its envs with seed + 1000 * A, so machines with "
+            "their own --first-id never share seeds.",
             "max_seconds": "Stop after this many seconds (0: run until Ctrl-C or the learner stops).",
-            "curve": "CURVE keys directory holding the learner's server.key and this machine's client keypair.",
+            "curve": "CURVE keys directory holding the learner's server.key and this machine's client "
+            "keypair.",
         },
     )
     return p
@@ -139,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             public = make_client_keys(config.curve)
         except ConfigError as e:
             return fail("impala-actors", e)
-        print(f"created {public}: copy it into the learner's CURVE directory under authorized/, and copy the learner's server.key to {config.curve}/")
+        print(
+            f"created {public}: copy it into the learner's CURVE directory under authorized/, and copy the "
+            f"learner's server.key to {config.curve}/"
+        )
         return 0
     try:
         keys = client_keys(config.curve) if config.curve else None
@@ -148,23 +181,38 @@ def main(argv: list[str] | None = None) -> int:
         if config.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {config.workers}")
         if options.first_id + config.workers - 1 > wire.MAX_ACTOR_ID:
-            raise ConfigError(f"--first-id {options.first_id} + --workers {config.workers}: actor ids must stay <= {wire.MAX_ACTOR_ID} (the wire's limit)")
+            raise ConfigError(
+                f"--first-id {options.first_id} + --workers {config.workers}: actor ids must stay <= "
+                f"{wire.MAX_ACTOR_ID} (the wire's limit)"
+            )
         trajectory_endpoint, params_endpoint = parse_endpoint(options.learner)
         host = trajectory_endpoint.split("//", 1)[1].rsplit(":", 1)[0]
         if keys is None and host not in LOOPBACK and not options.insecure:
             raise ConfigError(
-                f"{options.learner} is not on this machine and no --curve keys were given: whoever answers at that address "
-                "would choose what these actors run. Pass --curve DIR (see README, Security), or --insecure on a trusted network"
+                f"{options.learner} is not on this machine and no --curve keys were given: whoever answers "
+                "at that address "
+                "would choose what these actors run. Pass --curve DIR (see README, Security), or --insecure "
+                "on a trusted network"
             )
         run = fetch_run_info(params_endpoint, options.timeout, keys)
         configs = actor_configs(
-            run, range(options.first_id, options.first_id + config.workers), trajectory_endpoint=trajectory_endpoint,
-            params_endpoint=params_endpoint, seed=config.seed, curve=keys, learner_timeout_s=options.learner_timeout,
+            run,
+            range(options.first_id, options.first_id + config.workers),
+            trajectory_endpoint=trajectory_endpoint,
+            params_endpoint=params_endpoint,
+            seed=config.seed,
+            curve=keys,
+            learner_timeout_s=options.learner_timeout,
         )
         pool = ActorPool(configs, start_method=config.start_method)
     except (ValueError, TimeoutError, FileNotFoundError) as e:  # ConfigError and CurveError are ValueErrors
         return fail("impala-actors", e)
-    log.info("running %d actors for %s on %s", config.workers, ",".join(t.id for t in run.task_envs), trajectory_endpoint)
+    log.info(
+        "running %d actors for %s on %s",
+        config.workers,
+        ",".join(t.id for t in run.task_envs),
+        trajectory_endpoint,
+    )
     pool.start()
     start = time.monotonic()
     try:
@@ -174,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
                 if pool.refused:
                     # each refused actor logged the learner's reason; say once what happened here
                     ids = sorted(pool.refused)
-                    print(f"impala-actors: the learner refused actor(s) {ids} (reason above); stopping",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"impala-actors: the learner refused actor(s) {ids} (reason above); stopping",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return 2
                 log.info("the learner is gone; stopping")
                 break

@@ -80,20 +80,31 @@ class PolicyCheckpoint:
             return tasks
         chosen = [t for t in tasks if t.id == task]
         if not chosen:
-            raise ConfigError(f"--task {task}: checkpoint {self.path} was trained on {', '.join(t.id for t in tasks)}")
+            raise ConfigError(
+                f"--task {task}: checkpoint {self.path} was trained on {', '.join(t.id for t in tasks)}"
+            )
         return chosen
 
     def describe(self) -> dict[str, Any]:
         """Plain data for the result: which file, which learner, how far it was trained."""
-        return {"path": os.path.abspath(self.path), "sha256": self.sha256, "kind": self.kind,
-                "format": "legacy (config record only)" if self.legacy else "kind/env/agent",
-                "env_frames": self.env_frames, "agent_steps": self.agent_steps}
+        return {
+            "path": os.path.abspath(self.path),
+            "sha256": self.sha256,
+            "kind": self.kind,
+            "format": "legacy (config record only)" if self.legacy else "kind/env/agent",
+            "env_frames": self.env_frames,
+            "agent_steps": self.agent_steps,
+        }
 
 
 def _arrays(state_dict: Any, what: str) -> dict[str, np.ndarray]:
     import torch
 
-    if not isinstance(state_dict, Mapping) or not state_dict or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+    if (
+        not isinstance(state_dict, Mapping)
+        or not state_dict
+        or not all(isinstance(v, torch.Tensor) for v in state_dict.values())
+    ):
         raise CheckpointError(f"{what} is not a network state dict")
     return {str(k): v.detach().to("cpu").contiguous().numpy() for k, v in state_dict.items()}
 
@@ -114,7 +125,10 @@ def read_policy_checkpoint(path: str) -> PolicyCheckpoint:
     state = load_checkpoint(file)
     trainer = state.get("trainer")
     if not isinstance(trainer, Mapping) or not isinstance(state.get("config"), Mapping):
-        raise CheckpointError(f"checkpoint {file} holds no trainer state and config: not a launch_impala or launch_ppo checkpoint")
+        raise CheckpointError(
+            f"checkpoint {file} holds no trainer state and config: not a launch_impala or launch_ppo "
+            "checkpoint"
+        )
     config = dict(state["config"])
     try:
         if "kind" in state:
@@ -131,27 +145,50 @@ def read_policy_checkpoint(path: str) -> PolicyCheckpoint:
             tasks = tuple(EnvSpec.from_dict(t) for t in raw_tasks)
         else:
             # Written before the runtime recorded kind/env/agent: IMPALA's, with a flat config record.
-            if not isinstance(config.get("env"), str) or not isinstance(config.get("model"), str) or "model" not in trainer:
-                raise CheckpointError(f"checkpoint {file} records neither kind/env/agent nor an IMPALA config (env, model): "
-                                      "not a launch_impala or launch_ppo checkpoint")
+            if (
+                not isinstance(config.get("env"), str)
+                or not isinstance(config.get("model"), str)
+                or "model" not in trainer
+            ):
+                raise CheckpointError(
+                    f"checkpoint {file} records neither kind/env/agent nor an IMPALA config (env, model): "
+                    "not a launch_impala or launch_ppo checkpoint"
+                )
             kwargs = json.loads(config["env_kwargs"]) if config.get("env_kwargs") else {}
             if not isinstance(kwargs, dict):
-                raise CheckpointError(f"checkpoint {file}: its env_kwargs {config['env_kwargs']!r} is not a JSON object")
+                raise CheckpointError(
+                    f"checkpoint {file}: its env_kwargs {config['env_kwargs']!r} is not a JSON object"
+                )
             kind = "impala"
             env = EnvSpec(config["env"], kwargs)
-            agent = ImpalaAgentSpec(config["model"], bool(config.get("use_lstm", False)), float(config.get("popart_beta", 3e-4)))
+            agent = ImpalaAgentSpec(
+                config["model"], bool(config.get("use_lstm", False)), float(config.get("popart_beta", 3e-4))
+            )
             weights = trainer["model"]
             legacy = True
             tasks = ()
     except UnknownEnvError as e:
-        raise CheckpointError(f"checkpoint {file} was trained on an env that is not installed here: {e}") from None
+        raise CheckpointError(
+            f"checkpoint {file} was trained on an env that is not installed here: {e}"
+        ) from None
     except (ValueError, TypeError) as e:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"checkpoint {file}: its env/agent record is unusable ({e})") from None
     params = _arrays(weights, f"checkpoint {file}: trainer['{'model' if kind == 'impala' else 'policy'}']")
-    return PolicyCheckpoint(file, file_sha256(file), kind, env, agent, params, config,
-                            _int_or_none(state.get("env_frames")), _int_or_none(state.get("agent_steps")), legacy, tasks)
+    return PolicyCheckpoint(
+        file,
+        file_sha256(file),
+        kind,
+        env,
+        agent,
+        params,
+        config,
+        _int_or_none(state.get("env_frames")),
+        _int_or_none(state.get("agent_steps")),
+        legacy,
+        tasks,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -164,39 +201,88 @@ class EvalConfig:
     """``impala-eval``'s options (the checkpoint is the positional argument)."""
 
     episodes: int = option(30, "Episodes to play.")
-    workers: int = option(available_cpus(), "Worker processes playing the episodes (each builds its env, measures its fingerprint and checks it against the protocol); 0 plays them in this process. Default: one per CPU.")
-    policy: Literal["sample", "greedy"] = option("sample", "'sample': actions drawn from the policy, as the actors do; 'greedy': the most likely action (argmax of the logits; PPO: the mean action).")
-    protocol: ProtocolName = option("train", "'train': the env exactly as trained. Atari only: 'machado' (sticky actions 0.25, full action set, no no-op starts, 108,000-frame cap; Machado et al. 2018) or 'dqn' (up to 30 no-op starts, no sticky actions, 108,000-frame cap).")
-    max_frames: int = option(0, "Cut each episode after this many env frames (Atari: emulator frames, the ALE's own cap; other envs: agent steps); 0: the protocol's cap (108,000 for machado and dqn, the env's step limit for train). A capped result says so in its settings.")
-    seed: int = option(0, "Episode i resets its env and seeds its agent with seed + i, whichever worker plays it.")
+    workers: int = option(
+        available_cpus(),
+        "Worker processes playing the episodes (each builds its env, measures its fingerprint and checks it "
+        "against the protocol); 0 plays them in this process. Default: one per CPU.",
+    )
+    policy: Literal["sample", "greedy"] = option(
+        "sample",
+        "'sample': actions drawn from the policy, as the actors do; 'greedy': the most likely action (argmax "
+        "of the logits; PPO: the mean action).",
+    )
+    protocol: ProtocolName = option(
+        "train",
+        "'train': the env exactly as trained. Atari only: 'machado' (sticky actions 0.25, full action set, "
+        "no no-op starts, 108,000-frame cap; Machado et al. 2018) or 'dqn' (up to 30 no-op starts, no sticky "
+        "actions, 108,000-frame cap).",
+    )
+    max_frames: int = option(
+        0,
+        "Cut each episode after this many env frames (Atari: emulator frames, the ALE's own cap; other envs: "
+        "agent steps); 0: the protocol's cap (108,000 for machado and dqn, the env's step limit for train). "
+        "A capped result says so in its settings.",
+    )
+    seed: int = option(
+        0, "Episode i resets its env and seeds its agent with seed + i, whichever worker plays it."
+    )
     out: str = option(
-        "", "JSON result file; a relative name goes into the run folder (the checkpoint's). Default: "
+        "",
+        "JSON result file; a relative name goes into the run folder (the checkpoint's). Default: "
         "eval-PROTOCOL-POLICY-EPISODES.json there (eval-train-sample-30.json), so runs of other settings "
-        "keep their files.")
+        "keep their files.",
+    )
     video: str = option(
-        "", "Record the first episode(s) as OUT.mp4 (H.264, plays in browsers) or OUT.gif (Pillow); a "
+        "",
+        "Record the first episode(s) as OUT.mp4 (H.264, plays in browsers) or OUT.gif (Pillow); a "
         "relative name goes into the run folder (the checkpoint's): the raw RGB screen (Atari: the ALE's "
-        "screen; other envs: render()), not the network's input, with the step and score drawn under it.")
+        "screen; other envs: render()), not the network's input, with the step and score drawn under it.",
+    )
     video_episodes: int = option(1, "Episodes recorded into --video, one after the other.")
-    video_max_frames: int = option(0, "Stop recording after this many frames (0: whole episodes); the episodes are still played to their end.")
-    video_scale: int = option(2, "Enlarge the recorded frames by this factor (nearest neighbour; 1 keeps a GIF small).")
-    task: str = option("", "Multi-task checkpoints: play only this task (its env id). Empty: every task in turn, each with its own table and result file (eval-PROTOCOL-POLICY-ENV.json; --out and --video names get -ENV too).")
+    video_max_frames: int = option(
+        0,
+        "Stop recording after this many frames (0: whole episodes); the episodes are still played to their "
+        "end.",
+    )
+    video_scale: int = option(
+        2, "Enlarge the recorded frames by this factor (nearest neighbour; 1 keeps a GIF small)."
+    )
+    task: str = option(
+        "",
+        "Multi-task checkpoints: play only this task (its env id). Empty: every task in turn, each with its "
+        "own table and result file (eval-PROTOCOL-POLICY-ENV.json; --out and --video names get -ENV too).",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
         need(self.episodes >= 1, f"--episodes must be >= 1, got {self.episodes}")
         need(self.workers >= 0, f"--workers must be >= 0 (0: play in this process), got {self.workers}")
-        need(self.max_frames >= 0, f"--max-frames must be >= 0 (0: the protocol's cap), got {self.max_frames}")
-        need(0 <= self.seed < 2**31 - self.episodes, f"--seed must be in [0, 2**31 - episodes), got {self.seed}")
-        need(1 <= self.video_episodes <= self.episodes, f"--video-episodes must be in 1..--episodes ({self.episodes}), got {self.video_episodes}")
-        need(self.video_max_frames >= 0, f"--video-max-frames must be >= 0 (0: whole episodes), got {self.video_max_frames}")
+        need(
+            self.max_frames >= 0, f"--max-frames must be >= 0 (0: the protocol's cap), got {self.max_frames}"
+        )
+        need(
+            0 <= self.seed < 2**31 - self.episodes,
+            f"--seed must be in [0, 2**31 - episodes), got {self.seed}",
+        )
+        need(
+            1 <= self.video_episodes <= self.episodes,
+            f"--video-episodes must be in 1..--episodes ({self.episodes}), got {self.video_episodes}",
+        )
+        need(
+            self.video_max_frames >= 0,
+            f"--video-max-frames must be >= 0 (0: whole episodes), got {self.video_max_frames}",
+        )
         need(1 <= self.video_scale <= 8, f"--video-scale must be in 1..8, got {self.video_scale}")
         if self.video:
-            need(os.path.splitext(self.video)[1].lower() in VIDEO_SUFFIXES,
-                 f"--video {self.video}: the name must end in .mp4 or .gif")
+            need(
+                os.path.splitext(self.video)[1].lower() in VIDEO_SUFFIXES,
+                f"--video {self.video}: the name must end in .mp4 or .gif",
+            )
         if self.out:
             need(not os.path.isdir(self.out), f"--out {self.out} is a directory; give a file name")
-        if self.task:  # which tasks the checkpoint has is known only once it is read; the id can be checked now
+        if (
+            self.task
+        ):  # which tasks the checkpoint has is known only once it is read; the id can be checked now
             check_env_id(self.task)
 
     def check_paths(self) -> None:
@@ -214,6 +300,7 @@ class EvalConfig:
     def in_run_folder(self, run_folder: str) -> "EvalConfig":
         """Relative ``--out`` and ``--video`` names joined to ``run_folder``: what a run's evaluation writes
         stays with the run, wherever the command was typed."""
+
         def place(path: str) -> str:
             return os.path.join(run_folder, path) if path and not os.path.isabs(path) else path
 
@@ -221,12 +308,16 @@ class EvalConfig:
 
     def for_task(self, env_id: str, checkpoint_file: str) -> "EvalConfig":
         """This evaluation for one task of a multi-task checkpoint: its own result file and video."""
-        return dataclasses.replace(self, out=task_file(self.result_path(checkpoint_file), env_id),
-                                   video=task_file(self.video, env_id) if self.video else "")
+        return dataclasses.replace(
+            self,
+            out=task_file(self.result_path(checkpoint_file), env_id),
+            video=task_file(self.video, env_id) if self.video else "",
+        )
 
 
 def task_file(path: str, env_id: str) -> str:
-    """``eval.json`` -> ``eval-PongDeterministic-v4.json`` (``/`` in ids such as ``ALE/Pong-v5`` becomes ``_``)."""
+    """``eval.json`` -> ``eval-PongDeterministic-v4.json`` (``/`` in ids such as ``ALE/Pong-v5`` becomes
+    ``_``)."""
     root, ext = os.path.splitext(path)
     return f"{root}-{env_id.replace('/', '_')}{ext}"
 
@@ -264,7 +355,13 @@ def return_stats(returns: list[float] | np.ndarray) -> dict[str, float]:
     r = np.asarray(returns, dtype=np.float64)
     if r.size == 0:
         return {k: math.nan for k in ("mean", "std", "median", "min", "max")}
-    return {"mean": float(r.mean()), "std": float(r.std()), "median": float(np.median(r)), "min": float(r.min()), "max": float(r.max())}
+    return {
+        "mean": float(r.mean()),
+        "std": float(r.std()),
+        "median": float(np.median(r)),
+        "min": float(r.min()),
+        "max": float(r.max()),
+    }
 
 
 @dataclass(frozen=True)

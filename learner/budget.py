@@ -1,4 +1,5 @@
-"""When a run ends: its step budget (env frames or agent steps), ``--max-seconds`` and ``--stop-at-return``."""
+"""When a run ends: its step budget (env frames or agent steps), ``--max-seconds`` and
+``--stop-at-return``."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class Budget:
         self.reached_return = False
 
     def spent(self, env_frames: int, agent_steps: int) -> bool:
-        """The step budget is used up (``--total-frames`` / ``--total-steps``, absolute also after a resume)."""
+        """The step budget is used up (``--total-frames`` / ``--total-steps``, absolute also after a
+        resume)."""
         return (self.total_frames is not None and env_frames >= self.total_frames) or (
             self.total_steps is not None and agent_steps >= self.total_steps
         )
@@ -34,6 +36,10 @@ class Budget:
         """``--stop-at-return``: the mean of the last 100 episodes (None until there are 100) reached it."""
         if self.stop_at_return is None or mean_return_100 is None or mean_return_100 < self.stop_at_return:
             return False
-        log.info("mean return of the last 100 episodes %.2f reached --stop-at-return %g", mean_return_100, self.stop_at_return)
+        log.info(
+            "mean return of the last 100 episodes %.2f reached --stop-at-return %g",
+            mean_return_100,
+            self.stop_at_return,
+        )
         self.reached_return = True
         return True

@@ -46,25 +46,33 @@ class RunFinished(Exception):
 
 def resume(trainer: Any, config: RunConfig, tasks: Sequence[EnvInfo]) -> Progress:
     """The trainer's state and the counters from ``config.checkpoint_path``; :class:`CheckpointError` when the
-    checkpoint belongs to another task list, env or network, :class:`RunFinished` when its run had finished."""
+    checkpoint belongs to another task list, env or network, :class:`RunFinished` when its run had
+    finished."""
     task_names = [t.spec.id for t in tasks] if len(tasks) > 1 else []
     finished = finished_record(config.logdir)
     if finished is not None and _budget_spent(config, finished):
         raise RunFinished(
-            f"{config.logdir} finished at {finished.get('env_frames', 0):,} env frames / {finished.get('agent_steps', 0):,} agent steps "
-            "(its budget); nothing to resume. Raise --total-frames/--total-steps to train on, or start a new --logdir"
+            f"{config.logdir} finished at {finished.get('env_frames', 0):,} env frames / "
+            f"{finished.get('agent_steps', 0):,} agent steps "
+            "(its budget); nothing to resume. Raise --total-frames/--total-steps to train on, or start a new "
+            "--logdir"
         )
     state = load_checkpoint(config.checkpoint_path, keys=("trainer", "env_frames", "version"))
     saved_tasks = [t.get("id") if isinstance(t, dict) else t for t in state.get("tasks") or []]
     if saved_tasks != task_names:
         raise CheckpointError(
-            f"checkpoint {config.checkpoint_path} was trained on {','.join(map(str, saved_tasks)) if saved_tasks else 'one task'}; "
-            f"this run has --env {','.join(task_names) if task_names else tasks[0].spec.id}: resume with the same task list"
+            f"checkpoint {config.checkpoint_path} was trained on "
+            f"{','.join(map(str, saved_tasks)) if saved_tasks else 'one task'}; "
+            f"this run has --env {','.join(task_names) if task_names else tasks[0].spec.id}: resume with the "
+            "same task list"
         )
     differences = _differences(state, tasks[0], trainer.agent.to_dict())
     if differences:
-        raise CheckpointError(f"checkpoint {config.checkpoint_path} does not fit this run: {'; '.join(differences)}. Resume with "
-                              "the settings it was trained with, or start a new run (another --run-id)")
+        raise CheckpointError(
+            f"checkpoint {config.checkpoint_path} does not fit this run: {'; '.join(differences)}. Resume "
+            "with "
+            "the settings it was trained with, or start a new run (another --run-id)"
+        )
     try:
         trainer.load_state_dict(state["trainer"])
         env_frames = int(state["env_frames"])
@@ -78,8 +86,15 @@ def resume(trainer: Any, config: RunConfig, tasks: Sequence[EnvInfo]) -> Progres
         )
     except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {config.checkpoint_path} does not fit this run (another env or network?): {first}") from None
-    log.info("resumed from %s at %d env frames, policy version %d", config.checkpoint_path, progress.env_frames, progress.version)
+        raise CheckpointError(
+            f"checkpoint {config.checkpoint_path} does not fit this run (another env or network?): {first}"
+        ) from None
+    log.info(
+        "resumed from %s at %d env frames, policy version %d",
+        config.checkpoint_path,
+        progress.env_frames,
+        progress.version,
+    )
     return progress
 
 
@@ -89,7 +104,8 @@ _PPO_NETWORK = ("hidden_units", "num_layers", "activation")
 
 
 def _differences(state: dict[str, Any], env: EnvInfo, agent: dict[str, Any]) -> list[str]:
-    """What differs between the run a checkpoint recorded (env and agent specs) and this one, said per setting."""
+    """What differs between the run a checkpoint recorded (env and agent specs) and this one, said per
+    setting."""
     out = []
     saved_env = state.get("env")
     if isinstance(saved_env, dict):
@@ -103,8 +119,11 @@ def _differences(state: dict[str, Any], env: EnvInfo, agent: dict[str, Any]) -> 
                 out.append(f"{key} {saved[key]!r} there, {agent[key]!r} here")
         old_net, new_net = saved.get("config"), agent.get("config")
         if isinstance(old_net, dict) and isinstance(new_net, dict):
-            out += [f"{k} {old_net[k]!r} there, {new_net[k]!r} here" for k in _PPO_NETWORK
-                    if k in old_net and k in new_net and old_net[k] != new_net[k]]
+            out += [
+                f"{k} {old_net[k]!r} there, {new_net[k]!r} here"
+                for k in _PPO_NETWORK
+                if k in old_net and k in new_net and old_net[k] != new_net[k]
+            ]
     return out
 
 
@@ -130,11 +149,24 @@ def _budget_spent(config: RunConfig, record: dict[str, Any]) -> bool:
 class Checkpointer:
     """Writes ``config.checkpoint_path`` periodically and at exit; never raises for a failed write."""
 
-    def __init__(self, config: RunConfig, trainer: Any, run_info: RunInfo, config_record: dict[str, Any], progress: Progress,
-                 *, resuming: bool) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        trainer: Any,
+        run_info: RunInfo,
+        config_record: dict[str, Any],
+        progress: Progress,
+        *,
+        resuming: bool,
+    ) -> None:
         self.path, self.logdir = config.checkpoint_path, config.logdir
         self.every_s = config.checkpoint_minutes * 60
-        self.trainer, self.run_info, self.config_record, self.progress = trainer, run_info, config_record, progress
+        self.trainer, self.run_info, self.config_record, self.progress = (
+            trainer,
+            run_info,
+            config_record,
+            progress,
+        )
         self.start_version = progress.version  # nothing trained yet: never overwrite a checkpoint with it
         self.last_try = self.last_success = time.monotonic()
         self.failing_since: float | None = None
@@ -150,23 +182,41 @@ class Checkpointer:
     def state(self) -> dict[str, Any]:
         p = self.progress
         return {
-            "trainer": self.trainer.state_dict(), "env_frames": p.env_frames, "agent_steps": p.agent_steps, "version": p.version,
-            # what the checkpoint is, for tools that play it (impala-eval): the actors' own env and agent specs
-            "kind": self.trainer.agent.kind, "env": self.run_info.env.to_dict(), "agent": self.run_info.agent.to_dict(),
-            "tasks": [t.to_dict() for t in self.run_info.tasks], "task_frames": list(p.task_frames),
-            "elapsed_s": p.elapsed_s + time.monotonic() - self.start, "config": self.config_record,
+            "trainer": self.trainer.state_dict(),
+            "env_frames": p.env_frames,
+            "agent_steps": p.agent_steps,
+            "version": p.version,
+            # what the checkpoint is, for tools that play it (impala-eval): the actors' own env and agent
+            # specs
+            "kind": self.trainer.agent.kind,
+            "env": self.run_info.env.to_dict(),
+            "agent": self.run_info.agent.to_dict(),
+            "tasks": [t.to_dict() for t in self.run_info.tasks],
+            "task_frames": list(p.task_frames),
+            "elapsed_s": p.elapsed_s + time.monotonic() - self.start,
+            "config": self.config_record,
         }
 
     def remember_evaluated(self, at_frames: int) -> None:
-        """Keep a copy of the state whose weights an evaluation is about to play (one at a time), for ``best.pt``."""
+        """Keep a copy of the state whose weights an evaluation is about to play (one at a time), for
+        ``best.pt``."""
         self.evaluated = (at_frames, copy.deepcopy(self.state()))
 
     def consider_best(self, mean_return: float | None, at_frames: int) -> None:
-        """``best.pt``: the state an evaluation played, when its mean return beats every earlier one of this run."""
-        if mean_return is None or mean_return <= self.best_return or self.evaluated is None or self.evaluated[0] != at_frames:
+        """``best.pt``: the state an evaluation played, when its mean return beats every earlier one of
+        this run."""
+        if (
+            mean_return is None
+            or mean_return <= self.best_return
+            or self.evaluated is None
+            or self.evaluated[0] != at_frames
+        ):
             return
         try:
-            save_checkpoint(os.path.join(self.logdir, "best.pt"), {**self.evaluated[1], "eval_mean_return": float(mean_return)})
+            save_checkpoint(
+                os.path.join(self.logdir, "best.pt"),
+                {**self.evaluated[1], "eval_mean_return": float(mean_return)},
+            )
         except (CheckpointError, OSError) as e:
             log.warning("best.pt not written (%s)", e)
             return
@@ -186,7 +236,9 @@ class Checkpointer:
         except CheckpointError as e:  # diverged weights: keep the last good checkpoint
             log.error("%s; the previous checkpoint is kept", e)
             return False
-        except OSError as e:  # disk full, a directory at the path, permissions, I/O: train on, retry next time
+        except (
+            OSError
+        ) as e:  # disk full, a directory at the path, permissions, I/O: train on, retry next time
             self._failed(f"{type(e).__name__}: {e.strerror or e}")
             return False
         self.last_success, self.failing_since = time.monotonic(), None
@@ -198,14 +250,26 @@ class Checkpointer:
         self.failing_since = self.failing_since or now
         down_s = now - self.failing_since
         if down_s >= LOUD_AFTER_S:
-            log.error("no checkpoint could be written for %.0f minutes (%s): a crash now loses everything since the last "
-                      "one; free space or fix %s", down_s / 60, reason, self.path)
+            log.error(
+                "no checkpoint could be written for %.0f minutes (%s): a crash now loses everything since "
+                "the last "
+                "one; free space or fix %s",
+                down_s / 60,
+                reason,
+                self.path,
+            )
         else:
-            log.warning("checkpoint %s not written (%s); training goes on, the previous checkpoint is kept, the next write "
-                        "retries", self.path, reason)
+            log.warning(
+                "checkpoint %s not written (%s); training goes on, the previous checkpoint is kept, the next "
+                "write "
+                "retries",
+                self.path,
+                reason,
+            )
 
     def _export(self) -> None:
-        # A trainer that can export its policy for serving (PPO -> ONNX for Unity) does so beside each checkpoint.
+        # A trainer that can export its policy for serving (PPO -> ONNX for Unity) does so beside each
+        # checkpoint.
         export = getattr(self.trainer, "export_onnx", None)
         if export is None:
             return
@@ -222,8 +286,14 @@ class Checkpointer:
         if finished:
             try:
                 with open(os.path.join(self.logdir, FINISHED_MARKER), "w") as f:
-                    json.dump({"env_frames": self.progress.env_frames, "agent_steps": self.progress.agent_steps,
-                               "version": self.progress.version}, f)
+                    json.dump(
+                        {
+                            "env_frames": self.progress.env_frames,
+                            "agent_steps": self.progress.agent_steps,
+                            "version": self.progress.version,
+                        },
+                        f,
+                    )
             except OSError as e:
                 log.warning("could not write the finished marker in %s: %s", self.logdir, e.strerror or e)
         return self.path if os.path.isfile(self.path) else ""

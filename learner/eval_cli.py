@@ -31,13 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
         prog=PROG,
         description=(
-            "Play a launch_impala or launch_ppo checkpoint for N episodes across worker processes (through the actors' own "
-            "agent code) under a named protocol, check every worker's env against the protocol, and report mean, std, median, "
-            "min and max of the episode returns: a table here and a JSON file next to the checkpoint. Exit 0: done; "
+            "Play a launch_impala or launch_ppo checkpoint for N episodes across worker processes (through "
+            "the actors' own "
+            "agent code) under a named protocol, check every worker's env against the protocol, and report "
+            "mean, std, median, "
+            "min and max of the episode returns: a table here and a JSON file next to the checkpoint. Exit "
+            "0: done; "
             "1: a worker's env differs from the protocol; 2: bad input."
         ),
     )
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint.pt, or a run's logdir holding one")
+    parser.add_argument(
+        "checkpoint", metavar="CHECKPOINT", help="a checkpoint.pt, or a run's logdir holding one"
+    )
     add_flags(parser, EvalConfig)
     return parser
 
@@ -46,21 +51,37 @@ def protocol_line(settings: Mapping[str, Any]) -> str:
     """The protocol and its frame budget in a few words (the console table, the results in docs/EVAL.md)."""
     s = settings
     if "sticky" not in s:
-        cap = f"episodes cut at {s['max_frames_per_episode']:,} steps" if s.get("max_frames_per_episode") else (
-            f"step limit {s['max_episode_steps']:,}" if s.get("max_episode_steps") else "no step limit")
+        cap = (
+            f"episodes cut at {s['max_frames_per_episode']:,} steps"
+            if s.get("max_frames_per_episode")
+            else (f"step limit {s['max_episode_steps']:,}" if s.get("max_episode_steps") else "no step limit")
+        )
         return f"{s['protocol']}: {s['env_id']} as trained, {cap}"
-    parts = [f"sticky {s['sticky']:g}", f"{s['action_set']} actions", f"{s['noop_max']} no-ops max" if s["noop_max"] else "no no-ops"]
-    parts.append(f"cap {s['max_frames_per_episode']:,} frames" if s.get("max_frames_per_episode") else
-                 f"step limit {s['max_episode_steps']:,}" if s.get("max_episode_steps") else "no cap")
+    parts = [
+        f"sticky {s['sticky']:g}",
+        f"{s['action_set']} actions",
+        f"{s['noop_max']} no-ops max" if s["noop_max"] else "no no-ops",
+    ]
+    parts.append(
+        f"cap {s['max_frames_per_episode']:,} frames"
+        if s.get("max_frames_per_episode")
+        else f"step limit {s['max_episode_steps']:,}"
+        if s.get("max_episode_steps")
+        else "no cap"
+    )
     return f"{s['protocol']}: frameskip {s['frameskip']}, " + ", ".join(parts)
 
 
-_FLAT_LIST = re.compile(r"\[\s+((?:-?[\d.eE+-]+|true|false|null)(?:,\s+(?:-?[\d.eE+-]+|true|false|null))*)\s+\]")
+_FLAT_LIST = re.compile(
+    r"\[\s+((?:-?[\d.eE+-]+|true|false|null)(?:,\s+(?:-?[\d.eE+-]+|true|false|null))*)\s+\]"
+)
 
 
 def result_json(data: Mapping[str, Any]) -> str:
     """``data`` as indented JSON with each list of numbers on one line."""
-    return _FLAT_LIST.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", json.dumps(data, indent=1)) + "\n"
+    return (
+        _FLAT_LIST.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", json.dumps(data, indent=1)) + "\n"
+    )
 
 
 def _fmt(x: float) -> str:
@@ -85,7 +106,11 @@ def print_result(result: EvalResult, *, json_path: str, file: Any = None) -> Non
     rows = [
         ("protocol", protocol_line(result.settings)),
         ("policy", result.policy),
-        ("episodes", f"{len(result.episodes)} (seeds {result.seed}..{result.seed + len(result.episodes) - 1})" + (f", {capped} cut by a cap" if capped else "")),
+        (
+            "episodes",
+            f"{len(result.episodes)} (seeds {result.seed}..{result.seed + len(result.episodes) - 1})"
+            + (f", {capped} cut by a cap" if capped else ""),
+        ),
         ("return", f"[bold]{_fmt(s['mean'])} ± {_fmt(s['std'])}[/bold] (mean ± std)"),
         ("median / min / max", f"{_fmt(s['median'])} / {_fmt(s['min'])} / {_fmt(s['max'])}"),
         ("episode length", f"{steps.mean():,.0f} agent steps, {frames.mean():,.0f} env frames (mean)"),
@@ -95,14 +120,20 @@ def print_result(result: EvalResult, *, json_path: str, file: Any = None) -> Non
         ("result", json_path),
     ]
     if result.video:
-        rows.append(("video", f"{result.video['path']} ({result.video['frames']} frames, {result.video['fps']:g} fps)"))
+        rows.append(
+            (
+                "video",
+                f"{result.video['path']} ({result.video['frames']} frames, {result.video['fps']:g} fps)",
+            )
+        )
     for k, v in rows:
         table.add_row(k, v)
     Console(file=file or sys.stdout, soft_wrap=False).print(table)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``impala-eval``: evaluate a checkpoint, print the table, write the JSON; bad input is one line, exit 2."""
+    """``impala-eval``: evaluate a checkpoint, print the table, write the JSON; bad input is one line, exit
+    2."""
     args = build_parser().parse_args(argv)
     try:
         options: EvalConfig = from_flags(EvalConfig, args)
@@ -114,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = read_policy_checkpoint(args.checkpoint)
         tasks = ckpt.select_tasks(options.task)
         if len(tasks) > 1:
-            print(f"{PROG}: {ckpt.path} is a multi-task checkpoint: playing its {len(tasks)} tasks in turn", flush=True)
+            print(
+                f"{PROG}: {ckpt.path} is a multi-task checkpoint: playing its {len(tasks)} tasks in turn",
+                flush=True,
+            )
         for spec in tasks:
             one = dataclasses.replace(ckpt, env=spec)
             task_options = options.for_task(spec.id, ckpt.path) if ckpt.tasks else options

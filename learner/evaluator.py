@@ -1,7 +1,8 @@
 """The evaluation engine: play a policy's episodes and judge them under a named protocol.
 
 Used by ``impala-eval`` (:mod:`learner.eval_cli`), by a training run's ``--eval-every`` and by
-``frameskip_check --plot``; it reads both learners' checkpoints (``impala.evaluation.read_policy_checkpoint``).
+``frameskip_check --plot``; it reads both learners' checkpoints
+(``impala.evaluation.read_policy_checkpoint``).
 The episodes are played in worker processes through the actors' own agent code
 (``actors.agents.make_agent`` + ``load_params`` + ``act``; ``act_greedy`` for
 ``--policy greedy``), one env per worker built from the protocol's ``EnvSpec``
@@ -34,7 +35,13 @@ from impala.run.config import ConfigError
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import build_env
-from impala.envs.protocols import EvalProtocol, NetworkActions, check_protocol_env, eval_protocol, network_action_map
+from impala.envs.protocols import (
+    EvalProtocol,
+    NetworkActions,
+    check_protocol_env,
+    eval_protocol,
+    network_action_map,
+)
 from impala.evaluation import EpisodeRecord, EvalConfig, EvalResult, PolicyCheckpoint
 from impala.transport.messages import AgentSpec
 
@@ -65,7 +72,9 @@ class _OneEnv:
         self.observation_space = env.observation_space
 
 
-def checkpoint_agent(spec: AgentSpec, params: Mapping[str, np.ndarray], *, envs: Any, first_obs: np.ndarray, seed: int) -> Agent:
+def checkpoint_agent(
+    spec: AgentSpec, params: Mapping[str, np.ndarray], *, envs: Any, first_obs: np.ndarray, seed: int
+) -> Agent:
     """The actor's agent adapter for ``envs`` (one env step per unroll), holding ``params``."""
     agent = make_agent(spec, envs=envs, first_obs=first_obs, unroll_length=1, seed=seed)
     agent.load_params(params)
@@ -133,7 +142,9 @@ class VideoRecorder:
         if self.gif:
             from PIL import Image
 
-            self._images.append(Image.fromarray(frame).convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
+            self._images.append(
+                Image.fromarray(frame).convert("P", palette=Image.Palette.ADAPTIVE, colors=64)
+            )
         else:
             import cv2
 
@@ -155,10 +166,15 @@ class VideoRecorder:
         self._tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp.mp4")
         self._size = (width, height)
         self._writer = imageio_ffmpeg.write_frames(
-            self._tmp, self._size, fps=float(self.fps), codec="libx264",
-            pix_fmt_in="rgb24", pix_fmt_out="yuv420p",
+            self._tmp,
+            self._size,
+            fps=float(self.fps),
+            codec="libx264",
+            pix_fmt_in="rgb24",
+            pix_fmt_out="yuv420p",
             macro_block_size=1,  # the size is already even; imageio-ffmpeg would otherwise rescale to 16s
-            ffmpeg_log_level="error", output_params=["-movflags", "+faststart"],
+            ffmpeg_log_level="error",
+            output_params=["-movflags", "+faststart"],
         )
         self._writer.send(None)  # the generator starts ffmpeg here
 
@@ -166,14 +182,22 @@ class VideoRecorder:
         if self.gif and self._images:
             first, rest = self._images[0], self._images[1:]
             # GIF delays are in 10 ms units
-            first.save(self.path, save_all=True, append_images=rest, duration=int(round(100 / self.fps)) * 10, loop=0)
+            first.save(
+                self.path, save_all=True, append_images=rest, duration=int(round(100 / self.fps)) * 10, loop=0
+            )
             self._images = []
         elif self._writer is not None:
             self._writer.close()  # ffmpeg finishes the file and exits
             os.replace(self._tmp, self.path)
             self._writer = None
-        return {"path": os.path.abspath(self.path), "frames": self.frames, "fps": round(float(self.fps), 3),
-                "episodes": self.episodes, "scale": self.scale, "max_frames": self.max_frames or None}
+        return {
+            "path": os.path.abspath(self.path),
+            "frames": self.frames,
+            "fps": round(float(self.fps), 3),
+            "episodes": self.episodes,
+            "scale": self.scale,
+            "max_frames": self.max_frames or None,
+        }
 
     def discard(self) -> None:
         """Stop writing and delete the unfinished file."""
@@ -196,7 +220,9 @@ def _screen(env: gym.Env) -> np.ndarray:
 def _video_fps(env: gym.Env, protocol: EvalProtocol) -> float:
     cfg = protocol.expected
     if cfg is not None:  # one frame per agent step; the ALE runs at 60 Hz
-        skip = cfg.frameskip if isinstance(cfg.frameskip, int) else (cfg.frameskip[0] + cfg.frameskip[1] - 1) / 2
+        skip = (
+            cfg.frameskip if isinstance(cfg.frameskip, int) else (cfg.frameskip[0] + cfg.frameskip[1] - 1) / 2
+        )
         return 60.0 / skip
     return float(env.metadata.get("render_fps") or 30)
 
@@ -231,9 +257,12 @@ class EvalJob:
 @dataclass
 class TaskResult:
     """What one worker played: its episodes, the env checks it made and the video it recorded."""
+
     pid: int
     episodes: list[EpisodeRecord]
-    checks: list[dict[str, Any]]  # one per env this worker built: its fingerprint, checked against the protocol
+    checks: list[
+        dict[str, Any]
+    ]  # one per env this worker built: its fingerprint, checked against the protocol
     video: dict[str, Any] | None = None
 
 
@@ -255,7 +284,9 @@ class Player:
             fp, problems = check_protocol_env(env, job.protocol, steps=job.fingerprint_steps, seed=job.seed)
             if problems:
                 raise FingerprintMismatchError(
-                    f"evaluation worker (pid {os.getpid()}) does not run protocol {job.protocol.name}: " + "; ".join(map(str, problems)))
+                    f"evaluation worker (pid {os.getpid()}) does not run protocol {job.protocol.name}: "
+                    + "; ".join(map(str, problems))
+                )
             index = network_action_map(env, job.protocol)
         except BaseException:
             env.close()
@@ -270,7 +301,9 @@ class Player:
         env = self.env(recorder is not None)
         seed = job.seed + index
         obs, _ = env.reset(seed=seed)
-        agent = checkpoint_agent(job.agent, job.params, envs=_OneEnv(env), first_obs=np.expand_dims(np.asarray(obs), 0), seed=seed)
+        agent = checkpoint_agent(
+            job.agent, job.params, envs=_OneEnv(env), first_obs=np.expand_dims(np.asarray(obs), 0), seed=seed
+        )
         act = agent.act_greedy if job.policy == "greedy" else agent.act
         discrete = isinstance(env.action_space, gym.spaces.Discrete)
         step_cap = job.protocol.max_frames if job.protocol.expected is None else None
@@ -291,12 +324,19 @@ class Player:
             if terminated or truncated or capped:
                 break
         frames = int(ale.getEpisodeFrameNumber()) if ale is not None else steps
-        return EpisodeRecord(index, seed, total, steps, frames, bool(truncated or capped) and not terminated, os.getpid())
+        return EpisodeRecord(
+            index, seed, total, steps, frames, bool(truncated or capped) and not terminated, os.getpid()
+        )
 
     def run(self, indices: tuple[int, ...], record: bool) -> TaskResult:
         recorder = None
         if record and self.job.video:
-            recorder = VideoRecorder(self.job.video, _video_fps(self.env(True), self.job.protocol), self.job.video_scale, self.job.video_max_frames)
+            recorder = VideoRecorder(
+                self.job.video,
+                _video_fps(self.env(True), self.job.protocol),
+                self.job.video_scale,
+                self.job.video_max_frames,
+            )
         try:
             records = []
             for i in indices:
@@ -358,7 +398,11 @@ def run_episodes(job: EvalJob, *, episodes: int, workers: int) -> list[TaskResul
             player.close()
             torch.set_num_threads(threads)
     ex = concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(job,))
+        max_workers=min(workers, len(tasks)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(job,),
+    )
     try:
         futures = [ex.submit(_run_task, t) for t in tasks]
         results = [f.result() for f in concurrent.futures.as_completed(futures)]
@@ -376,26 +420,38 @@ def run_episodes(job: EvalJob, *, episodes: int, workers: int) -> list[TaskResul
 
 
 def _probe(job: EvalJob) -> None:
-    """Build the protocol's env and the agent here once, so that a checkpoint that cannot play it is one clean error."""
+    """Build the protocol's env and the agent here once, so that a checkpoint that cannot play it is one
+    clean error."""
     env = None
     try:
         env = build_env(job.env_spec(bool(job.video)), seed=job.seed)
         index = network_action_map(env, job.protocol)
         play = NetworkActions(env, index) if index is not None else env
         obs, _ = play.reset(seed=job.seed)
-        agent = checkpoint_agent(job.agent, job.params, envs=_OneEnv(play), first_obs=np.expand_dims(np.asarray(obs), 0), seed=job.seed)
+        agent = checkpoint_agent(
+            job.agent,
+            job.params,
+            envs=_OneEnv(play),
+            first_obs=np.expand_dims(np.asarray(obs), 0),
+            seed=job.seed,
+        )
         agent.act(np.expand_dims(np.asarray(obs), 0), np.ones(1, dtype=bool))
         if job.video:
             try:
                 frame = _screen(play)
             except Exception as e:  # noqa: BLE001 - a renderer that is not installed, no display, ...
-                raise EvalError(f"--video: {job.protocol.env.id} cannot draw its screen here: {_first_line(e)}") from None
+                raise EvalError(
+                    f"--video: {job.protocol.env.id} cannot draw its screen here: {_first_line(e)}"
+                ) from None
             if frame is None or np.ndim(frame) != 3:
                 raise EvalError(f"--video: {job.protocol.env.id}'s render() gives no RGB frame")
     except (EvalError, ConfigError):
         raise
     except Exception as e:  # noqa: BLE001 - any checkpoint that cannot act in this env is bad input
-        raise EvalError(f"the checkpoint cannot play {job.protocol.env.id} under protocol {job.protocol.name}: {_first_line(e)}") from None
+        raise EvalError(
+            f"the checkpoint cannot play {job.protocol.env.id} under protocol {job.protocol.name}: "
+            f"{_first_line(e)}"
+        ) from None
     finally:
         if env is not None:
             env.close()
@@ -431,11 +487,31 @@ def evaluate_params(
     ``EvalError``) for options or a protocol this env cannot do, ``FingerprintMismatchError``
     when a worker's env differs from the protocol.
     """
-    options = EvalConfig(episodes=episodes, workers=workers, policy=policy, protocol=protocol, max_frames=max_frames, seed=seed,
-                         video=video, video_episodes=video_episodes, video_max_frames=video_max_frames, video_scale=video_scale)
+    options = EvalConfig(
+        episodes=episodes,
+        workers=workers,
+        policy=policy,
+        protocol=protocol,
+        max_frames=max_frames,
+        seed=seed,
+        video=video,
+        video_episodes=video_episodes,
+        video_max_frames=video_max_frames,
+        video_scale=video_scale,
+    )
     proto = eval_protocol(env, options.protocol, max_frames=options.max_frames)
-    job = EvalJob(proto, agent, {k: np.asarray(v) for k, v in params.items()}, options.policy, options.seed, fingerprint_steps,
-                  options.video, options.video_episodes, options.video_max_frames, options.video_scale)
+    job = EvalJob(
+        proto,
+        agent,
+        {k: np.asarray(v) for k, v in params.items()},
+        options.policy,
+        options.seed,
+        fingerprint_steps,
+        options.video,
+        options.video_episodes,
+        options.video_max_frames,
+        options.video_scale,
+    )
     start = time.monotonic()
     _probe(job)
     results = run_episodes(job, episodes=options.episodes, workers=options.workers)
@@ -452,16 +528,40 @@ def evaluate_params(
         entry["episodes"].sort()
     video_info = next((r.video for r in results if r.video), None)
     return EvalResult(
-        protocol=proto.name, settings=proto.settings(), policy=options.policy, seed=options.seed, episodes=records,
-        workers=tuple(by_pid[p] for p in sorted(by_pid)), wall_time_s=wall, env=env.to_dict(), agent=agent.to_dict(),
-        video=video_info, checkpoint=checkpoint.describe() if checkpoint else None, config=checkpoint.config if checkpoint else None,
+        protocol=proto.name,
+        settings=proto.settings(),
+        policy=options.policy,
+        seed=options.seed,
+        episodes=records,
+        workers=tuple(by_pid[p] for p in sorted(by_pid)),
+        wall_time_s=wall,
+        env=env.to_dict(),
+        agent=agent.to_dict(),
+        video=video_info,
+        checkpoint=checkpoint.describe() if checkpoint else None,
+        config=checkpoint.config if checkpoint else None,
     )
 
 
-def evaluate_checkpoint(ckpt: PolicyCheckpoint, options: EvalConfig, *, fingerprint_steps: int = 300) -> EvalResult:
-    """:func:`evaluate_params` for a checkpoint (``read_policy_checkpoint``), with ``impala-eval``'s options."""
+def evaluate_checkpoint(
+    ckpt: PolicyCheckpoint, options: EvalConfig, *, fingerprint_steps: int = 300
+) -> EvalResult:
+    """:func:`evaluate_params` for a checkpoint (``read_policy_checkpoint``), with ``impala-eval``'s
+    options."""
     return evaluate_params(
-        ckpt.env, ckpt.agent, ckpt.params, protocol=options.protocol, policy=options.policy, episodes=options.episodes,
-        workers=options.workers, seed=options.seed, max_frames=options.max_frames, video=options.video,
-        video_episodes=options.video_episodes, video_max_frames=options.video_max_frames, video_scale=options.video_scale,
-        fingerprint_steps=fingerprint_steps, checkpoint=ckpt)
+        ckpt.env,
+        ckpt.agent,
+        ckpt.params,
+        protocol=options.protocol,
+        policy=options.policy,
+        episodes=options.episodes,
+        workers=options.workers,
+        seed=options.seed,
+        max_frames=options.max_frames,
+        video=options.video,
+        video_episodes=options.video_episodes,
+        video_max_frames=options.video_max_frames,
+        video_scale=options.video_scale,
+        fingerprint_steps=fingerprint_steps,
+        checkpoint=ckpt,
+    )

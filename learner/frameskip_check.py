@@ -46,8 +46,20 @@ from actors.pool import ActorPool
 from impala.run.checkpoint import CheckpointError
 from impala.run.config import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
-from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip, envs_held_by, obs_mismatches
-from impala.envs.fingerprint import ConfiguredSettings, EnvFingerprint, Mismatch, check_against_config, configured_settings
+from impala.envs.audit import (
+    ENV_IN_INIT,
+    check_actor_builds_no_env,
+    check_pickle_roundtrip,
+    envs_held_by,
+    obs_mismatches,
+)
+from impala.envs.fingerprint import (
+    ConfiguredSettings,
+    EnvFingerprint,
+    Mismatch,
+    check_against_config,
+    configured_settings,
+)
 from impala.envs.probe import expected_observation
 from impala.evaluation import checkpoint_path
 from impala.transport.messages import ImpalaAgentSpec, RunInfo
@@ -136,14 +148,34 @@ def _lingering(pids: Iterable[int], wait: float = 5.0) -> list[int]:
         time.sleep(0.05)
 
 
-def _actor_configs(spec: EnvSpec, actor_ids: range, *, trajectory_endpoint: str, params_endpoint: str, seed: int,
-                   fingerprint_steps: int) -> list[ActorConfig]:
+def _actor_configs(
+    spec: EnvSpec,
+    actor_ids: range,
+    *,
+    trajectory_endpoint: str,
+    params_endpoint: str,
+    seed: int,
+    fingerprint_steps: int,
+) -> list[ActorConfig]:
     """This command's actors (the worker check and the __init__ probe), made like every run's: one env each,
     the agent launch_impala's ImpalaTrainer sends (the child builds the same one)."""
-    run = RunInfo("frameskip-check", spec, ImpalaAgentSpec(model="auto", use_lstm=False), unroll_length=20, envs_per_worker=1)
+    run = RunInfo(
+        "frameskip-check",
+        spec,
+        ImpalaAgentSpec(model="auto", use_lstm=False),
+        unroll_length=20,
+        envs_per_worker=1,
+    )
     # The actors wait for parameters that never come; we stop them, the timeout is the safety net.
-    return actor_configs(run, actor_ids, trajectory_endpoint=trajectory_endpoint, params_endpoint=params_endpoint, seed=seed,
-                         fingerprint_steps=fingerprint_steps, params_timeout_s=60.0)
+    return actor_configs(
+        run,
+        actor_ids,
+        trajectory_endpoint=trajectory_endpoint,
+        params_endpoint=params_endpoint,
+        seed=seed,
+        fingerprint_steps=fingerprint_steps,
+        params_timeout_s=60.0,
+    )
 
 
 def check_workers(
@@ -167,7 +199,10 @@ def check_workers(
     """
     started = time.monotonic()
     if start_method not in multiprocessing.get_all_start_methods():
-        raise UsageError(f"start method {start_method!r} is not available on this platform (available: {', '.join(multiprocessing.get_all_start_methods())})")
+        raise UsageError(
+            f"start method {start_method!r} is not available on this platform (available: "
+            f"{', '.join(multiprocessing.get_all_start_methods())})"
+        )
     spec = EnvSpec(env_id, kwargs=dict(env_kwargs or {}))
     cfg = configured_settings(env_id, spec.kwargs)
     expected = expected_observation(spec)
@@ -175,8 +210,14 @@ def check_workers(
     # The server needs some schema; only hellos are exchanged here, so its layout does not matter.
     schema = impala_unroll_schema(20, expected[0], expected[1], 1)
     server = TrajectoryServer(schema, on_hello=lambda actor, info: None)
-    configs = _actor_configs(spec, range(workers), trajectory_endpoint=server.trajectory_endpoint,
-                             params_endpoint=server.params_endpoint, seed=seed, fingerprint_steps=fingerprint_steps)
+    configs = _actor_configs(
+        spec,
+        range(workers),
+        trajectory_endpoint=server.trajectory_endpoint,
+        params_endpoint=server.params_endpoint,
+        seed=seed,
+        fingerprint_steps=fingerprint_steps,
+    )
     pool = ActorPool(configs, start_method=start_method, actor_class=actor_class)
     spawned: list[int] = []
     try:
@@ -197,11 +238,15 @@ def check_workers(
                 time.sleep(0.5)  # a hello sent just before exiting may still be in flight
                 dead = [a for a in dead if a.config.actor_id not in server.accepted]
                 for a in dead:
-                    row.errors.append(f"worker {a.config.actor_id} exited with code {a.exitcode} before saying hello")
+                    row.errors.append(
+                        f"worker {a.config.actor_id} exited with code {a.exitcode} before saying hello"
+                    )
                 if dead:
                     break
             if time.monotonic() > deadline:
-                row.errors.append(f"only {len(server.accepted)} of {workers} workers said hello within {timeout:.0f}s")
+                row.errors.append(
+                    f"only {len(server.accepted)} of {workers} workers said hello within {timeout:.0f}s"
+                )
                 break
             time.sleep(0.05)
     finally:
@@ -238,8 +283,14 @@ def check_workers(
 
 def probe_actor_class(actor_class: type, spec: EnvSpec, *, start_method: str = "spawn") -> list[str]:
     """Construct ``actor_class`` in this process (never started) and run ``check_actor_builds_no_env``."""
-    config = _actor_configs(spec, range(1), trajectory_endpoint="tcp://127.0.0.1:1", params_endpoint="tcp://127.0.0.1:2", seed=0,
-                            fingerprint_steps=300)[0]
+    config = _actor_configs(
+        spec,
+        range(1),
+        trajectory_endpoint="tcp://127.0.0.1:1",
+        params_endpoint="tcp://127.0.0.1:2",
+        seed=0,
+        fingerprint_steps=300,
+    )[0]
     actor = actor_class(config, start_method=start_method)
     try:
         return check_actor_builds_no_env(actor)
@@ -251,7 +302,6 @@ def probe_actor_class(actor_class: type, spec: EnvSpec, *, start_method: str = "
                     close()
                 except Exception:  # noqa: BLE001 - best effort cleanup of what the actor built
                     pass
-
 
 
 # ---------------------------------------------------------------------------
@@ -276,7 +326,19 @@ def _obs_text(shape: Sequence[int], dtype: str) -> str:
     return "x".join(str(d) for d in shape) + f" {dtype}"
 
 
-HEADERS = ("env id", "start", "workers", "frameskip", "sticky", "action set", "max steps", "obs", "pickle", "__init__", "result")
+HEADERS = (
+    "env id",
+    "start",
+    "workers",
+    "frameskip",
+    "sticky",
+    "action set",
+    "max steps",
+    "obs",
+    "pickle",
+    "__init__",
+    "result",
+)
 
 
 def row_cells(row: Row, sep: str = " / ") -> list[str]:
@@ -285,7 +347,9 @@ def row_cells(row: Row, sep: str = " / ") -> list[str]:
     cfg = row.configured
     if cfg is not None:
         frameskip = f"{_cfg_frameskip(cfg)}{sep}{_distinct(f.frameskip_text() for f in fps)}"
-        sticky = f"{cfg.sticky:g}{sep}{_distinct('n/a' if f.sticky is None else f'{f.sticky:g}' for f in fps)}"
+        sticky = (
+            f"{cfg.sticky:g}{sep}{_distinct('n/a' if f.sticky is None else f'{f.sticky:g}' for f in fps)}"
+        )
         action_sets = _distinct(f"{f.action_set()} ({f.num_actions})" for f in fps)
         actions = f"{'full' if cfg.full_action_space else 'minimal'}{sep}{action_sets}"
         step_limits = _distinct(str(f.max_episode_steps or "none") for f in fps)
@@ -294,10 +358,26 @@ def row_cells(row: Row, sep: str = " / ") -> list[str]:
         frameskip = sticky = actions = "n/a"
         max_steps = f"-{sep}{_distinct(str(f.max_episode_steps or 'none') for f in fps)}"
     obs = f"{_obs_text(*row.expected_obs)}{sep}{_distinct(_obs_text(f.obs_shape, f.obs_dtype) for f in fps)}"
-    pickle_cell = "-" if row.pickle is None else ("OK" if not row.pickle else "MISMATCH: " + ", ".join(m.field for m in row.pickle))
+    pickle_cell = (
+        "-"
+        if row.pickle is None
+        else ("OK" if not row.pickle else "MISMATCH: " + ", ".join(m.field for m in row.pickle))
+    )
     init_cell = "-" if row.actor_flags is None else ("OK" if not row.actor_flags else "ENV IN __init__")
     result = "OK" if row.ok else "MISMATCH"
-    return [row.env_id, row.start_method, f"{len(row.measured)}/{row.workers}", frameskip, sticky, actions, max_steps, obs, pickle_cell, init_cell, result]
+    return [
+        row.env_id,
+        row.start_method,
+        f"{len(row.measured)}/{row.workers}",
+        frameskip,
+        sticky,
+        actions,
+        max_steps,
+        obs,
+        pickle_cell,
+        init_cell,
+        result,
+    ]
 
 
 def print_table(rows: list[Row], *, file=None, rich: bool | None = None) -> None:
@@ -310,7 +390,11 @@ def print_table(rows: list[Row], *, file=None, rich: bool | None = None) -> None
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="frameskip check", caption="each cell: configured (top) / measured in the workers (bottom)", show_lines=True)
+        table = Table(
+            title="frameskip check",
+            caption="each cell: configured (top) / measured in the workers (bottom)",
+            show_lines=True,
+        )
         for h in HEADERS:
             table.add_column(h, no_wrap=True)
         for r, c in zip(rows, cells):
@@ -327,7 +411,6 @@ def print_table(rows: list[Row], *, file=None, rich: bool | None = None) -> None
     file.flush()
 
 
-
 # ---------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------
@@ -340,13 +423,25 @@ class CheckOptions:
     workers: int = option(2, "Actor processes per (env id x start method).")
     fingerprint_steps: int = option(300, "Random agent steps each worker measures.")
     timeout: float = option(120.0, "Seconds to wait for the workers' hellos.")
-    actor_class: Optional[str] = option(None, "An Actor subclass MODULE:CLASS to check instead of actors.actor:Actor (must be importable in the children).")
+    actor_class: Optional[str] = option(
+        None,
+        "An Actor subclass MODULE:CLASS to check instead of actors.actor:Actor (must be importable in the "
+        "children).",
+    )
     seed: int = option(0, "Base seed.")
-    plot: Optional[str] = option(None, "OUT.png: also run episodes under the configured settings of the first env id and under a mis-specified twin (frameskip (2,5), sticky 0.25) and plot steps per episode and return.")
+    plot: Optional[str] = option(
+        None,
+        "OUT.png: also run episodes under the configured settings of the first env id and under a "
+        "mis-specified twin (frameskip (2,5), sticky 0.25) and plot steps per episode and return.",
+    )
     plot_only: bool = option(False, "With --plot: skip the worker checks.")
     episodes: int = option(10, "Episodes per setting for --plot.")
     max_steps_per_episode: int = option(0, "Cap each --plot episode at this many agent steps (0: no cap).")
-    checkpoint: Optional[str] = option(None, "With --plot: sample actions from a launch_impala checkpoint.pt (or its logdir) instead of a random policy.")
+    checkpoint: Optional[str] = option(
+        None,
+        "With --plot: sample actions from a launch_impala checkpoint.pt (or its logdir) instead of a random "
+        "policy.",
+    )
     jobs: int = option(0, "Worker processes for --plot episodes (0: one per CPU).")
 
     def __post_init__(self) -> None:
@@ -356,7 +451,10 @@ class CheckOptions:
         need(self.timeout > 0, f"--timeout must be a number of seconds > 0, got {self.timeout}")
         need(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
         need(self.episodes >= 1, f"--episodes must be >= 1, got {self.episodes}")
-        need(self.max_steps_per_episode >= 0, f"--max-steps-per-episode must be >= 0, got {self.max_steps_per_episode}")
+        need(
+            self.max_steps_per_episode >= 0,
+            f"--max-steps-per-episode must be >= 0, got {self.max_steps_per_episode}",
+        )
         need(self.jobs >= 0, f"--jobs must be >= 0, got {self.jobs}")
         need(not self.plot_only or bool(self.plot), "--plot-only needs --plot OUT.png")
         need(not self.checkpoint or bool(self.plot), "--checkpoint is only used with --plot OUT.png")
@@ -367,17 +465,39 @@ def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
         prog="frameskip_check",
         description=(
-            "Regression check for the frameskip bug (an env built in the parent and pickled into a worker ran with other settings; docs/FRAMESKIP.md): start real actor processes (TrajectoryServer + ActorPool, as launch_impala "
-            "does) for each env id and start method, and compare the env fingerprint each child measures (frameskip from the "
-            "ALE frame counter, sticky actions, action set, episode step limit, obs shape/dtype) with the configured settings. "
-            "Also checks a pickle round trip of each raw env and that the actor class builds no env in __init__. "
+            "Regression check for the frameskip bug (an env built in the parent and pickled into a worker "
+            "ran with other settings; docs/FRAMESKIP.md): start real actor processes (TrajectoryServer + "
+            "ActorPool, as launch_impala "
+            "does) for each env id and start method, and compare the env fingerprint each child measures "
+            "(frameskip from the "
+            "ALE frame counter, sticky actions, action set, episode step limit, obs shape/dtype) with the "
+            "configured settings. "
+            "Also checks a pickle round trip of each raw env and that the actor class builds no env in "
+            "__init__. "
             "Exit 0: all OK; 1: a mismatch; 2: bad input."
         ),
     )
-    parser.add_argument("env_ids", nargs="*", default=[], metavar="ENV_ID", help=f"env ids to check; none here and no --env: {' '.join(DEFAULT_ENV_IDS)}")
-    parser.add_argument("--env", action="append", default=[], metavar="ENV_ID", help="an env id to check (repeatable; adds to the positional ids)")
-    parser.add_argument("--start-method", action="append", default=[], metavar="METHOD",
-                        help="multiprocessing start method (repeatable; none given: every one available here)")
+    parser.add_argument(
+        "env_ids",
+        nargs="*",
+        default=[],
+        metavar="ENV_ID",
+        help=f"env ids to check; none here and no --env: {' '.join(DEFAULT_ENV_IDS)}",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="ENV_ID",
+        help="an env id to check (repeatable; adds to the positional ids)",
+    )
+    parser.add_argument(
+        "--start-method",
+        action="append",
+        default=[],
+        metavar="METHOD",
+        help="multiprocessing start method (repeatable; none given: every one available here)",
+    )
     add_flags(parser, CheckOptions)
     return parser
 
@@ -404,7 +524,9 @@ def _validate(args: argparse.Namespace) -> tuple[CheckOptions, list[str], list[s
     methods = list(dict.fromkeys(args.start_method)) or [m for m in START_METHODS if m in available]
     for m in methods:
         if m not in available:
-            raise UsageError(f"start method {m!r} is not available on this platform (available: {', '.join(available)})")
+            raise UsageError(
+                f"start method {m!r} is not available on this platform (available: {', '.join(available)})"
+            )
     if options.plot:
         folder = os.path.dirname(os.path.abspath(options.plot))
         if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
@@ -429,28 +551,52 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     if not args.plot_only:
         for env_id in env_ids:
-            pickle_result = check_pickle_roundtrip(env_id, seed=args.seed) if gym.registry[env_id].entry_point == "ale_py.env:AtariEnv" else []
+            pickle_result = (
+                check_pickle_roundtrip(env_id, seed=args.seed)
+                if gym.registry[env_id].entry_point == "ale_py.env:AtariEnv"
+                else []
+            )
             flags = probe_actor_class(actor_class, EnvSpec(env_id), start_method=methods[0])
             for method in methods:
-                row = check_workers(env_id, method, workers=args.workers, actor_class=actor_class, timeout=args.timeout,
-                                    fingerprint_steps=args.fingerprint_steps, seed=args.seed)
+                row = check_workers(
+                    env_id,
+                    method,
+                    workers=args.workers,
+                    actor_class=actor_class,
+                    timeout=args.timeout,
+                    fingerprint_steps=args.fingerprint_steps,
+                    seed=args.seed,
+                )
                 row.pickle, row.actor_flags = pickle_result, flags
                 rows.append(row)
         print_table(rows)
 
     if args.plot:
-        results = run_episodes(env_ids[0], args.episodes, seed=args.seed, max_steps=args.max_steps_per_episode, checkpoint=args.checkpoint, jobs=args.jobs)
-        plot_episodes(results, args.plot, env_id=env_ids[0], policy=policy, max_steps=args.max_steps_per_episode)
+        results = run_episodes(
+            env_ids[0],
+            args.episodes,
+            seed=args.seed,
+            max_steps=args.max_steps_per_episode,
+            checkpoint=args.checkpoint,
+            jobs=args.jobs,
+        )
+        plot_episodes(
+            results, args.plot, env_id=env_ids[0], policy=policy, max_steps=args.max_steps_per_episode
+        )
         for line in summary_lines(results, env_id=env_ids[0]):
             print(line)
         print(f"wrote {args.plot}")
 
-    problems = list(dict.fromkeys(p for r in rows for p in r.problems()))  # pickle/actor findings are per env id
+    problems = list(
+        dict.fromkeys(p for r in rows for p in r.problems())
+    )  # pickle/actor findings are per env id
     for p in problems:
         print(f"frameskip_check: MISMATCH {p}", file=sys.stderr)
     if problems:
         failed = sum(not r.ok for r in rows)
-        print(f"frameskip_check: {failed} of {len(rows)} (env id x start method) checks failed", file=sys.stderr)
+        print(
+            f"frameskip_check: {failed} of {len(rows)} (env id x start method) checks failed", file=sys.stderr
+        )
         return 1
     return 0
 

@@ -45,7 +45,10 @@ def check_checkpoint(checkpoint: str, env_id: str) -> str:
     """
     ckpt = read_policy_checkpoint(checkpoint)  # CheckpointError: missing, foreign, env not installed
     if ckpt.kind != "impala":
-        raise CheckpointError(f"cannot use checkpoint {checkpoint!r} for {env_id}: --plot plays discrete-action (launch_impala) checkpoints, this one is {ckpt.kind}'s")
+        raise CheckpointError(
+            f"cannot use checkpoint {checkpoint!r} for {env_id}: --plot plays discrete-action "
+            f"(launch_impala) checkpoints, this one is {ckpt.kind}'s"
+        )
     envs = GymVecEnv(EnvSpec(env_id), 1, seed=0)
     try:
         checkpoint_agent(ckpt.agent, ckpt.params, envs=envs, first_obs=envs.reset(), seed=0)
@@ -55,7 +58,10 @@ def check_checkpoint(checkpoint: str, env_id: str) -> str:
     finally:
         envs.close()
     if ckpt.env.id != env_id:
-        print(f"frameskip_check: warning: the checkpoint was trained on {ckpt.env.id}, playing {env_id}", file=sys.stderr)
+        print(
+            f"frameskip_check: warning: the checkpoint was trained on {ckpt.env.id}, playing {env_id}",
+            file=sys.stderr,
+        )
     return f"policy from {os.path.basename(os.path.abspath(ckpt.path))}"
 
 
@@ -119,7 +125,9 @@ def run_episodes(
     tasks = [(env_id, dict(overrides or {}), seed + i, max_steps, checkpoint) for i in range(episodes)]
     tasks += [(env_id, twin, seed + i, max_steps, checkpoint) for i in range(episodes)]
     jobs = jobs or min(len(tasks), available_cpus())
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=jobs, mp_context=multiprocessing.get_context("spawn")
+    ) as ex:
         results = list(ex.map(_episode, tasks))
     return {"configured": results[:episodes], "twin": results[episodes:]}
 
@@ -132,17 +140,25 @@ def setting_label(prefix: str, cfg: ConfiguredSettings | None) -> str:
     return f"{prefix} (frameskip {fs}, sticky {cfg.sticky:g})"
 
 
-def summary_lines(results: dict[str, list[EpisodeResult]], *, env_id: str, overrides: dict[str, Any] | None = None) -> list[str]:
+def summary_lines(
+    results: dict[str, list[EpisodeResult]], *, env_id: str, overrides: dict[str, Any] | None = None
+) -> list[str]:
     """One line per setting: episodes, steps per episode, return and emulator frames (mean and sd)."""
     cfg = configured_settings(env_id, overrides)
     twin = configured_settings(env_id, {**(overrides or {}), **TWIN_OVERRIDES})
     out = []
-    for key, label in (("configured", setting_label("configured", cfg)), ("twin", setting_label("mis-specified twin", twin))):
+    for key, label in (
+        ("configured", setting_label("configured", cfg)),
+        ("twin", setting_label("mis-specified twin", twin)),
+    ):
         steps = np.array([r[0] for r in results[key]], dtype=float)
         rets = np.array([r[1] for r in results[key]], dtype=float)
         frames = np.array([r[2] for r in results[key]], dtype=float)
-        out.append(f"{label}: {len(steps)} episodes, steps/episode mean {steps.mean():.1f} (sd {steps.std():.1f}), "
-                   f"return mean {rets.mean():.2f} (sd {rets.std():.2f}), emulator frames/episode mean {frames.mean():.0f}")
+        out.append(
+            f"{label}: {len(steps)} episodes, steps/episode mean {steps.mean():.1f} (sd {steps.std():.1f}), "
+            f"return mean {rets.mean():.2f} (sd {rets.std():.2f}), emulator frames/episode mean "
+            f"{frames.mean():.0f}"
+        )
     return out
 
 
@@ -151,7 +167,15 @@ def summary_lines(results: dict[str, list[EpisodeResult]], *, env_id: str, overr
 # ---------------------------------------------------------------------------
 
 
-def plot_episodes(results: dict[str, list[EpisodeResult]], out: str, *, env_id: str, overrides: dict[str, Any] | None = None, policy: str = "random policy", max_steps: int = 0) -> None:
+def plot_episodes(
+    results: dict[str, list[EpisodeResult]],
+    out: str,
+    *,
+    env_id: str,
+    overrides: dict[str, Any] | None = None,
+    policy: str = "random policy",
+    max_steps: int = 0,
+) -> None:
     """Steps per episode and episode return, configured vs twin, side by side (matplotlib, Agg)."""
     import matplotlib
 
@@ -177,15 +201,37 @@ def plot_episodes(results: dict[str, list[EpisodeResult]], out: str, *, env_id: 
         ax = axes[idx]
         data = [np.array([r[idx] for r in results[k]], dtype=float) for k in keys]
         # Every episode is drawn as a point, so the box plot shows no separate outliers.
-        box = ax.boxplot(data, positions=[1, 2], widths=0.5, patch_artist=True, showmeans=True, showfliers=False,
-                         medianprops={"color": "black"},
-                         meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black"})
+        box = ax.boxplot(
+            data,
+            positions=[1, 2],
+            widths=0.5,
+            patch_artist=True,
+            showmeans=True,
+            showfliers=False,
+            medianprops={"color": "black"},
+            meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black"},
+        )
         for patch, color in zip(box["boxes"], colors):
             patch.set_facecolor(color)
             patch.set_alpha(0.35)
         for pos, (d, color) in enumerate(zip(data, colors), start=1):
-            ax.scatter(pos + rng.uniform(-0.12, 0.12, size=len(d)), d, color=color, s=22, zorder=3, edgecolor="black", linewidth=0.4)
-            ax.annotate(f"mean {fmt.format(d.mean())}", (pos, d.max()), xytext=(0, 8), textcoords="offset points", ha="center", fontsize=9)
+            ax.scatter(
+                pos + rng.uniform(-0.12, 0.12, size=len(d)),
+                d,
+                color=color,
+                s=22,
+                zorder=3,
+                edgecolor="black",
+                linewidth=0.4,
+            )
+            ax.annotate(
+                f"mean {fmt.format(d.mean())}",
+                (pos, d.max()),
+                xytext=(0, 8),
+                textcoords="offset points",
+                ha="center",
+                fontsize=9,
+            )
         ax.set_xticks([1, 2], ["configured", "mis-specified twin"])
         if idx == 0:
             # The game lasts about as long in emulator frames; the agent just makes more decisions in it.
@@ -203,7 +249,15 @@ def plot_episodes(results: dict[str, list[EpisodeResult]], out: str, *, env_id: 
     handles = [Patch(facecolor=c, alpha=0.5, edgecolor="black", label=l) for c, l in zip(colors, labels)]
     handles += [
         Line2D([], [], marker="o", color="gray", markeredgecolor="black", linestyle="", label="one episode"),
-        Line2D([], [], marker="D", color="white", markeredgecolor="black", linestyle="", label="mean (box: quartiles, line: median)"),
+        Line2D(
+            [],
+            [],
+            marker="D",
+            color="white",
+            markeredgecolor="black",
+            linestyle="",
+            label="mean (box: quartiles, line: median)",
+        ),
     ]
     fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False, fontsize=9)
     fig.tight_layout(rect=(0, 0.07, 1, 0.95))

@@ -38,12 +38,16 @@ class LearnerGroupError(RuntimeError):
 def lost_peer(error: BaseException) -> bool:
     """A collective failed because another rank is gone (gloo raises a plain RuntimeError for it)."""
     text = str(error)
-    return isinstance(error, dist.DistError) or any(s in text for s in ("closed by peer", "Connection reset", "gloo", "NCCL"))
+    return isinstance(error, dist.DistError) or any(
+        s in text for s in ("closed by peer", "Connection reset", "gloo", "NCCL")
+    )
 
 
 def init_group(rank: int, world_size: int, store: str, backend: str) -> "LearnerGroup":
     """Join the learner group as ``rank`` of ``world_size`` (rendezvous through the file ``store``)."""
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
+    )
     return LearnerGroup()
 
 
@@ -64,14 +68,20 @@ class LearnerGroup:
         dist.broadcast(t, 0, group=self.host_group)
         return int(t[0]), int(t[1])
 
-    def scatter(self, staged: Mapping[str, torch.Tensor] | None, schema: TrajectorySchema, batch_size: int) -> dict[str, torch.Tensor]:
+    def scatter(
+        self, staged: Mapping[str, torch.Tensor] | None, schema: TrajectorySchema, batch_size: int
+    ) -> dict[str, torch.Tensor]:
         """Rank 0's host batch ``[T(+1), B, ...]`` (``staged``; None on followers) split along B:
         every rank returns its ``[T(+1), B/G, ...]`` share, rank r the r-th."""
         share_b = batch_size // self.world_size
         out = {}
         for a in schema.arrays:
             share = torch.from_numpy(np.empty((a.shape[0], share_b, *a.shape[1:]), dtype=a.dtype))
-            chunks = [c.contiguous() for c in staged[a.name].chunk(self.world_size, dim=1)] if self.rank == 0 else None
+            chunks = (
+                [c.contiguous() for c in staged[a.name].chunk(self.world_size, dim=1)]
+                if self.rank == 0
+                else None
+            )
             dist.scatter(share, chunks, src=0, group=self.host_group)
             out[a.name] = share
         return out

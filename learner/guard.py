@@ -19,7 +19,8 @@ from impala.envs.probe import EnvInfo
 
 
 class FingerprintGuard:
-    """Judges hellos against the tasks' probed envs (a multi-task run deals task ``id % N`` to actor ``id``)."""
+    """Judges hellos against the tasks' probed envs (a multi-task run deals task ``id % N`` to actor
+    ``id``)."""
 
     def __init__(self, tasks: Sequence[EnvInfo], local_workers: int) -> None:
         self.tasks = tuple(tasks)
@@ -34,7 +35,10 @@ class FingerprintGuard:
         if local:
             token = info.get("local_token")
             if not (isinstance(token, str) and hmac.compare_digest(token, self.local_token)):
-                return f"actor id {actor} is reserved for this learner's local actors and the hello has no valid local token"
+                return (
+                    f"actor id {actor} is reserved for this learner's local actors and the hello has no "
+                    "valid local token"
+                )
         reason = self.problem(info, actor)
         if local:
             self.verified_local.add(actor)
@@ -62,5 +66,6 @@ class FingerprintGuard:
         if self.local_refusals:
             actor, reason = next(iter(self.local_refusals.items()))
             raise FingerprintMismatchError(
-                f"actor {actor}'s environment differs from the learner's: {reason}. Refusing to train on different dynamics."
+                f"actor {actor}'s environment differs from the learner's: {reason}. Refusing to train on "
+                "different dynamics."
             )

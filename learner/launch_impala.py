@@ -19,7 +19,17 @@ import sys
 import torch
 
 from impala.run.checkpoint import prepare_run_folder
-from impala.run.config import ConfigError, FlagParser, ImpalaConfig, RunConfig, add_flags, apply_preset, fail, from_flags, load_preset
+from impala.run.config import (
+    ConfigError,
+    FlagParser,
+    ImpalaConfig,
+    RunConfig,
+    add_flags,
+    apply_preset,
+    fail,
+    from_flags,
+    load_preset,
+)
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from learner.group import LearnerGroupError
@@ -32,9 +42,12 @@ log = logging.getLogger("launch_impala")
 DEFAULT_TOTAL_FRAMES = 20_000_000
 RUN_HELP = {
     "unroll_length": f"Steps per env per unroll (T); 0: the learner picks ({IMPALA_UNROLL}).",
-    "total_frames": f"Stop after this many environment frames (agent steps x frame skip); unset and no --total-steps: {DEFAULT_TOTAL_FRAMES:,}.",
-    "queue_size": "Unrolls buffered in the learner; 0 means --batch-size (one batch waits while the learner updates; every unroll buffered beyond that only adds policy lag).",
-    "max_policy_lag": "Drop unrolls older than this many policy versions (0: on-policy only); unset keeps all (V-trace corrects off-policy data).",
+    "total_frames": "Stop after this many environment frames (agent steps x frame skip); unset and no "
+    f"--total-steps: {DEFAULT_TOTAL_FRAMES:,}.",
+    "queue_size": "Unrolls buffered in the learner; 0 means --batch-size (one batch waits while the learner "
+    "updates; every unroll buffered beyond that only adds policy lag).",
+    "max_policy_lag": "Drop unrolls older than this many policy versions (0: on-policy only); unset keeps "
+    "all (V-trace corrects off-policy data).",
 }
 
 
@@ -43,13 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
         prog="launch_impala",
         description=(
-            "Train IMPALA (V-trace, optional PopArt) with N actor processes streaming over ZeroMQ to one learner "
-            "(GPU when available). Metrics go to the console, LOGDIR/metrics.csv and TensorBoard; checkpoints to "
+            "Train IMPALA (V-trace, optional PopArt) with N actor processes streaming over ZeroMQ to one "
+            "learner "
+            "(GPU when available). Metrics go to the console, LOGDIR/metrics.csv and TensorBoard; "
+            "checkpoints to "
             "LOGDIR/checkpoint.pt (atomic). Ctrl-C stops cleanly with a final checkpoint."
         ),
     )
     parser.add_argument(
-        "--config", metavar="FILE", default=None,
+        "--config",
+        metavar="FILE",
+        default=None,
         help="Preset file (YAML, option: value) applied before the flags, e.g. configs/atari.yaml; "
         "flags given on the command line override it.",
     )
@@ -83,14 +100,20 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
     config = config.with_run_folder(config.env)
     impala = from_flags(ImpalaConfig, args)
     if len(config.tasks) > 1 and config.stop_at_return is not None:
-        raise ConfigError("--stop-at-return compares one mean return; tasks' returns have different scales, so a multi-task "
-                          "run stops at --total-frames or --max-seconds")
+        raise ConfigError(
+            "--stop-at-return compares one mean return; tasks' returns have different scales, so a "
+            "multi-task "
+            "run stops at --total-frames or --max-seconds"
+        )
     if len(config.tasks) > 1:
         chosen = args.given | getattr(args, "preset", set())
-        impala = dataclasses.replace(impala, **{k: v for k, v in MULTI_TASK_DEFAULTS.items() if k not in chosen})
+        impala = dataclasses.replace(
+            impala, **{k: v for k, v in MULTI_TASK_DEFAULTS.items() if k not in chosen}
+        )
     if impala.batch_size % config.learners or (impala.batch_size // config.learners) % impala.minibatches:
         raise ConfigError(
-            f"--learners {config.learners} splits each batch: --batch-size {impala.batch_size} must divide by it, "
+            f"--learners {config.learners} splits each batch: --batch-size {impala.batch_size} must divide "
+            "by it, "
             f"and each share by --minibatches {impala.minibatches}"
         )
     return config, impala
@@ -117,19 +140,35 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, config.cpu_threads() // config.learners))
         prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         env, tasks, note = probe_run_envs(config)
-        trainer = ImpalaTrainer(impala, config, env, group=start_group(impala, config, env, tasks), tasks=tasks)
-        plan = RunPlan(env, f"impala {config.env}", {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""},
-                       tasks=tasks)
+        trainer = ImpalaTrainer(
+            impala, config, env, group=start_group(impala, config, env, tasks), tasks=tasks
+        )
+        plan = RunPlan(
+            env,
+            f"impala {config.env}",
+            {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""},
+            tasks=tasks,
+        )
         if tasks:
-            log.info("multi-task: %d tasks, actor i runs task i %% %d (%s); %s; rewards %s (the PopArt-IMPALA paper trains "
-                     "on unclipped rewards; --popart/--no-popart and --reward-clip override)",
-                     len(tasks), len(tasks), ", ".join(f"{i}: {t.spec.id}" for i, t in enumerate(tasks)),
-                     "PopArt per task" if impala.popart else "no PopArt", f"clipped to +-{impala.reward_clip:g}" if impala.reward_clip else "unclipped")
+            log.info(
+                "multi-task: %d tasks, actor i runs task i %% %d (%s); %s; rewards %s (the PopArt-IMPALA "
+                "paper trains "
+                "on unclipped rewards; --popart/--no-popart and --reward-clip override)",
+                len(tasks),
+                len(tasks),
+                ", ".join(f"{i}: {t.spec.id}" for i, t in enumerate(tasks)),
+                "PopArt per task" if impala.popart else "no PopArt",
+                f"clipped to +-{impala.reward_clip:g}" if impala.reward_clip else "unclipped",
+            )
             if note:
                 log.info("multi-task: %s", note)
             if config.workers and config.workers < len(tasks):
-                log.warning("--workers %d < %d tasks: tasks %s get no local actor", config.workers, len(tasks),
-                            ", ".join(t.spec.id for t in tasks[config.workers:]))
+                log.warning(
+                    "--workers %d < %d tasks: tasks %s get no local actor",
+                    config.workers,
+                    len(tasks),
+                    ", ".join(t.spec.id for t in tasks[config.workers :]),
+                )
         for info in tasks or (env,):
             log.info("%s; learner on %s", info.description, trainer.device)
         result: RunResult = run(trainer, config, plan)
@@ -140,12 +179,20 @@ def main(argv: list[str] | None = None) -> int:
         return fail("launch_impala", e)
     except LearnerGroupError as e:  # not bad input: the run started and lost a rank
         saved = os.path.isfile(config.checkpoint_path)
-        fail("launch_impala", f"{e}; " + (f"the run ends with its checkpoint {config.checkpoint_path}: --resume continues" if saved
-                                         else "no checkpoint was written (nothing trained yet): start the run again"))
+        fail(
+            "launch_impala",
+            f"{e}; "
+            + (
+                f"the run ends with its checkpoint {config.checkpoint_path}: --resume continues"
+                if saved
+                else "no checkpoint was written (nothing trained yet): start the run again"
+            ),
+        )
         return 1
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
     print(
-        f"launch_impala: done: {result.env_frames} env frames ({result.agent_steps} agent steps), {result.updates} updates, "
+        f"launch_impala: done: {result.env_frames} env frames ({result.agent_steps} agent steps), "
+        f"{result.updates} updates, "
         f"mean return (last 100) {mean}, dropped {result.dropped or 0}, actor restarts {result.restarts}, "
         + (f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (nothing trained)")
         + (" (interrupted)" if result.interrupted else "")

@@ -11,7 +11,9 @@ import numpy as np
 from impala.envs.atari import human_normalized_score
 
 
-def task_rows(task_names: tuple[str, ...], task_frames: list[int], mean_returns: Mapping[str, float]) -> dict[str, float]:
+def task_rows(
+    task_names: tuple[str, ...], task_frames: list[int], mean_returns: Mapping[str, float]
+) -> dict[str, float]:
     """A multi-task run's per-task metrics: frames, and for Atari games the human-normalized score
     of the mean return of the last 100 episodes, with the median and mean over the tasks that have one."""
     row: dict[str, float] = {}
@@ -30,9 +32,12 @@ def task_rows(task_names: tuple[str, ...], task_frames: list[int], mean_returns:
 
 
 class LogRows:
-    """Collects what happens between two log rows (policy lag per unroll) and builds the row every ``--log-interval``."""
+    """Collects what happens between two log rows (policy lag per unroll) and builds the row every
+    ``--log-interval``."""
 
-    def __init__(self, interval_s: float, task_names: tuple[str, ...], env_frames: int, since: float | None = None) -> None:
+    def __init__(
+        self, interval_s: float, task_names: tuple[str, ...], env_frames: int, since: float | None = None
+    ) -> None:
         """``since``: when the first interval started (``time.monotonic()``; default now)."""
         self.interval_s, self.task_names = interval_s, task_names
         self.last_time, self.last_frames = time.monotonic() if since is None else since, env_frames
@@ -41,8 +46,14 @@ class LogRows:
     def due(self) -> bool:
         return time.monotonic() - self.last_time >= self.interval_s
 
-    def row(self, progress: Any, metrics: Mapping[str, float], server_stats: Mapping[str, float],
-            task_means: Mapping[str, float], actor_restarts: int) -> dict[str, float]:
+    def row(
+        self,
+        progress: Any,
+        metrics: Mapping[str, float],
+        server_stats: Mapping[str, float],
+        task_means: Mapping[str, float],
+        actor_restarts: int,
+    ) -> dict[str, float]:
         """The row for now; starts the next interval."""
         now = time.monotonic()
         row = {**metrics, **server_stats}

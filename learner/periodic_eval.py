@@ -1,4 +1,5 @@
-"""``--eval-every``: greedy evaluations of the current weights in one separate process, so the learner never waits.
+"""``--eval-every``: greedy evaluations of the current weights in one separate process, so the learner never
+waits.
 
 The process is started once and fed weight snapshots; it plays ``--eval-episodes`` greedy episodes of
 each (of every task in a multi-task run) with the evaluation engine (:mod:`learner.evaluator`) and
@@ -36,10 +37,25 @@ def _evaluation_worker(jobs: Any, results: Any, envs: list[dict], agent: dict, e
             for spec in specs:
                 prefix = f"eval/{spec.id}/" if len(specs) > 1 else "eval/"
                 task_video = video if spec is specs[0] else ""  # the first task's episode is recorded
-                result = evaluate_params(spec, agent_spec, params, protocol="train", policy="greedy", episodes=episodes, workers=0,
-                                         seed=seed, video=task_video, video_max_frames=600 if task_video else 0)
+                result = evaluate_params(
+                    spec,
+                    agent_spec,
+                    params,
+                    protocol="train",
+                    policy="greedy",
+                    episodes=episodes,
+                    workers=0,
+                    seed=seed,
+                    video=task_video,
+                    video_max_frames=600 if task_video else 0,
+                )
                 row.update({f"{prefix}{k}_return": float(v) for k, v in result.stats.items()})
-                row.update({f"{prefix}frames": float(result.total_frames), f"{prefix}wall_s": float(result.wall_time_s)})
+                row.update(
+                    {
+                        f"{prefix}frames": float(result.total_frames),
+                        f"{prefix}wall_s": float(result.wall_time_s),
+                    }
+                )
             results.put((frames, row, video))
         except Exception as e:  # noqa: BLE001 - an evaluation that fails is reported, never stops training
             results.put((frames, {"error": f"{type(e).__name__}: {e}"}, ""))
@@ -62,7 +78,8 @@ class PeriodicEval:
         self.started = 0
 
     def maybe_start(self, frames: int, params: Mapping[str, np.ndarray]) -> bool:
-        """Hand a snapshot of ``params`` to the evaluation process if one is due and none is playing; True if so."""
+        """Hand a snapshot of ``params`` to the evaluation process if one is due and none is playing; True
+        if so."""
         if not self.every or frames < self.next_at or self.busy:
             return False
         if self.proc is None or not self.proc.is_alive():
@@ -72,8 +89,16 @@ class PeriodicEval:
             # of weights into a pipe no one reads. stop() hands the process its None before it goes.
             self.jobs.cancel_join_thread()
             self.proc = self.ctx.Process(
-                target=_evaluation_worker, name="eval", daemon=True,
-                args=(self.jobs, self.results, [t.to_dict() for t in self.run_info.task_envs], self.run_info.agent.to_dict(), self.episodes),
+                target=_evaluation_worker,
+                name="eval",
+                daemon=True,
+                args=(
+                    self.jobs,
+                    self.results,
+                    [t.to_dict() for t in self.run_info.task_envs],
+                    self.run_info.agent.to_dict(),
+                    self.episodes,
+                ),
             )
             self.proc.start()
         self.next_at = (frames // self.every + 1) * self.every
@@ -100,7 +125,12 @@ class PeriodicEval:
             log.error("evaluation at %d frames failed: %s", frames, row["error"])
             return None
         means = {k: v for k, v in row.items() if k.endswith("mean_return")}
-        log.info("eval at %d frames over %d episodes: %s", frames, self.episodes, ", ".join(f"{k} {v:.2f}" for k, v in means.items()))
+        log.info(
+            "eval at %d frames over %d episodes: %s",
+            frames,
+            self.episodes,
+            ", ".join(f"{k} {v:.2f}" for k, v in means.items()),
+        )
         return frames, row, video
 
     def finish(self, wait_s: float = 30.0) -> tuple[int, dict[str, float], str] | None:

@@ -7,7 +7,8 @@ Data flow (serial or distributed, the same calls)::
              env.step(env_action(out.action, mode=cfg.action_clip, low=..., high=...))
              ... every T steps send each env's steps as a TrajectoryPiece (source = the env stream)
     learner: learner.ingest(piece)                                   # 'rollout': GAE/returns of the piece now
-                                                                     # 'mlagents': of each trajectory it completes
+                                                                     # 'mlagents': of each trajectory it
+                                                                     completes
              if learner.ready(): metrics = learner.update(); broadcast(learner.policy.state_dict())
 
 ``trajectory_handling='mlagents'`` (#15) runs ML-Agents' AgentProcessor here (:class:`AgentTrajectories`):
@@ -77,13 +78,21 @@ def concat_pieces(pieces: list[TrajectoryPiece]) -> TrajectoryPiece:
     if len(pieces) == 1:
         return pieces[0]
     arrays = [np.concatenate([np.asarray(p[i]) for p in pieces]) for i in range(7)]
-    values = None if any(p.values is None for p in pieces) else np.concatenate([np.asarray(p.values) for p in pieces])
+    values = (
+        None
+        if any(p.values is None for p in pieces)
+        else np.concatenate([np.asarray(p.values) for p in pieces])
+    )
     return TrajectoryPiece(*arrays, values, pieces[0].source)
 
 
 def slice_piece(p: TrajectoryPiece, a: int, b: int) -> TrajectoryPiece:
     """Steps ``a:b`` of a trajectory piece."""
-    return TrajectoryPiece(*(np.asarray(x)[a:b] for x in p[:7]), None if p.values is None else np.asarray(p.values)[a:b], p.source)
+    return TrajectoryPiece(
+        *(np.asarray(x)[a:b] for x in p[:7]),
+        None if p.values is None else np.asarray(p.values)[a:b],
+        p.source,
+    )
 
 
 class AgentTrajectories:
@@ -208,12 +217,16 @@ class PPOLearner:
         self.device = torch.device(device)
         self.policy = make_policy(config, obs_dim, action_dim).to(self.device)
         # One Adam over actor + critic + log-sigma (#7); normalizer stats are buffers, not parameters.
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        self.optimizer = torch.optim.Adam(
+            self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps
+        )
         self.obs_rms = RunningMeanStd(shape=(obs_dim,)) if config.obs_norm == "vecnormalize" else None
         self.reward_normalizer = RewardNormalizer(config.gamma) if config.reward_norm else None
         self.buffer = TrajectoryBuffer()
         # #15: ML-Agents' per-agent trajectories (None: every piece is processed as it arrives).
-        self.trajectories = AgentTrajectories(config.time_horizon) if config.trajectory_handling == "mlagents" else None
+        self.trajectories = (
+            AgentTrajectories(config.time_horizon) if config.trajectory_handling == "mlagents" else None
+        )
         self.rng = np.random.default_rng(config.seed)
         # agent steps processed (for 'mlagents' #15: in completed trajectories), the schedules' step (#6)
         self.total_steps = 0
@@ -225,7 +238,9 @@ class PPOLearner:
 
     def env_action(self, raw_action: np.ndarray | torch.Tensor):
         """The action the env receives for a raw policy sample (#10, ``config.action_clip``)."""
-        return env_action(raw_action, mode=self.config.action_clip, low=self.action_low, high=self.action_high)
+        return env_action(
+            raw_action, mode=self.config.action_clip, low=self.action_low, high=self.action_high
+        )
 
     # ------------------------------------------------------------- ingest
 
@@ -252,7 +267,9 @@ class PPOLearner:
 
     @staticmethod
     def _finite(p: TrajectoryPiece) -> bool:
-        arrays = [p.obs, p.actions, p.log_probs, p.rewards, p.next_obs] + ([p.values] if p.values is not None else [])
+        arrays = [p.obs, p.actions, p.log_probs, p.rewards, p.next_obs] + (
+            [p.values] if p.values is not None else []
+        )
         return all(np.isfinite(np.asarray(a, dtype=np.float64)).all() for a in arrays)
 
     def ingest(self, piece: TrajectoryPiece) -> bool:
@@ -307,8 +324,11 @@ class PPOLearner:
         need_next[-1] |= not ended[-1]  # the piece was cut mid-episode (time_horizon): bootstrap at the cut
         next_obs = np.asarray(piece.next_obs, np.float32)
         recompute = cfg.gae_form == "mlagents" or piece.values is None
-        values = (torch.empty(T, dtype=torch.float64, device=dev) if recompute
-                  else torch.as_tensor(np.asarray(piece.values, np.float64), device=dev))
+        values = (
+            torch.empty(T, dtype=torch.float64, device=dev)
+            if recompute
+            else torch.as_tensor(np.asarray(piece.values, np.float64), device=dev)
+        )
         v_next = torch.zeros(T, dtype=torch.float64, device=dev)
         # #12: ML-Agents folds each trajectory into both normalizers *before* that trajectory's value
         # estimates, one trajectory (here: the piece's part up to and including an episode end) at a time.
@@ -369,7 +389,13 @@ class PPOLearner:
         starts[1:] = torch.as_tensor(ended[:-1], device=dev)
         last_done = torch.as_tensor(ended[-1:], device=dev)
         out = ppo.sb3_gae(
-            r[:, None], values[:, None], starts[:, None], v_next[-1:], last_done, gamma=cfg.gamma, gae_lambda=cfg.lambd
+            r[:, None],
+            values[:, None],
+            starts[:, None],
+            v_next[-1:],
+            last_done,
+            gamma=cfg.gamma,
+            gae_lambda=cfg.lambd,
         )
         return out.advantages[:, 0], out.returns[:, 0]
 
@@ -386,8 +412,12 @@ class PPOLearner:
         cfg = self.config
         s = self.total_steps if step is None else step
         return {
-            "learning_rate": ppo.scheduled_value(cfg.lr_schedule, cfg.learning_rate, cfg.lr_floor, s, cfg.max_steps),
-            "epsilon": ppo.scheduled_value(cfg.epsilon_schedule, cfg.epsilon, cfg.epsilon_floor, s, cfg.max_steps),
+            "learning_rate": ppo.scheduled_value(
+                cfg.lr_schedule, cfg.learning_rate, cfg.lr_floor, s, cfg.max_steps
+            ),
+            "epsilon": ppo.scheduled_value(
+                cfg.epsilon_schedule, cfg.epsilon, cfg.epsilon_floor, s, cfg.max_steps
+            ),
             "beta": ppo.scheduled_value(cfg.beta_schedule, cfg.beta, cfg.beta_floor, s, cfg.max_steps),
         }
 
@@ -414,7 +444,9 @@ class PPOLearner:
         normalized_obs = cfg.obs_norm == "vecnormalize"
         params = list(self.policy.parameters())
 
-        stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "loss")}
+        stats: dict[str, list[float]] = {
+            k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "loss")
+        }
         grad_norms: list[float] = []
         early_stop = False
         n_minibatches = 0
@@ -442,8 +474,14 @@ class PPOLearner:
                 ent = ppo.reduce_entropy(ev.entropy, over_dims=cfg.entropy_reduce)
                 # Both libraries' totals are the same sum (#5); ppo.total_loss_sb3 is its SB3 spelling.
                 total = ppo.total_loss_mlagents(pl.loss, vl, ent, beta=beta, vf_coef=cfg.vf_coef)
-                for k, v in (("policy_loss", pl.loss), ("value_loss", vl), ("entropy", ent), ("approx_kl", pl.approx_kl),
-                             ("clip_fraction", pl.clip_fraction), ("loss", total.loss)):
+                for k, v in (
+                    ("policy_loss", pl.loss),
+                    ("value_loss", vl),
+                    ("entropy", ent),
+                    ("approx_kl", pl.approx_kl),
+                    ("clip_fraction", pl.clip_fraction),
+                    ("loss", total.loss),
+                ):
                     stats[k].append(float(v.detach()))
                 n_minibatches += 1
                 # SB3 checks before the optimizer step of this minibatch (#7).
@@ -499,17 +537,21 @@ class PPOLearner:
         resume each stream starts a new trajectory. Returned as a deep copy: torch's
         ``Optimizer.load_state_dict`` would otherwise share moment tensors with this learner.
         """
-        return copy.deepcopy({
-            "config": dataclasses.asdict(self.config),
-            "policy": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "obs_rms": self.obs_rms.state_dict() if self.obs_rms is not None else None,
-            "reward_normalizer": self.reward_normalizer.state_dict() if self.reward_normalizer is not None else None,
-            "total_steps": self.total_steps,
-            "update_count": self.update_count,
-            "rejected_batches": self.rejected_batches,
-            "rng": self.rng.bit_generator.state,
-        })
+        return copy.deepcopy(
+            {
+                "config": dataclasses.asdict(self.config),
+                "policy": self.policy.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "obs_rms": self.obs_rms.state_dict() if self.obs_rms is not None else None,
+                "reward_normalizer": self.reward_normalizer.state_dict()
+                if self.reward_normalizer is not None
+                else None,
+                "total_steps": self.total_steps,
+                "update_count": self.update_count,
+                "rejected_batches": self.rejected_batches,
+                "rng": self.rng.bit_generator.state,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.policy.load_state_dict(state["policy"])
@@ -585,7 +627,8 @@ def piece_from_unroll(arrays: Mapping[str, np.ndarray], source: Any = 0) -> Traj
 
 
 def _to_torch(x: Any) -> Any:
-    """Numpy -> tensors (recursively): checkpoints load with ``weights_only=True``, which refuses numpy arrays."""
+    """Numpy -> tensors (recursively): checkpoints load with ``weights_only=True``, which refuses numpy
+    arrays."""
     if isinstance(x, np.ndarray):
         return torch.from_numpy(np.array(x))
     if isinstance(x, np.generic):
@@ -600,7 +643,9 @@ def _to_torch(x: Any) -> Any:
 class PPOTrainer:
     """The runtime's Trainer for PPO: unrolls -> TrajectoryPieces -> PPOLearner."""
 
-    def __init__(self, config: PPOConfig, run: RunConfig, env: EnvInfo, *, params_wait_s: float = 0.0) -> None:
+    def __init__(
+        self, config: PPOConfig, run: RunConfig, env: EnvInfo, *, params_wait_s: float = 0.0
+    ) -> None:
         """``run`` as resolved by the launcher: ``unroll_length`` is T, ``envs_per_worker`` the envs
         (Unity: agents) per actor. On-policy (``max_policy_lag`` 0), and always with
         trajectory_handling='mlagents' (ML-Agents does not step its envs during an update), each actor
@@ -611,13 +656,20 @@ class PPOTrainer:
         T = run.unroll_length  # resolved by impala.run.ppo_config.ppo_run_config
         self.config = config
         self.env_spec, self.obs_sizes = env.spec, env.obs_sizes  # for export_onnx: the file's name and inputs
-        self.learner = PPOLearner(config, env.obs_dim, env.action_dim, env.action_low, env.action_high, resolve_device(run.device))
+        self.learner = PPOLearner(
+            config, env.obs_dim, env.action_dim, env.action_low, env.action_high, resolve_device(run.device)
+        )
         self.schema = ppo_unroll_schema(T, env.obs_dim, env.action_dim)
         self.n_envs = max(run.workers, 1) * run.envs_per_worker
         wait = actors_wait(run, config)
         self.agent = PPOAgentSpec(
-            config, env.obs_dim, env.action_dim, tuple(map(float, env.action_low)), tuple(map(float, env.action_high)),
-            unrolls_per_update(config, T, self.n_envs) if wait else 0, params_wait_s,
+            config,
+            env.obs_dim,
+            env.action_dim,
+            tuple(map(float, env.action_low)),
+            tuple(map(float, env.action_high)),
+            unrolls_per_update(config, T, self.n_envs) if wait else 0,
+            params_wait_s,
         )
         self.frames_per_step = 1.0  # gym control tasks and Unity: one frame per agent step
         self.max_abs_value = run.max_abs_value
@@ -647,8 +699,10 @@ class PPOTrainer:
         half_z2 = -(arrays["log_probs"].astype(np.float64) + log_sigma + 0.5 * np.log(2 * np.pi)).sum(axis=-1)
         if half_z2.size and half_z2.max() > 80.0:
             low, depth = float(arrays["log_probs"].min()), float(half_z2.max())
-            return (f"log_probs {low:.3g} put an action {depth:.3g} nats below the policy's mode: "
-                    "the update's ratio would overflow float32")
+            return (
+                f"log_probs {low:.3g} put an action {depth:.3g} nats below the policy's mode: "
+                "the update's ratio would overflow float32"
+            )
         return None
 
     def ingest(self, msg: wire.Message, version: int) -> bool:
@@ -685,7 +739,8 @@ class PPOTrainer:
             if name not in saved or tuple(saved[name].shape) != tuple(tensor.shape):
                 got = "missing" if name not in saved else tuple(saved[name].shape)
                 raise CheckpointError(
-                    f"the checkpoint's network differs from this run's ({name}: checkpoint {got}, now {tuple(tensor.shape)}); "
+                    f"the checkpoint's network differs from this run's ({name}: checkpoint {got}, now "
+                    f"{tuple(tensor.shape)}); "
                     "resume with the same env and network options, or use a new --logdir"
                 )
         self.learner.load_state_dict(dict(state))
@@ -695,6 +750,11 @@ class PPOTrainer:
         Unity; ``impala.nets.onnx_export``) and return its path. Raises ``ExportError`` (one line) when
         onnx is not installed or the file cannot be written."""
         path = os.path.join(directory, onnx_file_name(self.env_spec))
-        return export_ppo_onnx(self.learner.policy, path, action_clip=self.config.action_clip,
-                               action_low=self.agent.action_low, action_high=self.agent.action_high,
-                               obs_sizes=self.obs_sizes or None)
+        return export_ppo_onnx(
+            self.learner.policy,
+            path,
+            action_clip=self.config.action_clip,
+            action_low=self.agent.action_low,
+            action_high=self.agent.action_high,
+            obs_sizes=self.obs_sizes or None,
+        )

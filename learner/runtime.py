@@ -57,7 +57,15 @@ from learner.server import PortInUseError, TrajectoryServer
 log = logging.getLogger(__name__)
 
 # Bad input a user can fix, found while a run starts: each is reported as one line, exit 2.
-START_ERRORS = (ConfigError, CheckpointError, UnknownEnvError, PortInUseError, FingerprintMismatchError, FileNotFoundError, TimeoutError)
+START_ERRORS = (
+    ConfigError,
+    CheckpointError,
+    UnknownEnvError,
+    PortInUseError,
+    FingerprintMismatchError,
+    FileNotFoundError,
+    TimeoutError,
+)
 
 __all__ = ["START_ERRORS", "RunFinished", "RunPlan", "RunResult", "Trainer", "run"]
 
@@ -90,7 +98,9 @@ class RunPlan:
     config_record: dict[str, Any] = field(default_factory=dict)  # stored in every checkpoint
     hello_timeout: float = 180.0
     actor_class: type = Actor  # an Actor subclass to start instead (custom envs or instrumentation)
-    tasks: tuple[EnvInfo, ...] = ()  # a multi-task run's envs in task order (``env`` is the first); actor i runs task i % N
+    tasks: tuple[
+        EnvInfo, ...
+    ] = ()  # a multi-task run's envs in task order (``env`` is the first); actor i runs task i % N
 
 
 @dataclass
@@ -136,7 +146,9 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     """Train until the step budget (``total_frames`` / ``total_steps``), ``max_seconds``, ``stop_at_return``
     or a signal. Returns a summary."""
     budget = Budget(config)  # refuses a run without a step budget
-    config = config.with_run_folder(plan.env.spec.id)  # launchers resolve it; callers of run() may leave it to us
+    config = config.with_run_folder(
+        plan.env.spec.id
+    )  # launchers resolve it; callers of run() may leave it to us
     tasks = plan.tasks or (plan.env,)
     task_names = tuple(t.spec.id for t in tasks) if len(tasks) > 1 else ()
     progress = resume(trainer, config, tasks) if config.resume else Progress(task_frames=[0] * len(tasks))
@@ -144,58 +156,139 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     run_id = uuid.uuid4().hex  # a new learner process: remote actors say hello again
     tracker = None
     if config.track:  # before any socket is bound: a tracker that cannot start is a start-up error
-        tracker = WandbTracker(project=config.track_project, logdir=config.logdir, name=f"{plan.title} {run_id[:8]}",
-                               config=plan.config_record, resume=config.resume)
+        tracker = WandbTracker(
+            project=config.track_project,
+            logdir=config.logdir,
+            name=f"{plan.title} {run_id[:8]}",
+            config=plan.config_record,
+            resume=config.resume,
+        )
     # RunConfig already refused a public bind without --curve or --insecure-bind.
     client_keys = prepare_server(config.curve) if config.curve else None
     server = TrajectoryServer(
-        trainer.schema, bind=config.bind, port=config.port, queue_size=config.queue_size or trainer.queue_size,
-        on_hello=guard.on_hello, curve_dir=config.curve or None, validate=trainer.validate,
-        protected_ids=guard.verified_local, local_token=guard.local_token, task_names=task_names,
+        trainer.schema,
+        bind=config.bind,
+        port=config.port,
+        queue_size=config.queue_size or trainer.queue_size,
+        on_hello=guard.on_hello,
+        curve_dir=config.curve or None,
+        validate=trainer.validate,
+        protected_ids=guard.verified_local,
+        local_token=guard.local_token,
+        task_names=task_names,
     )
     # What actors run; remote actors (impala-actors) read it from every weights message.
-    run_info = RunInfo(run_id, plan.env.spec, trainer.agent, config.unroll_length, config.envs_per_worker,
-                       tuple(t.spec for t in tasks) if task_names else ())
+    run_info = RunInfo(
+        run_id,
+        plan.env.spec,
+        trainer.agent,
+        config.unroll_length,
+        config.envs_per_worker,
+        tuple(t.spec for t in tasks) if task_names else (),
+    )
     server.run_info = run_info.to_dict()
-    local = actor_configs(run_info, range(config.workers), trajectory_endpoint=server.trajectory_endpoint,
-                          params_endpoint=server.params_endpoint, seed=config.seed, curve=client_keys,
-                          local_token=guard.local_token)
-    pool = ThreadActors(local) if config.in_process else ActorPool(local, start_method=config.start_method, actor_class=plan.actor_class)
-    logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
-                           time_offset_s=progress.elapsed_s, config_record=plan.config_record)
+    local = actor_configs(
+        run_info,
+        range(config.workers),
+        trajectory_endpoint=server.trajectory_endpoint,
+        params_endpoint=server.params_endpoint,
+        seed=config.seed,
+        curve=client_keys,
+        local_token=guard.local_token,
+    )
+    pool = (
+        ThreadActors(local)
+        if config.in_process
+        else ActorPool(local, start_method=config.start_method, actor_class=plan.actor_class)
+    )
+    logger = MetricsLogger(
+        config.logdir,
+        progress=config.progress,
+        title=plan.title,
+        tracker=tracker,
+        time_offset_s=progress.elapsed_s,
+        config_record=plan.config_record,
+    )
     evaluator = PeriodicEval(config, run_info)
-    checkpointer = Checkpointer(config, trainer, run_info, plan.config_record, progress, resuming=config.resume)
+    checkpointer = Checkpointer(
+        config, trainer, run_info, plan.config_record, progress, resuming=config.resume
+    )
     interrupted = False
     try:
         server.start()
         _start_actors(pool, server, guard, config, plan.hello_timeout)
         with _Stop() as stop:
-            _train(trainer, config, server, pool, guard, budget, progress, checkpointer, logger, evaluator, stop.event)
+            _train(
+                trainer,
+                config,
+                server,
+                pool,
+                guard,
+                budget,
+                progress,
+                checkpointer,
+                logger,
+                evaluator,
+                stop.event,
+            )
             interrupted = stop.event.is_set()
         if not interrupted:
-            _log_eval(logger, progress, evaluator.finish(), checkpointer)  # the last evaluation belongs to this run's record
+            _log_eval(
+                logger, progress, evaluator.finish(), checkpointer
+            )  # the last evaluation belongs to this run's record
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        checkpoint = _shut_down(trainer, evaluator, pool, server, checkpointer, logger,
-                                finished=budget.spent(progress.env_frames, progress.agent_steps))
+        checkpoint = _shut_down(
+            trainer,
+            evaluator,
+            pool,
+            server,
+            checkpointer,
+            logger,
+            finished=budget.spent(progress.env_frames, progress.agent_steps),
+        )
     return RunResult(
-        env_frames=progress.env_frames, agent_steps=progress.agent_steps, updates=progress.version,
-        mean_return=server.stats().get("charts/mean_return_100"), dropped={k: int(v) for k, v in server.dropped.items()},
-        restarts=pool.restarts, interrupted=interrupted, checkpoint=checkpoint, reached_return=budget.reached_return,
+        env_frames=progress.env_frames,
+        agent_steps=progress.agent_steps,
+        updates=progress.version,
+        mean_return=server.stats().get("charts/mean_return_100"),
+        dropped={k: int(v) for k, v in server.dropped.items()},
+        restarts=pool.restarts,
+        interrupted=interrupted,
+        checkpoint=checkpoint,
+        reached_return=budget.reached_return,
     )
 
 
-def _start_actors(pool: Any, server: TrajectoryServer, guard: FingerprintGuard, config: RunConfig, hello_timeout: float) -> None:
+def _start_actors(
+    pool: Any, server: TrajectoryServer, guard: FingerprintGuard, config: RunConfig, hello_timeout: float
+) -> None:
     """Say where actors connect; start the local actors and wait until each passed the fingerprint guard."""
-    keys = f"; actors need the learner's public key {os.path.join(config.curve, 'server.key')}" if config.curve else ""
-    log.info("learner listening: trajectories %s, weights %s%s", server.trajectory_endpoint, server.params_endpoint, keys)
+    keys = (
+        f"; actors need the learner's public key {os.path.join(config.curve, 'server.key')}"
+        if config.curve
+        else ""
+    )
+    log.info(
+        "learner listening: trajectories %s, weights %s%s",
+        server.trajectory_endpoint,
+        server.params_endpoint,
+        keys,
+    )
     if not config.workers:
-        log.info("no local actors: waiting for remote ones (impala-actors --learner %s)", server.trajectory_endpoint)
+        log.info(
+            "no local actors: waiting for remote ones (impala-actors --learner %s)",
+            server.trajectory_endpoint,
+        )
         return
     pool.start()
-    log.info("started %d actors (%s) -> %s", config.workers, "threads" if config.in_process else config.start_method,
-             server.trajectory_endpoint)
+    log.info(
+        "started %d actors (%s) -> %s",
+        config.workers,
+        "threads" if config.in_process else config.start_method,
+        server.trajectory_endpoint,
+    )
 
     def during_wait() -> None:
         guard.check()
@@ -207,16 +300,30 @@ def _start_actors(pool: Any, server: TrajectoryServer, guard: FingerprintGuard, 
     guard.check()
 
 
-def _train(trainer: Trainer, config: RunConfig, server: TrajectoryServer, pool: Any, guard: FingerprintGuard, budget: Budget,
-           progress: Progress, checkpointer: Checkpointer, logger: MetricsLogger, evaluator: PeriodicEval,
-           stop: threading.Event) -> None:
-    """The learner's loop: take a validated unroll, update when the trainer is ready, publish, log, checkpoint."""
-    # the first interval counts from the run's start (actor start-up included), so a short run still logs a row
+def _train(
+    trainer: Trainer,
+    config: RunConfig,
+    server: TrajectoryServer,
+    pool: Any,
+    guard: FingerprintGuard,
+    budget: Budget,
+    progress: Progress,
+    checkpointer: Checkpointer,
+    logger: MetricsLogger,
+    evaluator: PeriodicEval,
+    stop: threading.Event,
+) -> None:
+    """The learner's loop: take a validated unroll, update when the trainer is ready, publish, log,
+    checkpoint."""
+    # the first interval counts from the run's start (actor start-up included), so a short run still logs a
+    # row
     rows = LogRows(config.log_interval, server.task_names, progress.env_frames, since=budget.start)
     frames_per_unroll = int(round(config.unroll_length * trainer.frames_per_step))
     metrics: dict[str, float] = {}
     server.publish(progress.version, trainer.params())
-    while not (budget.spent(progress.env_frames, progress.agent_steps) or stop.is_set() or budget.out_of_time()):
+    while not (
+        budget.spent(progress.env_frames, progress.agent_steps) or stop.is_set() or budget.out_of_time()
+    ):
         guard.check()
         if not server.healthy():
             raise RuntimeError("the learner's receive thread died; see the log above")
@@ -245,14 +352,21 @@ def _train(trainer: Trainer, config: RunConfig, server: TrajectoryServer, pool: 
             checkpointer.remember_evaluated(progress.env_frames)  # best.pt must hold the weights evaluated
         _log_eval(logger, progress, evaluator.poll(), checkpointer)
         if rows.due():
-            logger.log(progress.env_frames, rows.row(progress, metrics, server.stats(), server.task_mean_returns(), pool.restarts))
+            logger.log(
+                progress.env_frames,
+                rows.row(progress, metrics, server.stats(), server.task_mean_returns(), pool.restarts),
+            )
         checkpointer.maybe_save()
         if budget.return_reached(server.full_window_mean_return()):
             break
 
 
-def _log_eval(logger: MetricsLogger, progress: Progress, evaluated: tuple[int, dict[str, float], str] | None,
-              checkpointer: Checkpointer) -> None:
+def _log_eval(
+    logger: MetricsLogger,
+    progress: Progress,
+    evaluated: tuple[int, dict[str, float], str] | None,
+    checkpointer: Checkpointer,
+) -> None:
     """Log a finished evaluation (at today's step: trackers want steps in order; the snapshot's frames ride
     along) and keep the best weights so far as ``best.pt``."""
     if evaluated is None:
@@ -264,9 +378,18 @@ def _log_eval(logger: MetricsLogger, progress: Progress, evaluated: tuple[int, d
     checkpointer.consider_best(row.get("eval/mean_return"), at)
 
 
-def _shut_down(trainer: Trainer, evaluator: PeriodicEval, pool: Any, server: TrajectoryServer, checkpointer: Checkpointer,
-               logger: MetricsLogger, *, finished: bool) -> str:
-    """Release everything, in an order that leaves no child process behind; returns the checkpoint path ("" if none)."""
+def _shut_down(
+    trainer: Trainer,
+    evaluator: PeriodicEval,
+    pool: Any,
+    server: TrajectoryServer,
+    checkpointer: Checkpointer,
+    logger: MetricsLogger,
+    *,
+    finished: bool,
+) -> str:
+    """Release everything, in an order that leaves no child process behind; returns the checkpoint path (""
+    if none)."""
     try:
         trainer.close()
     except Exception as e:  # noqa: BLE001 - a follower that is gone must not cost the final checkpoint

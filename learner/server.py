@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 class PortInUseError(RuntimeError):
     """The port the learner must bind is taken (a user can fix it: another --port)."""
+
     pass
 
 
@@ -55,8 +56,18 @@ ACTIVE_S = 0.25
 
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
 DROP_REASONS = (
-    "malformed", "oversized", "schema", "non_finite", "unknown_actor", "unexpected_kind", "stale", "future_version",
-    "other_run", "unverified_local", "over_share", "wrong_key",
+    "malformed",
+    "oversized",
+    "schema",
+    "non_finite",
+    "unknown_actor",
+    "unexpected_kind",
+    "stale",
+    "future_version",
+    "other_run",
+    "unverified_local",
+    "over_share",
+    "wrong_key",
 )
 MAX_OWNERS = 4 * MAX_ACTORS  # actor id -> CURVE key that first claimed it (oldest forgotten first)
 MAX_NONCE_CHARS = 64  # a hello's nonce, echoed when that hello is refused
@@ -84,7 +95,7 @@ class _Stream:
         start = 0
         for t in np.flatnonzero(ends):
             t = int(t)
-            ret = self.ret + float(rewards[start:t + 1].sum(dtype=np.float64))
+            ret = self.ret + float(rewards[start : t + 1].sum(dtype=np.float64))
             length = self.length + t + 1 - start
             if self.counted:
                 returns.append(ret)
@@ -262,12 +273,16 @@ class TrajectoryServer:
         # when the server closes.
         self.unrolls_by_actor: dict[int, list[float]] = {}
         self.episodes_total = 0
-        self.task_returns: list[collections.deque[float]] = [collections.deque(maxlen=100) for _ in self.task_names]
+        self.task_returns: list[collections.deque[float]] = [
+            collections.deque(maxlen=100) for _ in self.task_names
+        ]
         self.task_episodes = [0] * len(self.task_names)
         self.run_info: dict[str, Any] = {}
         self.refused_hellos = 0
         self.joined = 0
-        self.published_version = 0  # the initial weights are version 0; unrolls claiming a later one are dropped
+        self.published_version = (
+            0  # the initial weights are version 0; unrolls claiming a later one are dropped
+        )
 
     def _bind(self, bind: str, port: int) -> tuple[int, int]:
         addr = f"tcp://{bind}"
@@ -283,7 +298,8 @@ class TrajectoryServer:
             self.close()
             if e.errno == errno.EADDRINUSE:
                 raise PortInUseError(
-                    f"port {port} or {port + 1} on {bind} is already in use; pass --port with another port, or --port 0 to pick free ones"
+                    f"port {port} or {port + 1} on {bind} is already in use; pass --port with another port, "
+                    "or --port 0 to pick free ones"
                 ) from None
             raise PortInUseError(f"cannot bind {addr}:{port}: {e}; check --bind and --port") from None
 
@@ -397,7 +413,9 @@ class TrajectoryServer:
                 if actor not in self.accepted:
                     self.joined += 1
                     if log_this_one(self.joined, first=100):
-                        log.info("actor %d joined (%s envs; #%d)", actor, kept.get("num_envs", "?"), self.joined)
+                        log.info(
+                            "actor %d joined (%s envs; #%d)", actor, kept.get("num_envs", "?"), self.joined
+                        )
                 self.accepted[actor] = kept
                 self.last_seen[actor] = time.monotonic()
                 if user is not None and owner is None:
@@ -418,7 +436,12 @@ class TrajectoryServer:
             elif actor in self.accepted and actor in self.protected_ids:
                 self.refused_hellos += 1
                 if log_this_one(self.refused_hellos):
-                    log.error("ignored a hello in the name of verified actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
+                    log.error(
+                        "ignored a hello in the name of verified actor %d (#%d refused hello): %s",
+                        actor,
+                        self.refused_hellos,
+                        reason[:300],
+                    )
             else:
                 self.refused[actor] = reason[:1000]
                 self.refused.move_to_end(actor)
@@ -431,7 +454,9 @@ class TrajectoryServer:
                 self._tell_refused(actor, header["info"], reason)
                 self.refused_hellos += 1
                 if log_this_one(self.refused_hellos):  # each line cut to 300 characters
-                    log.error("refused actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300])
+                    log.error(
+                        "refused actor %d (#%d refused hello): %s", actor, self.refused_hellos, reason[:300]
+                    )
             return
         if kind != "unroll":
             self._drop("unexpected_kind", actor, kind)
@@ -500,7 +525,9 @@ class TrajectoryServer:
                 return
         if msg.version > self.published_version:
             # No actor can hold weights the learner has not published yet.
-            self._drop("future_version", actor, f"policy version {msg.version} > published {self.published_version}")
+            self._drop(
+                "future_version", actor, f"policy version {msg.version} > published {self.published_version}"
+            )
             return
         self.last_seen[actor] = time.monotonic()
         returns, lengths = self._episodes(actor, env, msg.arrays)
@@ -609,7 +636,11 @@ class TrajectoryServer:
     def _expire_idle(self) -> bool:
         """Free the slots of accepted actors silent for ACTOR_IDLE_S (never a verified local one)."""
         now = time.monotonic()
-        idle = [a for a in self.accepted if a not in self.protected_ids and now - self.last_seen.get(a, now) > ACTOR_IDLE_S]
+        idle = [
+            a
+            for a in self.accepted
+            if a not in self.protected_ids and now - self.last_seen.get(a, now) > ACTOR_IDLE_S
+        ]
         for actor in idle:
             self.accepted.pop(actor, None)
             self.last_seen.pop(actor, None)
@@ -653,7 +684,10 @@ class TrajectoryServer:
             }
             for reason in DROP_REASONS:
                 out[f"transport/dropped_{reason}"] = float(self.dropped.get(reason, 0))
-            per_task = [(name, list(r), n) for name, r, n in zip(self.task_names, self.task_returns, self.task_episodes)]
+            per_task = [
+                (name, list(r), n)
+                for name, r, n in zip(self.task_names, self.task_returns, self.task_episodes)
+            ]
         if returns:
             out["charts/mean_return_100"] = float(np.mean(returns))
             out["charts/mean_length_100"] = float(np.mean(self.episode_lengths))
@@ -674,8 +708,12 @@ class TrajectoryServer:
             if t.is_alive():
                 t.join(timeout=5)
         if getattr(self, "unrolls_by_actor", None):  # (absent when binding failed in __init__)
-            log.info("accepted unrolls by actor (top %d of %d): %s", min(8, len(self.unrolls_by_actor)),
-                     len(self.unrolls_by_actor), self.actor_report())
+            log.info(
+                "accepted unrolls by actor (top %d of %d): %s",
+                min(8, len(self.unrolls_by_actor)),
+                len(self.unrolls_by_actor),
+                self.actor_report(),
+            )
         with self._pub_lock:
             for s in (self.pull, self.pub):
                 if not s.closed:
@@ -684,11 +722,15 @@ class TrajectoryServer:
             self.auth.stop()
             self.auth = None
 
-    def wait_for_hellos(self, n: int, timeout: float, check: Callable[[], None] = lambda: None, ids: set[int] | None = None) -> None:
+    def wait_for_hellos(
+        self, n: int, timeout: float, check: Callable[[], None] = lambda: None, ids: set[int] | None = None
+    ) -> None:
         """Wait until ``n`` actors said hello (accepted or refused), or ``n`` of ``ids`` did."""
         deadline = time.monotonic() + timeout
         while (len(ids) if ids is not None else len(self.accepted) + len(self.refused)) < n:
             check()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(self.accepted)} of {n} actors said hello within {timeout:.0f}s")
+                raise TimeoutError(
+                    f"only {len(self.accepted)} of {n} actors said hello within {timeout:.0f}s"
+                )
             time.sleep(0.05)

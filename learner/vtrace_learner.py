@@ -26,7 +26,12 @@ from impala.transport.messages import ImpalaAgentSpec
 from impala.nets.impala_net import ImpalaNet, build_model
 from impala.transport.params import state_dict_arrays
 from impala.algos.impala_losses import impala_loss, popart_impala_loss
-from impala.transport.trajectory import TrajectorySchema, impala_unroll_schema, rebuild_frame_stacks, stack_time_major
+from impala.transport.trajectory import (
+    TrajectorySchema,
+    impala_unroll_schema,
+    rebuild_frame_stacks,
+    stack_time_major,
+)
 from impala.run.checkpoint import load_checkpoint
 from impala.run.orphans import exit_when_orphaned
 from learner.group import STOP, UPDATE, LearnerGroup, LearnerGroupError, init_group, lost_peer
@@ -55,7 +60,8 @@ def step_fraction(optimizer: torch.optim.Optimizer) -> float:
 
     RMSprop steps ``lr * g / (sqrt(v) + eps)``: per weight, ``sqrt(v) / (sqrt(v) + eps)`` of
     a sign step of size lr. Near 1, eps is negligible; near 0, eps dominates and the network
-    barely moves (measured on Pong, docs/PONG.md: 0.009 with the paper's eps on mean-reduced losses). Adam: the
+    barely moves (measured on Pong, docs/PONG.md: 0.009 with the paper's eps on mean-reduced losses). Adam:
+    the
     same with the bias-corrected ``v``.
     """
     total, count = 0.0, 0
@@ -103,8 +109,10 @@ def untrainable_behaviour(logits: np.ndarray, actions: np.ndarray) -> str | None
     log_z = top[..., 0] + np.log(np.exp(x - top).sum(axis=-1))
     taken = np.take_along_axis(x, actions[..., None], axis=-1)[..., 0] - log_z
     if taken.size and not taken.min() >= MIN_BEHAVIOUR_LOG_PROB:
-        return (f"behaviour_logits give a taken action log-probability {taken.min():.3g} < "
-                f"{MIN_BEHAVIOUR_LOG_PROB:g}: the update's importance ratio would overflow")
+        return (
+            f"behaviour_logits give a taken action log-probability {taken.min():.3g} < "
+            f"{MIN_BEHAVIOUR_LOG_PROB:g}: the update's importance ratio would overflow"
+        )
     return None
 
 
@@ -113,8 +121,17 @@ class VTraceLearner:
 
     HEALTH_EVERY = 10
 
-    def __init__(self, model: ImpalaNet, config: ImpalaConfig, device: torch.device, *, total_frames: int, seed: int = 0,
-                 group: LearnerGroup | None = None, task_names: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: ImpalaNet,
+        config: ImpalaConfig,
+        device: torch.device,
+        *,
+        total_frames: int,
+        seed: int = 0,
+        group: LearnerGroup | None = None,
+        task_names: tuple[str, ...] = (),
+    ) -> None:
         """``total_frames``: the run's length in env frames, over which the learning rate decays to 0.
         ``group``: a data-parallel learner group; this learner then holds one rank's share of each
         batch, and its update equals one learner's update on the whole batch.
@@ -145,7 +162,9 @@ class VTraceLearner:
             return self.config.learning_rate
         return self.config.learning_rate * max(0.0, 1.0 - frames_done / self.total_frames)
 
-    def stage(self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema) -> dict[str, torch.Tensor]:
+    def stage(
+        self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema
+    ) -> dict[str, torch.Tensor]:
         """Stack B unrolls time-major straight into staging buffers and move them to the device.
 
         The buffers are allocated once (page-locked on CUDA, so the host-to-device copy is an
@@ -154,14 +173,18 @@ class VTraceLearner:
         """
         return self.prepare(self.stage_host(unrolls, schema))
 
-    def stage_host(self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema) -> dict[str, torch.Tensor]:
+    def stage_host(
+        self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema
+    ) -> dict[str, torch.Tensor]:
         """Stack B unrolls time-major into the (reused, on CUDA page-locked) host staging buffers."""
         B = len(unrolls)
         if self._staging is None or self._staging_b != B:
             pin = self.device.type == "cuda"
             self._staging = {
                 a.name: torch.empty(
-                    (a.shape[0], B, *a.shape[1:]), dtype=torch.from_numpy(np.empty(0, dtype=a.dtype)).dtype, pin_memory=pin
+                    (a.shape[0], B, *a.shape[1:]),
+                    dtype=torch.from_numpy(np.empty(0, dtype=a.dtype)).dtype,
+                    pin_memory=pin,
                 )
                 for a in schema.arrays
             }
@@ -175,7 +198,9 @@ class VTraceLearner:
             batch = dict(staged)
         else:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in staged.items()}
-        if "frames" in batch:  # each frame travelled once: rebuild the stacks here (on the device, when there is one)
+        if (
+            "frames" in batch
+        ):  # each frame travelled once: rebuild the stacks here (on the device, when there is one)
             batch["obs"] = rebuild_frame_stacks(batch.pop("obs_head"), batch.pop("frames"), batch["first"])
         return batch
 
@@ -192,7 +217,9 @@ class VTraceLearner:
                 continue
             for idx in torch.randperm(B, generator=self._shuffle).chunk(cfg.minibatches):
                 idx = idx.to(batch["actions"].device)
-                metrics = self.step({k: v.index_select(1, idx) for k, v in batch.items()}, frames_done=frames_done)
+                metrics = self.step(
+                    {k: v.index_select(1, idx) for k, v in batch.items()}, frames_done=frames_done
+                )
         return metrics
 
     def step(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
@@ -225,19 +252,37 @@ class VTraceLearner:
             rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
         discounts = (~batch["dones"]).float() * cfg.discount
         common = dict(
-            baseline_cost=cfg.baseline_cost, entropy_cost=cfg.entropy_cost, reduction=cfg.loss_reduction,
-            pg_clip=cfg.pg_clip or None, normalize_advantages=cfg.advantage_norm, lambda_=cfg.vtrace_lambda,
+            baseline_cost=cfg.baseline_cost,
+            entropy_cost=cfg.entropy_cost,
+            reduction=cfg.loss_reduction,
+            pg_clip=cfg.pg_clip or None,
+            normalize_advantages=cfg.advantage_norm,
+            lambda_=cfg.vtrace_lambda,
             allreduce=self.group.allreduce_sum if self.group else None,
         )
         if cfg.popart:
             loss = popart_impala_loss(
-                batch["behaviour_logits"], logits[:-1], batch["actions"], discounts, rewards,
-                values[:-1], values[-1], self.model.baseline.state, 0 if task_ids is None else task_ids[:-1], **common,
+                batch["behaviour_logits"],
+                logits[:-1],
+                batch["actions"],
+                discounts,
+                rewards,
+                values[:-1],
+                values[-1],
+                self.model.baseline.state,
+                0 if task_ids is None else task_ids[:-1],
+                **common,
             )
         else:
             loss = impala_loss(
-                batch["behaviour_logits"], logits[:-1], batch["actions"], discounts, rewards,
-                values[:-1], values[-1], **common,
+                batch["behaviour_logits"],
+                logits[:-1],
+                batch["actions"],
+                discounts,
+                rewards,
+                values[:-1],
+                values[-1],
+                **common,
             )
         lr = self.learning_rate(frames_done)
         for group in self.optimizer.param_groups:
@@ -257,8 +302,11 @@ class VTraceLearner:
         if finite:
             self.optimizer.step()
             if cfg.popart:
-                self.model.baseline.update(loss.vtrace.vs, 0 if task_ids is None else task_ids[:-1],
-                                           allreduce=self.group.allreduce_sum if self.group else None)
+                self.model.baseline.update(
+                    loss.vtrace.vs,
+                    0 if task_ids is None else task_ids[:-1],
+                    allreduce=self.group.allreduce_sum if self.group else None,
+                )
         else:
             # A batch whose loss or gradient is NaN/inf (finite but huge inputs overflow the forward
             # pass) must not reach the weights, the actors or a checkpoint: drop this step, go on.
@@ -291,7 +339,9 @@ class VTraceLearner:
         return metrics
 
     @torch.no_grad()
-    def _measure_health(self, loss: Any, logits: torch.Tensor, values: torch.Tensor, torso: torch.nn.Module) -> dict[str, float]:
+    def _measure_health(
+        self, loss: Any, logits: torch.Tensor, values: torch.Tensor, torso: torch.nn.Module
+    ) -> dict[str, float]:
         cfg = self.config
         health = {
             "health/step_fraction": step_fraction(self.optimizer),
@@ -307,13 +357,19 @@ class VTraceLearner:
         # near 0, the critic cannot see what predicts the return and advantages are noise.
         target_var = loss.value_targets.var()
         err_var = (loss.value_targets - values[:-1].detach()).var()
-        health["health/explained_variance"] = float(1.0 - err_var / target_var) if target_var > 0 else float("nan")
+        health["health/explained_variance"] = (
+            float(1.0 - err_var / target_var) if target_var > 0 else float("nan")
+        )
         for layer, alive in getattr(torso, "activity", {}).items():
             health[f"health/alive_{layer}"] = alive
         return health
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "updates": self.updates}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "updates": self.updates,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -322,10 +378,17 @@ class VTraceLearner:
 
 
 class ImpalaTrainer:
-    """The runtime's Trainer for IMPALA: collects B unrolls, stacks them time-major, runs one V-trace update."""
+    """The runtime's Trainer for IMPALA: collects B unrolls, stacks them time-major, runs one V-trace
+    update."""
 
-    def __init__(self, config: ImpalaConfig, run: RunConfig, env: EnvInfo, group: LearnerGroup | None = None,
-                 tasks: Sequence[EnvInfo] = ()) -> None:
+    def __init__(
+        self,
+        config: ImpalaConfig,
+        run: RunConfig,
+        env: EnvInfo,
+        group: LearnerGroup | None = None,
+        tasks: Sequence[EnvInfo] = (),
+    ) -> None:
         """``group``: this process is one rank of a data-parallel learner group (``learner.group``);
         rank 0 scatters each batch, the other ranks run :meth:`follow`. ``tasks``: a multi-task
         run's envs in task order (``env`` is the first; ``impala.envs.probe.probe_tasks`` checked
@@ -339,23 +402,52 @@ class ImpalaTrainer:
         self.frames_per_step = env.frames_per_step
         total_frames = run.total_frames or int((run.total_steps or 0) * env.frames_per_step)
         if not total_frames:
-            raise ConfigError("IMPALA needs a run length (--total-frames or --total-steps) for its learning-rate schedule")
+            raise ConfigError(
+                "IMPALA needs a run length (--total-frames or --total-steps) for its learning-rate schedule"
+            )
         torch.manual_seed(run.seed)  # the network's initialization is part of the run's seed
         try:
-            model = build_model(config.model, env.obs_shape, env.num_actions, use_lstm=config.use_lstm, init=config.init, beta=config.popart_beta,
-                                num_tasks=self.num_tasks)
+            model = build_model(
+                config.model,
+                env.obs_shape,
+                env.num_actions,
+                use_lstm=config.use_lstm,
+                init=config.init,
+                beta=config.popart_beta,
+                num_tasks=self.num_tasks,
+            )
         except ValueError as e:  # the model kind does not fit this env's observations
             raise ConfigError(f"--model {config.model}: {e}") from None
         device = resolve_device(run.device)
         if group is not None and device.type == "cuda":
             device = torch.device("cuda", group.rank)  # one GPU per rank
-        self.learner = VTraceLearner(model, config, device, total_frames=total_frames, seed=run.seed, group=group, task_names=task_names)
+        self.learner = VTraceLearner(
+            model,
+            config,
+            device,
+            total_frames=total_frames,
+            seed=run.seed,
+            group=group,
+            task_names=task_names,
+        )
         core = model.core.hidden_size if config.use_lstm else 0
         # Atari's stacked frames: each frame travels once (the actors check their env stacks that way)
-        stacked = env.spec.atari and env.obs_dtype == "uint8" and len(env.obs_shape) == 3 and env.obs_shape[0] > 1
+        stacked = (
+            env.spec.atari and env.obs_dtype == "uint8" and len(env.obs_shape) == 3 and env.obs_shape[0] > 1
+        )
         frame_stack = env.obs_shape[0] if stacked and config.frame_dedup else 0
-        self.schema = impala_unroll_schema(run.unroll_length, env.obs_shape, env.obs_dtype, env.num_actions, core, frame_stack, self.num_tasks)
-        self.agent = ImpalaAgentSpec(config.model, config.use_lstm, config.popart_beta, frame_stack, self.num_tasks)
+        self.schema = impala_unroll_schema(
+            run.unroll_length,
+            env.obs_shape,
+            env.obs_dtype,
+            env.num_actions,
+            core,
+            frame_stack,
+            self.num_tasks,
+        )
+        self.agent = ImpalaAgentSpec(
+            config.model, config.use_lstm, config.popart_beta, frame_stack, self.num_tasks
+        )
         self._pending: list[Mapping[str, np.ndarray]] = []
         self._sources: list[int] = []  # actor id of each pending unroll, to name them if a batch is bad
 
@@ -365,7 +457,8 @@ class ImpalaTrainer:
 
     @property
     def queue_size(self) -> int:
-        """One batch waits while the learner updates; every unroll buffered beyond that only adds policy lag."""
+        """One batch waits while the learner updates; every unroll buffered beyond that only adds policy
+        lag."""
         return self.config.batch_size
 
     def ingest(self, msg: wire.Message, version: int) -> None:
@@ -396,17 +489,23 @@ class ImpalaTrainer:
         except RuntimeError as e:
             if self.group is None or not lost_peer(e):
                 raise
-            raise LearnerGroupError(f"a learner rank stopped during an update ({str(e).splitlines()[0][:200]})") from None
+            raise LearnerGroupError(
+                f"a learner rank stopped during an update ({str(e).splitlines()[0][:200]})"
+            ) from None
         if self.learner.skipped_updates > skipped_before:
-            log.warning("skipped %d update step(s) with a non-finite loss or gradient; the batch came from actors %s",
-                        self.learner.skipped_updates - skipped_before, sources)
+            log.warning(
+                "skipped %d update step(s) with a non-finite loss or gradient; the batch came from actors %s",
+                self.learner.skipped_updates - skipped_before,
+                sources,
+            )
         return metrics
 
     def params(self) -> dict[str, np.ndarray]:
         return state_dict_arrays(self.learner.model)
 
     def follow(self) -> int:
-        """A follower rank: take each update's share from rank 0 and step with the group, until told to stop."""
+        """A follower rank: take each update's share from rank 0 and step with the group, until told to
+        stop."""
         updates = 0
         while True:
             cmd, frames_done = self.group.command()
@@ -442,7 +541,9 @@ class ImpalaTrainer:
         self.learner.load_state_dict(state)
 
 
-def start_group(impala: ImpalaConfig, run: RunConfig, env: EnvInfo, tasks: Sequence[EnvInfo] = ()) -> LearnerGroup | None:
+def start_group(
+    impala: ImpalaConfig, run: RunConfig, env: EnvInfo, tasks: Sequence[EnvInfo] = ()
+) -> LearnerGroup | None:
     """--learners G > 1: start G-1 follower processes here, each given this run's resolved settings, and join
     the group as rank 0."""
     if run.learners == 1:
@@ -454,22 +555,42 @@ def start_group(impala: ImpalaConfig, run: RunConfig, env: EnvInfo, tasks: Seque
     backend = "nccl" if resolve_device(run.device).type == "cuda" else "gloo"
     pids = []
     for rank in range(1, run.learners):
-        proc = ctx.Process(target=follower_main, args=(rank, store, backend, impala, run, env, tuple(tasks), os.getpid()),
-                           name=f"learner-{rank}", daemon=True)
+        proc = ctx.Process(
+            target=follower_main,
+            args=(rank, store, backend, impala, run, env, tuple(tasks), os.getpid()),
+            name=f"learner-{rank}",
+            daemon=True,
+        )
         proc.start()
         pids.append(proc.pid)
-    log.info("learner group: %d ranks, %s backend, rank 0 pid %d, followers %s", run.learners, backend, os.getpid(),
-             ", ".join(f"rank {r} pid {p}" for r, p in enumerate(pids, start=1)))
+    log.info(
+        "learner group: %d ranks, %s backend, rank 0 pid %d, followers %s",
+        run.learners,
+        backend,
+        os.getpid(),
+        ", ".join(f"rank {r} pid {p}" for r, p in enumerate(pids, start=1)),
+    )
     return init_group(0, run.learners, store, backend)
 
 
-def follower_main(rank: int, store: str, backend: str, impala: ImpalaConfig, run: RunConfig, env: EnvInfo,
-                  tasks: tuple[EnvInfo, ...], parent_pid: int) -> None:
-    """Learner rank > 0: the same trainer as rank 0 (same resolved settings), fed its share of each batch by rank 0."""
+def follower_main(
+    rank: int,
+    store: str,
+    backend: str,
+    impala: ImpalaConfig,
+    run: RunConfig,
+    env: EnvInfo,
+    tasks: tuple[EnvInfo, ...],
+    parent_pid: int,
+) -> None:
+    """Learner rank > 0: the same trainer as rank 0 (same resolved settings), fed its share of each batch
+    by rank 0."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner-{rank} %(levelname)s %(message)s")
     exit_when_orphaned(parent_pid)
     torch.set_num_threads(max(1, run.cpu_threads() // run.learners))
-    trainer = ImpalaTrainer(impala, run, env, group=init_group(rank, run.learners, store, backend), tasks=tasks)
+    trainer = ImpalaTrainer(
+        impala, run, env, group=init_group(rank, run.learners, store, backend), tasks=tasks
+    )
     if run.resume:  # rank 0 resumes from the same file
         trainer.load_state_dict(load_checkpoint(run.checkpoint_path, keys=("trainer",))["trainer"])
     trainer.follow()

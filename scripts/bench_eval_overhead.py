@@ -21,8 +21,21 @@ import tempfile
 
 def run(env: str, seconds: float, extra: list[str]) -> tuple[float, int, float]:
     with tempfile.TemporaryDirectory() as logdir:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "launch_impala"), "--env", env, "--logdir", logdir, "--no-progress",
-               "--log-interval", "2", "--total-frames", str(10**12), "--max-seconds", str(seconds), *extra]
+        cmd = [
+            os.path.join(os.path.dirname(sys.executable), "launch_impala"),
+            "--env",
+            env,
+            "--logdir",
+            logdir,
+            "--no-progress",
+            "--log-interval",
+            "2",
+            "--total-frames",
+            str(10**12),
+            "--max-seconds",
+            str(seconds),
+            *extra,
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"launch_impala failed:\n{out.stderr[-3000:]}")
@@ -30,7 +43,9 @@ def run(env: str, seconds: float, extra: list[str]) -> tuple[float, int, float]:
             rows = list(csv.DictReader(f))
     train = [r for r in rows if r.get("charts/policy_version")]
     first, last = train[1], train[-1]  # the first row includes start-up
-    rate = (float(last["charts/policy_version"]) - float(first["charts/policy_version"])) / (float(last["time"]) - float(first["time"]))
+    rate = (float(last["charts/policy_version"]) - float(first["charts/policy_version"])) / (
+        float(last["time"]) - float(first["time"])
+    )
     evals = [r for r in rows if r.get("eval/mean_return")]
     return rate, len(evals), float(evals[-1]["eval/mean_return"]) if evals else float("nan")
 
@@ -43,12 +58,31 @@ def main() -> None:
     ap.add_argument("--eval-episodes", type=int, default=5)
     ap.add_argument("extra", nargs="*", help="More launch_impala flags (after --).")
     args = ap.parse_args()
-    flags = ["--workers", "2", "--unroll-length", "20", "--batch-size", "8", "--learning-rate", "2e-3", *args.extra]
+    flags = [
+        "--workers",
+        "2",
+        "--unroll-length",
+        "20",
+        "--batch-size",
+        "8",
+        "--learning-rate",
+        "2e-3",
+        *args.extra,
+    ]
     base, _, _ = run(args.env, args.seconds, flags)
-    with_eval, n, last = run(args.env, args.seconds, [*flags, "--eval-every", str(args.eval_every), "--eval-episodes", str(args.eval_episodes)])
-    print(f"machine: {os.cpu_count()} cores; env {args.env}; {args.seconds:.0f}s each; flags {' '.join(flags)}")
+    with_eval, n, last = run(
+        args.env,
+        args.seconds,
+        [*flags, "--eval-every", str(args.eval_every), "--eval-episodes", str(args.eval_episodes)],
+    )
+    print(
+        f"machine: {os.cpu_count()} cores; env {args.env}; {args.seconds:.0f}s each; flags {' '.join(flags)}"
+    )
     print(f"without --eval-every: {base:8.2f} updates/s")
-    print(f"with --eval-every {args.eval_every} ({args.eval_episodes} episodes): {with_eval:8.2f} updates/s, {n} evaluations (last mean {last:.1f})")
+    print(
+        f"with --eval-every {args.eval_every} ({args.eval_episodes} episodes): {with_eval:8.2f} updates/s, "
+        f"{n} evaluations (last mean {last:.1f})"
+    )
     print(f"ratio with/without = {with_eval / base:.3f}")
 
 

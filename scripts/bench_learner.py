@@ -39,7 +39,9 @@ NUM_ACTIONS = 6  # Pong
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = cuda if available")
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = cuda if available"
+    )
     p.add_argument("--nets", default="shallow,deep", help="comma-separated subset of shallow,deep")
     p.add_argument("--recipes", default="defaults,paper", help="comma-separated subset of defaults,paper")
     p.add_argument("--unroll-length", "-T", type=int, default=32)
@@ -47,8 +49,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed updates (default 3 on CPU, 10 on CUDA)")
     p.add_argument("--iters", type=int, default=None, help="timed updates (default 5 on CPU, 50 on CUDA)")
     p.add_argument("--quick", action="store_true", help="1 warm-up and 2 timed updates")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass (meant for CUDA; runs on CPU too)")
-    p.add_argument("--channels-last", action="store_true", help="NHWC convolutions (meant for CUDA; runs on CPU too)")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 autocast for the forward pass (meant for CUDA; runs on CPU too)",
+    )
+    p.add_argument(
+        "--channels-last", action="store_true", help="NHWC convolutions (meant for CUDA; runs on CPU too)"
+    )
     p.add_argument("--lstm", action="store_true", help="add the LSTM-256 core")
     p.add_argument("--compile", action="store_true", help="torch.compile the network (forward and backward)")
     p.add_argument("--h2d", action="store_true", help="copy each batch from pinned host memory (CUDA)")
@@ -103,7 +111,12 @@ def bench_defaults(kind: str, args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     sec = (time.perf_counter() - t0) / args.iters
-    return {"net": kind, "recipe": "defaults", "ms": sec * 1e3, "sps": args.unroll_length * args.batch_size / sec}
+    return {
+        "net": kind,
+        "recipe": "defaults",
+        "ms": sec * 1e3,
+        "sps": args.unroll_length * args.batch_size / sec,
+    }
 
 
 def bench(kind: str, args: argparse.Namespace) -> dict:
@@ -164,7 +177,9 @@ def main(argv=None) -> None:
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    where = (
+        torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    )
     print(
         f"# learner update: T={args.unroll_length} B={args.batch_size} obs={OBS_SHAPE} uint8 "
         f"A={NUM_ACTIONS} lstm={args.lstm} bf16={args.bf16} channels_last={args.channels_last} "
@@ -180,10 +195,16 @@ def main(argv=None) -> None:
     if unknown:
         sys.exit(f"bench_learner: error: unknown recipe {unknown[0]!r} (known: defaults, paper)")
     rows = [runners[r](kind.strip(), args) for kind in args.nets.split(",") if kind.strip() for r in recipes]
-    print(f"| {'net':8} | {'recipe':8} | {'device':6} | {'ms/update':>10} | {'agent steps/s':>14} | {'frames/s (x4)':>14} |")
+    print(
+        f"| {'net':8} | {'recipe':8} | {'device':6} | {'ms/update':>10} | {'agent steps/s':>14} | "
+        f"{'frames/s (x4)':>14} |"
+    )
     print(f"|{'-' * 10}|{'-' * 10}|{'-' * 8}|{'-' * 12}|{'-' * 16}|{'-' * 16}|")
     for r in rows:
-        print(f"| {r['net']:8} | {r['recipe']:8} | {args.device:6} | {r['ms']:10.1f} | {r['sps']:14,.0f} | {4 * r['sps']:14,.0f} |")
+        print(
+            f"| {r['net']:8} | {r['recipe']:8} | {args.device:6} | {r['ms']:10.1f} | {r['sps']:14,.0f} | "
+            f"{4 * r['sps']:14,.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -32,18 +32,56 @@ def one_run(dedup: bool, seconds: float, port: int, workers: int) -> float:
         with tempfile.TemporaryDirectory() as tmp:
             logdir = Path(tmp) / "run"
             flags = [] if dedup else ["--no-frame-dedup"]
-            learner = net.start(net.learner, ["launch_impala", "--env", "PongDeterministic-v4", "--workers", "0", "--torch-threads", "1",
-                                              "--bind", Net.LEARNER_IP, "--insecure-bind", "--port", str(port), "--total-frames", str(10**12),
-                                              "--max-seconds", str(seconds), "--no-progress", "--log-interval", "2", "--logdir", str(logdir), *flags],
-                                Path(tmp) / "learner.log")
+            learner = net.start(
+                net.learner,
+                [
+                    "launch_impala",
+                    "--env",
+                    "PongDeterministic-v4",
+                    "--workers",
+                    "0",
+                    "--torch-threads",
+                    "1",
+                    "--bind",
+                    Net.LEARNER_IP,
+                    "--insecure-bind",
+                    "--port",
+                    str(port),
+                    "--total-frames",
+                    str(10**12),
+                    "--max-seconds",
+                    str(seconds),
+                    "--no-progress",
+                    "--log-interval",
+                    "2",
+                    "--logdir",
+                    str(logdir),
+                    *flags,
+                ],
+                Path(tmp) / "learner.log",
+            )
             time.sleep(8)  # the learner binds before the actors connect (they retry anyway)
-            net.start(net.hosts[0], ["impala-actors", "--learner", f"tcp://{Net.LEARNER_IP}:{port}", "--workers", str(workers), "--insecure",
-                                     "--learner-timeout", "20"], Path(tmp) / "actors.log")
+            net.start(
+                net.hosts[0],
+                [
+                    "impala-actors",
+                    "--learner",
+                    f"tcp://{Net.LEARNER_IP}:{port}",
+                    "--workers",
+                    str(workers),
+                    "--insecure",
+                    "--learner-timeout",
+                    "20",
+                ],
+                Path(tmp) / "actors.log",
+            )
             learner.wait(timeout=seconds + 180)
             with open(logdir / "metrics.csv") as f:
                 rows = [r for r in csv.DictReader(f) if r.get("charts/env_frames")]
             first, last = rows[2], rows[-1]  # skip the rows that include start-up
-            return (float(last["charts/env_frames"]) - float(first["charts/env_frames"])) / (float(last["time"]) - float(first["time"]))
+            return (float(last["charts/env_frames"]) - float(first["charts/env_frames"])) / (
+                float(last["time"]) - float(first["time"])
+            )
     finally:
         net.close()
 
@@ -55,7 +93,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=47600)
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
-    print(f"machine: {os.cpu_count()} cores; PongDeterministic-v4, {args.workers} remote actors x 4 envs, {args.seconds:.0f}s per run")
+    print(
+        f"machine: {os.cpu_count()} cores; PongDeterministic-v4, {args.workers} remote actors x 4 envs, "
+        f"{args.seconds:.0f}s per run"
+    )
     for T in (32,):
         for label, stack in (("frames once", 4), ("full stacks", 0)):
             schema = impala_unroll_schema(T, (4, 84, 84), "uint8", 6, frame_stack=stack)

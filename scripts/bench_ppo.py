@@ -44,12 +44,41 @@ def run_ours(net: str, args: argparse.Namespace, seed: int) -> float:
     buffer = args.n_steps * args.n_envs
     with tempfile.TemporaryDirectory(prefix="bench_ppo_") as logdir:
         cmd = [
-            str(Path(sys.executable).parent / "launch_ppo"), "--env", args.env, "--semantics", "sb3",
-            "--workers", "1", "--envs-per-worker", str(args.n_envs), "--unroll-length", str(args.n_steps),
-            "--time-horizon", str(args.n_steps), "--buffer-size", str(buffer), "--batch-size", str(batch),
-            "--num-epoch", str(epochs), "--hidden-units", str(hidden), "--num-layers", str(layers),
-            "--total-steps", str((args.cycles + 1) * buffer), "--seed", str(seed), "--device", "cpu",
-            "--logdir", logdir, "--log-interval", "0", "--no-progress", *args.ours_extra,
+            str(Path(sys.executable).parent / "launch_ppo"),
+            "--env",
+            args.env,
+            "--semantics",
+            "sb3",
+            "--workers",
+            "1",
+            "--envs-per-worker",
+            str(args.n_envs),
+            "--unroll-length",
+            str(args.n_steps),
+            "--time-horizon",
+            str(args.n_steps),
+            "--buffer-size",
+            str(buffer),
+            "--batch-size",
+            str(batch),
+            "--num-epoch",
+            str(epochs),
+            "--hidden-units",
+            str(hidden),
+            "--num-layers",
+            str(layers),
+            "--total-steps",
+            str((args.cycles + 1) * buffer),
+            "--seed",
+            str(seed),
+            "--device",
+            "cpu",
+            "--logdir",
+            logdir,
+            "--log-interval",
+            "0",
+            "--no-progress",
+            *args.ours_extra,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
@@ -82,11 +111,24 @@ def run_sb3(net: str, args: argparse.Namespace, seed: int) -> float:
         def _on_step(self) -> bool:
             return True
 
-    venv = VecNormalize(DummyVecEnv([lambda i=i: gym.make(args.env) for i in range(args.n_envs)]), norm_obs=True, norm_reward=True)
+    venv = VecNormalize(
+        DummyVecEnv([lambda i=i: gym.make(args.env) for i in range(args.n_envs)]),
+        norm_obs=True,
+        norm_reward=True,
+    )
     venv.seed(seed)
     model = PPO(
-        "MlpPolicy", venv, n_steps=args.n_steps, batch_size=batch, n_epochs=epochs, seed=seed, device="cpu", verbose=0,
-        policy_kwargs=dict(net_arch=dict(pi=[hidden] * layers, vf=[hidden] * layers), activation_fn=torch.nn.Tanh),
+        "MlpPolicy",
+        venv,
+        n_steps=args.n_steps,
+        batch_size=batch,
+        n_epochs=epochs,
+        seed=seed,
+        device="cpu",
+        verbose=0,
+        policy_kwargs=dict(
+            net_arch=dict(pi=[hidden] * layers, vf=[hidden] * layers), activation_fn=torch.nn.Tanh
+        ),
     )
     stamps = Stamps()
     model.learn(total_timesteps=(args.cycles + 1) * buffer, callback=stamps)
@@ -101,16 +143,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env", default="Ant-v5")
     p.add_argument("--nets", nargs="+", choices=sorted(NETS), default=["small", "crawler"])
     p.add_argument("--n-envs", type=int, default=8)
-    p.add_argument("--n-steps", type=int, default=256, help="Steps per env per cycle (buffer = n_steps * n_envs).")
-    p.add_argument("--cycles", type=int, default=5, help="Timed collect+update cycles per run (after 1 warm-up cycle).")
+    p.add_argument(
+        "--n-steps", type=int, default=256, help="Steps per env per cycle (buffer = n_steps * n_envs)."
+    )
+    p.add_argument(
+        "--cycles", type=int, default=5, help="Timed collect+update cycles per run (after 1 warm-up cycle)."
+    )
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ours-extra", nargs="*", default=[], help="Extra launch_ppo flags, e.g. --ours-extra=--torch-threads=2.")
+    p.add_argument(
+        "--ours-extra",
+        nargs="*",
+        default=[],
+        help="Extra launch_ppo flags, e.g. --ours-extra=--torch-threads=2.",
+    )
     args = p.parse_args(argv)
     import torch
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; env {args.env}, "
-          f"{args.n_envs} envs x {args.n_steps} steps = {args.n_envs * args.n_steps} per update; {args.cycles} timed cycles, "
-          f"{args.repeats} repeats (alternating)", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; env "
+        f"{args.env}, "
+        f"{args.n_envs} envs x {args.n_steps} steps = {args.n_envs * args.n_steps} per update; {args.cycles} "
+        "timed cycles, "
+        f"{args.repeats} repeats (alternating)",
+        flush=True,
+    )
     results: dict[str, dict[str, list[float]]] = {n: {"ours": [], "sb3": []} for n in args.nets}
     for r in range(args.repeats):
         for net in args.nets:
@@ -119,14 +175,20 @@ def main(argv: list[str] | None = None) -> int:
                 sps = run_ours(net, args, seed=r) if who == "ours" else run_sb3(net, args, seed=r)
                 results[net][who].append(sps)
                 print(f"  repeat {r} {net:8s} {who:4s}: {sps:8.0f} steps/s", flush=True)
-    print("\n| net | hidden x layers | batch | epochs | ours steps/s (median) | SB3 steps/s (median) | ours/SB3 |")
+    print(
+        "\n| net | hidden x layers | batch | epochs | ours steps/s (median) | SB3 steps/s (median) | "
+        "ours/SB3 |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for net in args.nets:
         hidden, layers, batch, epochs = NETS[net]
         o, s = statistics.median(results[net]["ours"]), statistics.median(results[net]["sb3"])
         print(f"| {net} | {layers}x{hidden} | {batch} | {epochs} | {o:,.0f} | {s:,.0f} | {o / s:.2f}x |")
     for net in args.nets:
-        print(f"{net}: ours {[round(x) for x in results[net]['ours']]}, sb3 {[round(x) for x in results[net]['sb3']]}")
+        print(
+            f"{net}: ours {[round(x) for x in results[net]['ours']]}, sb3 "
+            f"{[round(x) for x in results[net]['sb3']]}"
+        )
     return 0
 
 

@@ -71,12 +71,26 @@ def env_limit(env_id: str, workers: int, seconds: float) -> tuple[float, float]:
     return steps, frames
 
 
-def system_throughput(env_id: str, workers: int, seconds: float, extra: list[str]) -> tuple[float, float, str]:
+def system_throughput(
+    env_id: str, workers: int, seconds: float, extra: list[str]
+) -> tuple[float, float, str]:
     with tempfile.TemporaryDirectory() as logdir:
         cmd = [
             os.path.join(os.path.dirname(sys.executable), "launch_impala"),
-            "--env", env_id, "--workers", str(workers), "--logdir", logdir, "--no-progress",
-            "--log-interval", "2", "--total-frames", str(10**12), "--max-seconds", str(seconds), *extra,
+            "--env",
+            env_id,
+            "--workers",
+            str(workers),
+            "--logdir",
+            logdir,
+            "--no-progress",
+            "--log-interval",
+            "2",
+            "--total-frames",
+            str(10**12),
+            "--max-seconds",
+            str(seconds),
+            *extra,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
@@ -101,7 +115,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=None, help="Default: launch_impala's.")
     ap.add_argument("--unroll-length", type=int, default=None, help="Default: launch_impala's.")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--compare-dedup", action="store_true", help="Also run (b) with --no-frame-dedup and print bytes per agent step both ways.")
+    ap.add_argument(
+        "--compare-dedup",
+        action="store_true",
+        help="Also run (b) with --no-frame-dedup and print bytes per agent step both ways.",
+    )
     ap.add_argument("extra", nargs="*", help="More launch_impala flags (after --).")
     args = ap.parse_args()
 
@@ -127,17 +145,28 @@ def main() -> None:
             flags += [flag, str(value)]
     flags += args.extra
     frames_b, lag, done = system_throughput(args.env, args.workers, args.seconds + 20, flags)
-    print(f"(b) launch_impala:  {frames_b:10,.0f} frames/s  (K={args.envs_per_worker} envs/worker, B={args.batch_size or 'default'}, T={args.unroll_length or 'default'}, mean policy lag {lag:.1f})")
+    print(
+        f"(b) launch_impala:  {frames_b:10,.0f} frames/s  (K={args.envs_per_worker} envs/worker, "
+        f"B={args.batch_size or 'default'}, T={args.unroll_length or 'default'}, mean policy lag {lag:.1f})"
+    )
     print(f"    {done}")
     print(f"ratio b/a = {frames_b / frames_a:.3f}")
     if args.compare_dedup:
-        frames_c, lag_c, done_c = system_throughput(args.env, args.workers, args.seconds + 20, flags + ["--no-frame-dedup"])
-        print(f"(c) --no-frame-dedup: {frames_c:8,.0f} frames/s  (mean policy lag {lag_c:.1f}); b/c = {frames_b / frames_c:.3f}")
+        frames_c, lag_c, done_c = system_throughput(
+            args.env, args.workers, args.seconds + 20, flags + ["--no-frame-dedup"]
+        )
+        print(
+            f"(c) --no-frame-dedup: {frames_c:8,.0f} frames/s  (mean policy lag {lag_c:.1f}); b/c = "
+            f"{frames_b / frames_c:.3f}"
+        )
         print(f"    {done_c}")
         T = args.unroll_length or 32
         for label, stack in (("frames once", 4), ("full stacks", 0)):
             schema = impala_unroll_schema(T, (4, 84, 84), "uint8", 6, frame_stack=stack)
-            print(f"    wire bytes per agent step, {label}: {schema.nbytes / T:,.0f} (unroll T={T}: {schema.nbytes:,} B)")
+            print(
+                f"    wire bytes per agent step, {label}: {schema.nbytes / T:,.0f} (unroll T={T}: "
+                f"{schema.nbytes:,} B)"
+            )
 
 
 if __name__ == "__main__":

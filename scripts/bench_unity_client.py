@@ -66,6 +66,7 @@ def _pb():
     """The communicator message classes (through impala's protobuf path when it exists)."""
     import impala.envs.unity  # noqa: F401  (serves mlagents' messages from the current protobuf)
     from mlagents_envs.communicator_objects import unity_message_pb2, unity_output_pb2
+
     return unity_message_pb2, unity_output_pb2
 
 
@@ -73,9 +74,9 @@ def encoded_messages() -> dict[str, object]:
     """The player's pre-encoded UnityMessageProto bytes: hello, empty, first output, step outputs."""
     unity_message_pb2, _ = _pb()  # first: the protobuf path must be in place
     from mlagents_envs.communicator_objects.agent_info_pb2 import AgentInfoProto
-    from mlagents_envs.communicator_objects.brain_parameters_pb2 import (
-        ActionSpecProto, BrainParametersProto)
+    from mlagents_envs.communicator_objects.brain_parameters_pb2 import ActionSpecProto, BrainParametersProto
     from mlagents_envs.communicator_objects.observation_pb2 import ObservationProto
+
     Msg = unity_message_pb2.UnityMessageProto
     rng = np.random.default_rng(0)
 
@@ -104,15 +105,23 @@ def encoded_messages() -> dict[str, object]:
         if brain_params:
             init = m.unity_output.rl_initialization_output
             init.name, init.communication_version, init.package_version = "Replay", "1.5.0", "2.2.1-exp.1"
-            init.brain_parameters.append(BrainParametersProto(
-                brain_name=BEHAVIOR, is_training=True,
-                action_spec=ActionSpecProto(num_continuous_actions=ACTION_SIZE)))
+            init.brain_parameters.append(
+                BrainParametersProto(
+                    brain_name=BEHAVIOR,
+                    is_training=True,
+                    action_spec=ActionSpecProto(num_continuous_actions=ACTION_SIZE),
+                )
+            )
         return m.SerializeToString()
 
     empty = Msg()
     empty.header.status = 200
-    return {"hello": hello(), "empty": empty.SerializeToString(), "first": output(True),
-            "steps": [output(False) for _ in range(N_REPLIES)]}
+    return {
+        "hello": hello(),
+        "empty": empty.SerializeToString(),
+        "first": output(True),
+        "steps": [output(False) for _ in range(N_REPLIES)],
+    }
 
 
 class _Replay:
@@ -143,8 +152,7 @@ class _Replay:
 
 
 def _timed_steps(env, seconds: float, rng) -> dict:
-    acts = [rng.uniform(-1, 1, size=(env.num_envs, env.action_dim)).astype(np.float32)
-            for _ in range(8)]
+    acts = [rng.uniform(-1, 1, size=(env.num_envs, env.action_dim)).astype(np.float32) for _ in range(8)]
     env.reset()
     for i in range(20):  # warm-up
         env.step(acts[i % 8])
@@ -155,8 +163,13 @@ def _timed_steps(env, seconds: float, rng) -> dict:
         if n % 10 == 0 and time.perf_counter() - t0 >= seconds:
             break
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"steps": n, "ms_per_step": 1e3 * wall / n, "cpu_ms_per_step": 1e3 * cpu / n,
-            "steps_per_s": n / wall, "agent_steps_per_s": n * env.num_envs / wall}
+    return {
+        "steps": n,
+        "ms_per_step": 1e3 * wall / n,
+        "cpu_ms_per_step": 1e3 * cpu / n,
+        "steps_per_s": n / wall,
+        "agent_steps_per_s": n * env.num_envs / wall,
+    }
 
 
 def free_port() -> int:
@@ -179,6 +192,7 @@ def measure(mode: str, seconds: float, profile: bool, fast: bool) -> dict:
     if mode == "replay":
         msgs = encoded_messages()
         from impala.envs.unity_client import FastUnityEnvironment
+
         for cls in (UnityEnvironment, FastUnityEnvironment):
             cls._get_communicator = staticmethod(lambda *a: _Replay(msgs))
         env = UnityVecEnv(None, worker_id=0, base_port=free_port(), fast_client=fast)
@@ -189,11 +203,12 @@ def measure(mode: str, seconds: float, profile: bool, fast: bool) -> dict:
     elif mode == "fake":
         sys.path.insert(0, str(ROOT / "tests"))
         from fake_unity import write_fake_build
+
         tmp = tempfile.mkdtemp(prefix="bench_unity_")
-        build = write_fake_build(Path(tmp) / "FakeCrawler.x86_64", preset="crawler",
-                                 args=["--agents", str(N_AGENTS)])
-        env = UnityVecEnv(str(build), worker_id=0, base_port=free_port(), timeout_wait=60,
-                          fast_client=fast)
+        build = write_fake_build(
+            Path(tmp) / "FakeCrawler.x86_64", preset="crawler", args=["--agents", str(N_AGENTS)]
+        )
+        env = UnityVecEnv(str(build), worker_id=0, base_port=free_port(), timeout_wait=60, fast_client=fast)
     else:
         raise ValueError(mode)
     try:
@@ -202,6 +217,7 @@ def measure(mode: str, seconds: float, profile: bool, fast: bool) -> dict:
             import cProfile
             import io
             import pstats
+
             prof = cProfile.Profile()
             prof.enable()
             out.update(_timed_steps(env, seconds, rng))
@@ -225,6 +241,7 @@ def measure_transport(seconds: float) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
+
     msgs = encoded_messages()
     unity_message_pb2, _ = _pb()
     close = unity_message_pb2.UnityMessageProto()
@@ -244,11 +261,17 @@ def measure_transport(seconds: float) -> dict:
         return msgs["steps"][n % N_REPLIES]
 
     port = free_port()
-    server = grpc.server(thread_pool=ThreadPoolExecutor(max_workers=10),
-                         options=(("grpc.so_reuseport", 1),))  # as RpcCommunicator
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "communicator_objects.UnityToExternalProto",
-        {"Exchange": grpc.unary_unary_rpc_method_handler(exchange)}),))
+    server = grpc.server(
+        thread_pool=ThreadPoolExecutor(max_workers=10), options=(("grpc.so_reuseport", 1),)
+    )  # as RpcCommunicator
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "communicator_objects.UnityToExternalProto",
+                {"Exchange": grpc.unary_unary_rpc_method_handler(exchange)},
+            ),
+        )
+    )
     server.add_insecure_port(f"[::]:{port}")
     server.start()
     player = subprocess.Popen([sys.executable, __file__, "--player", str(port)])
@@ -264,13 +287,19 @@ def measure_transport(seconds: float) -> dict:
         player.wait(30)
     finally:
         server.stop(0)
-    return {"steps": n, "ms_per_step": 1e3 * wall / n, "cpu_ms_per_step": 1e3 * cpu / n,
-            "steps_per_s": n / wall, "agent_steps_per_s": n * N_AGENTS / wall}
+    return {
+        "steps": n,
+        "ms_per_step": 1e3 * wall / n,
+        "cpu_ms_per_step": 1e3 * cpu / n,
+        "steps_per_s": n / wall,
+        "agent_steps_per_s": n * N_AGENTS / wall,
+    }
 
 
 def run_player(port: int) -> int:
     """The zero-cost player: replays pre-encoded UnityMessageProto bytes over gRPC (raw bytes)."""
     import grpc
+
     msgs = encoded_messages()
     unity_message_pb2, _ = _pb()
     close = unity_message_pb2.UnityMessageProto()
@@ -295,8 +324,8 @@ def run_player(port: int) -> int:
 VARIANTS = {
     # name: (protobuf implementation, UnityVecEnv fast_client)
     "python+mlagents": ("python", False),  # before: mlagents' code on the pure-Python protobuf
-    "upb+mlagents": ("upb", False),         # the protobuf move alone
-    "upb+fast": ("upb", True),              # now: upb + FastUnityEnvironment (the default)
+    "upb+mlagents": ("upb", False),  # the protobuf move alone
+    "upb+fast": ("upb", True),  # now: upb + FastUnityEnvironment (the default)
     "python+fast": ("python", True),
 }
 
@@ -308,8 +337,7 @@ def run_child(mode: str, variant: str, seconds: float, profile: bool) -> dict:
         env["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
     else:
         env.pop("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", None)
-    cmd = [sys.executable, __file__, "--child", mode, "--seconds", str(seconds),
-           "--fast", str(int(fast))]
+    cmd = [sys.executable, __file__, "--child", mode, "--seconds", str(seconds), "--fast", str(int(fast))]
     if profile:
         cmd.append("--profile")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -324,15 +352,20 @@ def run_child(mode: str, variant: str, seconds: float, profile: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default="replay,grpc,transport,fake",
-                    help="comma-separated: replay, grpc, transport, fake")
-    ap.add_argument("--variants", default="python+mlagents,upb+mlagents,upb+fast",
-                    help=f"comma-separated, from {', '.join(VARIANTS)}; the first and last are "
-                         "compared (python = PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python; "
-                         "mlagents/fast = UnityVecEnv(fast_client=False/True))")
+    ap.add_argument(
+        "--modes", default="replay,grpc,transport,fake", help="comma-separated: replay, grpc, transport, fake"
+    )
+    ap.add_argument(
+        "--variants",
+        default="python+mlagents,upb+mlagents,upb+fast",
+        help=f"comma-separated, from {', '.join(VARIANTS)}; the first and last are "
+        "compared (python = PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python; "
+        "mlagents/fast = UnityVecEnv(fast_client=False/True))",
+    )
     ap.add_argument("--seconds", type=float, default=5.0, help="measured time per run")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="runs per (mode, variant), interleaved; the median is shown")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="runs per (mode, variant), interleaved; the median is shown"
+    )
     ap.add_argument("--profile", action="store_true", help="print a cProfile summary of one run each")
     ap.add_argument("--json", help="also write all runs here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -346,17 +379,22 @@ def main() -> int:
         return 0
 
     import google.protobuf
+
     variants = args.variants.split(",")
     for v in variants:
         if v not in VARIANTS:
             ap.error(f"unknown variant {v!r}")
-    print(f"protobuf {google.protobuf.__version__}, python {sys.version.split()[0]}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; 10 agents, obs "
-          f"{'+'.join(map(str, OBS_SIZES))}, {ACTION_SIZE} actions; {args.seconds:g} s x "
-          f"{args.repeats} per row, median shown")
+    print(
+        f"protobuf {google.protobuf.__version__}, python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; 10 agents, obs "
+        f"{'+'.join(map(str, OBS_SIZES))}, {ACTION_SIZE} actions; {args.seconds:g} s x "
+        f"{args.repeats} per row, median shown"
+    )
     runs: list[dict] = []
-    print(f"{'mode':7s} {'variant':16s} {'ms/step':>8s} {'CPU ms/step':>12s} {'env steps/s':>12s} "
-          f"{'agent steps/s':>14s}")
+    print(
+        f"{'mode':7s} {'variant':16s} {'ms/step':>8s} {'CPU ms/step':>12s} {'env steps/s':>12s} "
+        f"{'agent steps/s':>14s}"
+    )
     for mode in args.modes.split(","):
         # transport decodes nothing: one variant is enough
         mode_variants = variants[-1:] if mode == "transport" else variants
@@ -369,19 +407,28 @@ def main() -> int:
             rs = per[v]
             runs += rs
             r = med[v] = sorted(rs, key=lambda x: x["ms_per_step"])[len(rs) // 2]
-            print(f"{mode:7s} {v:16s} {r['ms_per_step']:8.3f} {r['cpu_ms_per_step']:12.3f} "
-                  f"{r['steps_per_s']:12.1f} {r['agent_steps_per_s']:14.0f}   (runs: "
-                  + ", ".join(f"{x['ms_per_step']:.3f}" for x in rs) + " ms)", flush=True)
+            print(
+                f"{mode:7s} {v:16s} {r['ms_per_step']:8.3f} {r['cpu_ms_per_step']:12.3f} "
+                f"{r['steps_per_s']:12.1f} {r['agent_steps_per_s']:14.0f}   (runs: "
+                + ", ".join(f"{x['ms_per_step']:.3f}" for x in rs)
+                + " ms)",
+                flush=True,
+            )
         if len(mode_variants) >= 2:
             a, b = med[mode_variants[0]], med[mode_variants[-1]]
-            print(f"{mode:7s} {variants[0]} / {variants[-1]}: time per step "
-                  f"{a['ms_per_step'] / b['ms_per_step']:.1f}x, CPU per step "
-                  f"{a['cpu_ms_per_step'] / b['cpu_ms_per_step']:.1f}x", flush=True)
+            print(
+                f"{mode:7s} {variants[0]} / {variants[-1]}: time per step "
+                f"{a['ms_per_step'] / b['ms_per_step']:.1f}x, CPU per step "
+                f"{a['cpu_ms_per_step'] / b['cpu_ms_per_step']:.1f}x",
+                flush=True,
+            )
         if args.profile and mode != "transport":
             for v in mode_variants:
                 r = run_child(mode, v, args.seconds, True)
-                print(f"--- cProfile (main thread), {mode}, {v} ({r['ms_per_step']:.3f} ms/step under "
-                      f"the profiler) ---\n{r['profile']}")
+                print(
+                    f"--- cProfile (main thread), {mode}, {v} ({r['ms_per_step']:.3f} ms/step under "
+                    f"the profiler) ---\n{r['profile']}"
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
     return 0

@@ -31,10 +31,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=50.0)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    print(f"machine: {os.cpu_count()} cores; {args.env}, {args.workers} workers x 4 envs, {args.seconds:.0f}s per run")
+    print(
+        f"machine: {os.cpu_count()} cores; {args.env}, {args.workers} workers x 4 envs, {args.seconds:.0f}s "
+        "per run"
+    )
     for r in range(args.repeats):
         for label, extra in SETTINGS:
-            fps, lag, _ = system_throughput(args.env, args.workers, args.seconds, ["--envs-per-worker", "4", "--device", "cpu", *extra])
+            fps, lag, _ = system_throughput(
+                args.env, args.workers, args.seconds, ["--envs-per-worker", "4", "--device", "cpu", *extra]
+            )
             print(f"repeat {r}: {label}: {fps:,.0f} frames/s (mean policy lag {lag:.1f})", flush=True)
 
 

@@ -48,14 +48,18 @@ def main() -> None:
     labels = args.labels or args.logdirs
     tasks = [m.group(1) for m in map(TASK_KEY.match, runs[0][0].keys()) if m]
     if not tasks:
-        raise SystemExit(f"plot_multitask: {args.logdirs[0]} is not a multi-task run (no tasks/<env>/frames column)")
+        raise SystemExit(
+            f"plot_multitask: {args.logdirs[0]} is not a multi-task run (no tasks/<env>/frames column)"
+        )
     fig, axes = plt.subplots(2, len(tasks), figsize=(5.5 * len(tasks), 7.5), squeeze=False)
     for col, task in enumerate(tasks):
         for rows, label in zip(runs, labels):
             xs, ys = series(rows, f"tasks/{task}/frames", f"tasks/{task}/mean_return_100")
             axes[0][col].plot([x / 1e6 for x in xs], ys, label=label)
             xs, ys = series(rows, f"tasks/{task}/frames", f"popart/sigma/{task}")
-            if ys and max(ys) != min(ys):  # without PopArt the statistics stay at their initial 1: nothing to draw
+            if ys and max(ys) != min(
+                ys
+            ):  # without PopArt the statistics stay at their initial 1: nothing to draw
                 axes[1][col].plot([x / 1e6 for x in xs], ys, label=label)
         axes[0][col].set_title(task)
         axes[0][col].set_ylabel("mean return, last 100 episodes")

@@ -27,7 +27,9 @@ FRAME_SKIP = 4  # PongDeterministic-v4
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="CSV to write.")
-    ap.add_argument("--steps", type=int, default=2_500_000, help="Agent steps (the lr decays to 0 over them).")
+    ap.add_argument(
+        "--steps", type=int, default=2_500_000, help="Agent steps (the lr decays to 0 over them)."
+    )
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
 
@@ -57,17 +59,37 @@ def main() -> None:
                     self.episodes += 1
             if self.num_timesteps - self.last >= 20_000 and self.returns:
                 self.last = self.num_timesteps
-                self.writer.writerow([self.num_timesteps * FRAME_SKIP, round(time.time() - self.t0),
-                                      float(np.mean(self.returns)), self.episodes])
+                self.writer.writerow(
+                    [
+                        self.num_timesteps * FRAME_SKIP,
+                        round(time.time() - self.t0),
+                        float(np.mean(self.returns)),
+                        self.episodes,
+                    ]
+                )
                 self.file.flush()
             return True
 
     with open(args.out, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["frames", "time", "mean_return_100", "episodes"])
-        model = PPO("CnnPolicy", venv, n_steps=128, batch_size=256, n_epochs=4, learning_rate=lambda p: p * 2.5e-4,
-                    clip_range=0.1, ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5, gamma=0.99, gae_lambda=0.95,
-                    seed=args.seed, device="cpu", verbose=0)
+        model = PPO(
+            "CnnPolicy",
+            venv,
+            n_steps=128,
+            batch_size=256,
+            n_epochs=4,
+            learning_rate=lambda p: p * 2.5e-4,
+            clip_range=0.1,
+            ent_coef=0.01,
+            vf_coef=0.5,
+            max_grad_norm=0.5,
+            gamma=0.99,
+            gae_lambda=0.95,
+            seed=args.seed,
+            device="cpu",
+            verbose=0,
+        )
         model.learn(total_timesteps=args.steps, callback=LogReturns(writer, f))
 
 

@@ -115,8 +115,13 @@ from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import (  # n
 COMMUNICATION_VERSION = "1.5.0"
 PACKAGE_VERSION = "2.2.1-exp.1"  # the C# package released with mlagents-envs 0.28
 ENGINE_CHANNEL_ID = uuid.UUID("e951342c-4f7e-11ea-b238-784f4387d1f7")
-_ENGINE_KEYS = {0: "screen_resolution", 1: "quality_level", 2: "time_scale",
-                3: "target_frame_rate", 4: "capture_frame_rate"}
+_ENGINE_KEYS = {
+    0: "screen_resolution",
+    1: "quality_level",
+    2: "time_scale",
+    3: "target_frame_rate",
+    4: "capture_frame_rate",
+}
 
 
 @dataclass
@@ -160,12 +165,18 @@ class FakeUnityConfig:
 def preset(name: str) -> FakeUnityConfig:
     if name == "crawler":
         return FakeUnityConfig(
-            agents=[AgentScript(100 + 20 * i, "interrupt" if i % 2 == 0 else "terminate",
-                                terminal_reward=-1.0) for i in range(5)],
-            obs_sizes=(126, 32), action_size=20, behavior_name="CrawlerFake?team=0")
+            agents=[
+                AgentScript(100 + 20 * i, "interrupt" if i % 2 == 0 else "terminate", terminal_reward=-1.0)
+                for i in range(5)
+            ],
+            obs_sizes=(126, 32),
+            action_size=20,
+            behavior_name="CrawlerFake?team=0",
+        )
     if name == "small":
-        return FakeUnityConfig(agents=[AgentScript(4, "terminate"), AgentScript(6, "interrupt"),
-                                       AgentScript(None)])
+        return FakeUnityConfig(
+            agents=[AgentScript(4, "terminate"), AgentScript(6, "interrupt"), AgentScript(None)]
+        )
     raise ValueError(f"unknown preset {name!r} (known: crawler, small)")
 
 
@@ -208,8 +219,9 @@ class FakeUnityPlayer:
     went away first, "error"), ``error`` (any exception in the thread).
     """
 
-    def __init__(self, cfg: FakeUnityConfig, port: int, *, connect_timeout: float = 30.0,
-                 args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, cfg: FakeUnityConfig, port: int, *, connect_timeout: float = 30.0, args: Sequence[str] = ()
+    ) -> None:
         self.cfg, self.port, self.connect_timeout = cfg, port, connect_timeout
         self.args = list(args)
         self.init_input = None
@@ -231,8 +243,7 @@ class FakeUnityPlayer:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "FakeUnityPlayer":
-        self._thread = threading.Thread(target=self.run_safely, name=f"fake-unity-{self.port}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self.run_safely, name=f"fake-unity-{self.port}", daemon=True)
         self._thread.start()
         return self
 
@@ -264,10 +275,17 @@ class FakeUnityPlayer:
             init.name = "FakeUnity"
             init.communication_version = COMMUNICATION_VERSION
             init.package_version = PACKAGE_VERSION
-            init.capabilities.CopyFrom(UnityRLCapabilitiesProto(
-                baseRLCapabilities=True, concatenatedPngObservations=True,
-                compressedChannelMapping=True, hybridActions=True, trainingAnalytics=True,
-                variableLengthObservation=True, multiAgentGroups=True))
+            init.capabilities.CopyFrom(
+                UnityRLCapabilitiesProto(
+                    baseRLCapabilities=True,
+                    concatenatedPngObservations=True,
+                    compressedChannelMapping=True,
+                    hybridActions=True,
+                    trainingAnalytics=True,
+                    variableLengthObservation=True,
+                    multiAgentGroups=True,
+                )
+            )
             reply = self._exchange(stub, hello, timeout=self.connect_timeout, wait_for_ready=True)
             if reply is None:
                 return
@@ -334,7 +352,8 @@ class FakeUnityPlayer:
         got = rl_in.agent_actions[cfg.behavior_name].value if cfg.behavior_name in rl_in.agent_actions else []
         if len(got) != len(self._awaiting):
             self.protocol_errors.append(
-                f"exchange {self.n_exchanges}: {len(got)} actions for {len(self._awaiting)} decisions")
+                f"exchange {self.n_exchanges}: {len(got)} actions for {len(self._awaiting)} decisions"
+            )
         if self._deferred is not None:  # the exchange after a lone terminal row
             rows, self._deferred = self._deferred, None
             return rows
@@ -381,7 +400,7 @@ class FakeUnityPlayer:
         off = 0
         for n in cfg.obs_sizes:
             obs = ObservationProto(shape=[n], name=f"VectorSensor_size{n}_{off}")
-            obs.float_data.data.extend(flat[off:off + n].tolist())
+            obs.float_data.data.extend(flat[off : off + n].tolist())
             info.observations.append(obs)
             off += n
         if cfg.visual_shape is not None:
@@ -410,19 +429,22 @@ class FakeUnityPlayer:
             init.communication_version = COMMUNICATION_VERSION
             init.package_version = PACKAGE_VERSION
             for name in (cfg.behavior_name, *cfg.extra_behaviors):
-                spec = ActionSpecProto(num_continuous_actions=cfg.action_size,
-                                       num_discrete_actions=len(cfg.discrete_branches),
-                                       discrete_branch_sizes=list(cfg.discrete_branches))
+                spec = ActionSpecProto(
+                    num_continuous_actions=cfg.action_size,
+                    num_discrete_actions=len(cfg.discrete_branches),
+                    discrete_branch_sizes=list(cfg.discrete_branches),
+                )
                 init.brain_parameters.append(
-                    BrainParametersProto(brain_name=name, is_training=True, action_spec=spec))
+                    BrainParametersProto(brain_name=name, is_training=True, action_spec=spec)
+                )
         return msg
 
     def _read_side_channel(self, data: bytes) -> None:
         off = 0
         while off < len(data):
-            cid = uuid.UUID(bytes_le=data[off:off + 16])
+            cid = uuid.UUID(bytes_le=data[off : off + 16])
             (n,) = struct.unpack_from("<i", data, off + 16)
-            body = data[off + 20: off + 20 + n]
+            body = data[off + 20 : off + 20 + n]
             off += 20 + n
             self.side_channel_ids.append(str(cid))
             if cid != ENGINE_CHANNEL_ID:
@@ -453,8 +475,9 @@ class FakeUnityPlayer:
 
 
 # -- in-process mode ----------------------------------------------------------------------------
-def install_in_process(monkeypatch, cfg: FakeUnityConfig, *, connect_timeout: float = 30.0
-                       ) -> list[FakeUnityPlayer]:
+def install_in_process(
+    monkeypatch, cfg: FakeUnityConfig, *, connect_timeout: float = 30.0
+) -> list[FakeUnityPlayer]:
     """Patch ``mlagents_envs.env_utils.launch_executable`` to start a FakeUnityPlayer thread.
 
     Returns the list that receives every player started (one per UnityEnvironment built).
@@ -465,8 +488,9 @@ def install_in_process(monkeypatch, cfg: FakeUnityConfig, *, connect_timeout: fl
 
     def fake_launch(file_name: str, args: list[str]):
         port = int(args[args.index("--mlagents-port") + 1])
-        players.append(FakeUnityPlayer(cfg, port, connect_timeout=connect_timeout,
-                                       args=[file_name, *args]).start())
+        players.append(
+            FakeUnityPlayer(cfg, port, connect_timeout=connect_timeout, args=[file_name, *args]).start()
+        )
         return None  # no process: UnityEnvironment then skips process polling
 
     monkeypatch.setattr(env_utils, "launch_executable", fake_launch)
@@ -474,8 +498,13 @@ def install_in_process(monkeypatch, cfg: FakeUnityConfig, *, connect_timeout: fl
 
 
 # -- executable mode ----------------------------------------------------------------------------
-def write_fake_build(path: str | os.PathLike, *, preset: str | None = "small",
-                     args: Sequence[str] = (), record: str | os.PathLike | None = None) -> Path:
+def write_fake_build(
+    path: str | os.PathLike,
+    *,
+    preset: str | None = "small",
+    args: Sequence[str] = (),
+    record: str | os.PathLike | None = None,
+) -> Path:
     """Write an executable fake Unity build at `path` (e.g. tmp/"FakeCrawler.x86_64").
 
     The file is a `#!<this python>` script running this module's main() with
@@ -492,9 +521,17 @@ def write_fake_build(path: str | os.PathLike, *, preset: str | None = "small",
         "import sys\n"
         f"sys.path.insert(0, {here!r})\n"
         "from fake_unity import main\n"
-        f"sys.exit(main({fixed!r} + sys.argv[1:]))\n")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
-               | stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        f"sys.exit(main({fixed!r} + sys.argv[1:]))\n"
+    )
+    path.chmod(
+        path.stat().st_mode
+        | stat.S_IXUSR
+        | stat.S_IXGRP
+        | stat.S_IXOTH
+        | stat.S_IRUSR
+        | stat.S_IRGRP
+        | stat.S_IROTH
+    )
     return path
 
 
@@ -503,8 +540,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fake_unity", allow_abbrev=False,
-                                description="Fake Unity ML-Agents player (gRPC client).")
+    p = argparse.ArgumentParser(
+        prog="fake_unity", allow_abbrev=False, description="Fake Unity ML-Agents player (gRPC client)."
+    )
     p.add_argument("--mlagents-port", type=int, required=True)
     # Unity player flags that mlagents-envs passes; accepted and ignored.
     p.add_argument("-nographics", action="store_true")
@@ -515,8 +553,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--obs-sizes", type=_ints, help="comma-separated vector spec sizes, e.g. 126,32")
     p.add_argument("--action-size", type=int)
     p.add_argument("--episode-length", type=int, help="decisions per episode for every agent")
-    p.add_argument("--end", choices=["terminate", "interrupt", "mixed"], default=None,
-                   help="how episodes end (mixed: even agents interrupted, odd terminate)")
+    p.add_argument(
+        "--end",
+        choices=["terminate", "interrupt", "mixed"],
+        default=None,
+        help="how episodes end (mixed: even agents interrupted, odd terminate)",
+    )
     p.add_argument("--terminal-reward", type=float)
     p.add_argument("--discrete", type=_ints, help="discrete branch sizes, e.g. 3 or 3,2")
     p.add_argument("--visual", type=_ints, help="add a visual spec, e.g. 8,8,3")
@@ -561,9 +603,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.hang:
         while True:
             time.sleep(3600)
-    player = FakeUnityPlayer(config_from_args(ns), ns.mlagents_port,
-                             connect_timeout=ns.connect_timeout,
-                             args=list(sys.argv[1:] if argv is None else argv))
+    player = FakeUnityPlayer(
+        config_from_args(ns),
+        ns.mlagents_port,
+        connect_timeout=ns.connect_timeout,
+        args=list(sys.argv[1:] if argv is None else argv),
+    )
     player.run_safely()
     if ns.record:
         Path(ns.record).write_text(json.dumps(player.summary(), indent=1, default=str))

@@ -1,4 +1,5 @@
-"""Reconstructions of the historical bug (the frameskip bug, docs/FRAMESKIP.md), importable by spawned children.
+"""Reconstructions of the historical bug (the frameskip bug, docs/FRAMESKIP.md), importable by spawned
+children.
 
 * ``LegacyAtariEnv``: ale-py's ``AtariEnv`` with gym <= 0.10.5's pickling. Its
   constructor defaults are the old gym ones (frameskip ``(2, 5)``,
@@ -120,7 +121,14 @@ class LegacyActor(Actor):
         link = ActorLink(cfg, parent_pid=os.getppid())
         try:
             fp = measure_fingerprint(self.env, steps=cfg.fingerprint_steps, seed=cfg.seed)
-            link.send(wire.encode("hello", actor=cfg.actor_id, version=-1, info={"fingerprint": fp.to_dict(), "pid": os.getpid(), "num_envs": 1}))
+            link.send(
+                wire.encode(
+                    "hello",
+                    actor=cfg.actor_id,
+                    version=-1,
+                    info={"fingerprint": fp.to_dict(), "pid": os.getpid(), "num_envs": 1},
+                )
+            )
             deadline = time.monotonic() + cfg.params_timeout_s
             while time.monotonic() < deadline:  # wait for weights like a real actor, until stopped
                 link._alive()
@@ -131,7 +139,8 @@ class LegacyActor(Actor):
 
 
 class UnpicklableEnvActor(Actor):
-    """The seed's pattern: the emulator itself (an ALEInterface, which cannot be pickled) built in ``__init__``."""
+    """The seed's pattern: the emulator itself (an ALEInterface, which cannot be pickled) built in
+    ``__init__``."""
 
     def __init__(self, config: ActorConfig, *, start_method: str = "spawn") -> None:
         super().__init__(config, start_method=start_method)
@@ -143,5 +152,7 @@ class SwapEnvActor(Actor):
 
     def run(self) -> None:
         if self.config.actor_id == 1:
-            self.config = dataclasses.replace(self.config, env=EnvSpec("PongDeterministic-v4", kwargs={"frameskip": 3}))
+            self.config = dataclasses.replace(
+                self.config, env=EnvSpec("PongDeterministic-v4", kwargs={"frameskip": 3})
+            )
         super().run()

@@ -106,6 +106,7 @@ def install() -> None:
         sys.modules["pkg_resources"] = _pkg_resources_stand_in()
     try:
         import h5py  # noqa: F401
+
         installed_h5py = False
     except ImportError:
         stub = types.ModuleType("h5py")
@@ -126,6 +127,7 @@ def install() -> None:
                 np.float = float
             try:
                 import mlagents.trainers.buffer  # noqa: F401
+
                 # ppo/trainer.py and trainer/__init__.py import each other; mlagents-learn enters
                 # through the package, which is the order that works.
                 import mlagents.trainers.trainer  # noqa: F401
@@ -156,7 +158,10 @@ def require_mlagents() -> None:
     except importlib.metadata.PackageNotFoundError:
         version = None
     if version != MLAGENTS_VERSION:
-        why = f"the ML-Agents parity tests need mlagents=={MLAGENTS_VERSION} (found {version}); scripts/setup.sh installs it"
+        why = (
+            f"the ML-Agents parity tests need mlagents=={MLAGENTS_VERSION} (found {version}); "
+            "scripts/setup.sh installs it"
+        )
         if os.environ.get("CI"):
             pytest.fail(why, pytrace=False)
         pytest.skip(why, allow_module_level=True)

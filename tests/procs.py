@@ -34,13 +34,21 @@ def start(cmd: list[str], **kw) -> subprocess.Popen:
     """Start a console script in its own session (so a test can signal its whole group)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
-        [str(BIN / cmd[0]), *cmd[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env, **kw
+        [str(BIN / cmd[0]), *cmd[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
+        **kw,
     )
 
 
 def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([str(BIN / cmd[0]), *cmd[1:]], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [str(BIN / cmd[0]), *cmd[1:]], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -72,7 +80,9 @@ def cmdline(pid: int) -> str:
 
 
 def actor_pids(pid: int) -> list[int]:
-    return [p for p in descendants(pid) if "spawn_main" in cmdline(p) and "resource_tracker" not in cmdline(p)]
+    return [
+        p for p in descendants(pid) if "spawn_main" in cmdline(p) and "resource_tracker" not in cmdline(p)
+    ]
 
 
 def alive(pid: int) -> bool:

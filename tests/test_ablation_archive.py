@@ -26,7 +26,8 @@ def ablation():
 
 
 def finished_run(ablation, runs: Path, v, seed: int, steps: int, returns: list[float]) -> None:
-    """A run directory as run_one leaves it: launch_ppo's metrics.csv and the run.json that marks it finished."""
+    """A run directory as run_one leaves it: launch_ppo's metrics.csv and the run.json that marks it
+    finished."""
     d = ablation.run_dir(runs, v, seed)
     d.mkdir(parents=True)
     with open(d / "metrics.csv", "w", newline="") as f:
@@ -35,19 +36,33 @@ def finished_run(ablation, runs: Path, v, seed: int, steps: int, returns: list[f
         w.writerow([0, 0, ""])  # before the first finished episode
         for i, r in enumerate(returns, 1):
             w.writerow([i, i * steps // len(returns), r])
-    (d / "run.json").write_text(json.dumps({"steps": steps, "steps_per_s": 1000.0, "wall_s": steps / 1000.0, "cmd": "launch_ppo ..."}))
+    (d / "run.json").write_text(
+        json.dumps({"steps": steps, "steps_per_s": 1000.0, "wall_s": steps / 1000.0, "cmd": "launch_ppo ..."})
+    )
 
 
 def args_for(tmp_path: Path, steps: int) -> argparse.Namespace:
-    return argparse.Namespace(runs_dir=str(tmp_path / "runs"), archive=str(tmp_path / "archive.json"), steps=steps)
+    return argparse.Namespace(
+        runs_dir=str(tmp_path / "runs"), archive=str(tmp_path / "archive.json"), steps=steps
+    )
 
 
 def test_pooled_statistics_over_a_two_seed_record_and_a_run(ablation, tmp_path):
     steps = 3000
     base, switched = ablation.Variant("mlagents", ablation.BASE), ablation.Variant("mlagents", "adam_eps")
-    pair = [{"base": v.base, "switch": v.switch, "seeds": [0, 1], "steps": steps, "finals": finals, "run_mean": rm,
-             "steps_per_s": 900.0, "source": "a table"}
-            for v, finals, rm in ((base, [10.0, 30.0], 5.0), (switched, [1.0, 2.0], 0.5))]
+    pair = [
+        {
+            "base": v.base,
+            "switch": v.switch,
+            "seeds": [0, 1],
+            "steps": steps,
+            "finals": finals,
+            "run_mean": rm,
+            "steps_per_s": 900.0,
+            "source": "a table",
+        }
+        for v, finals, rm in ((base, [10.0, 30.0], 5.0), (switched, [1.0, 2.0], 0.5))
+    ]
     args = args_for(tmp_path, steps)
     Path(args.archive).write_text(json.dumps(pair))
     finished_run(ablation, Path(args.runs_dir), base, 2, steps, [4.0, 8.0, 50.0])
@@ -87,22 +102,41 @@ def test_archiving_again_replaces_and_never_splits_a_multi_seed_record(ablation,
     assert on_disk == again
 
     finished_run(ablation, Path(args.runs_dir), v, 0, steps, [5.0])
-    Path(args.archive).write_text(json.dumps([{"base": "sb3", "switch": "ratio", "seeds": [0, 1], "steps": steps,
-                                               "finals": [1.0, 2.0], "run_mean": 1.5, "steps_per_s": 1.0, "source": "a table"}]))
+    Path(args.archive).write_text(
+        json.dumps(
+            [
+                {
+                    "base": "sb3",
+                    "switch": "ratio",
+                    "seeds": [0, 1],
+                    "steps": steps,
+                    "finals": [1.0, 2.0],
+                    "run_mean": 1.5,
+                    "steps_per_s": 1.0,
+                    "source": "a table",
+                }
+            ]
+        )
+    )
     with pytest.raises(SystemExit, match="multi-seed record"):
         ablation.archive_runs([v], [0], args)
 
 
 def test_committed_archive_holds_each_variant_once_per_seed(ablation):
-    """docs/ppo_ablation_runs.json, what docs/PPO_ABLATION.md's table is made from: every record well formed, no
+    """docs/ppo_ablation_runs.json, what docs/PPO_ABLATION.md's table is made from: every record well formed,
+    no
     seed of a variant counted twice."""
     records = json.loads((ROOT / "docs" / "ppo_ablation_runs.json").read_text())
     seen: dict[tuple, list[int]] = {}
     for r in records:
-        assert r["base"] in ablation.PRESETS and (r["switch"] == ablation.BASE or r["switch"] in ablation.SWITCHES)
+        assert r["base"] in ablation.PRESETS and (
+            r["switch"] == ablation.BASE or r["switch"] in ablation.SWITCHES
+        )
         assert len(r["finals"]) == len(r["seeds"]) and all(np.isfinite(r["finals"]))
         assert r.get("curves") or r.get("source"), "a record without curves must say where it comes from"
         seen.setdefault((r["base"], r["switch"], r["steps"]), []).extend(r["seeds"])
     for key, seeds in seen.items():
         assert len(seeds) == len(set(seeds)), key
-    assert {k[:2] for k in seen} == {(b, s) for b in ablation.PRESETS for s in [ablation.BASE, *ablation.SWITCHES]}
+    assert {k[:2] for k in seen} == {
+        (b, s) for b in ablation.PRESETS for s in [ablation.BASE, *ablation.SWITCHES]
+    }

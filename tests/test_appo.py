@@ -18,6 +18,7 @@ from learner.vtrace_learner import VTraceLearner
 # CartPole's spaces, as probe_env reports them (built here without stepping an env).
 CARTPOLE = EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num_actions=2)
 
+
 def test_clipped_surrogate_matches_the_ppo_formula_and_its_gradient():
     g = torch.Generator().manual_seed(0)
     logp_mu = torch.log(torch.rand(50, generator=g) * 0.8 + 0.1)
@@ -62,7 +63,9 @@ def _loss_inputs(seed=0, T=6, B=4, A=3):
 
 def test_surrogate_uses_advantages_without_the_rho_factor():
     behaviour, target, actions, discounts, rewards, values, bootstrap = _loss_inputs()
-    out = impala_losses.impala_loss(behaviour, target, actions, discounts, rewards, values, bootstrap, pg_clip=0.1)
+    out = impala_losses.impala_loss(
+        behaviour, target, actions, discounts, rewards, values, bootstrap, pg_clip=0.1
+    )
     vs_tp1 = torch.cat([out.vtrace.vs[1:], bootstrap[None]])
     want = rewards + discounts * vs_tp1 - values.detach()
     torch.testing.assert_close(out.pg_advantages, want)
@@ -74,18 +77,37 @@ def test_surrogate_uses_advantages_without_the_rho_factor():
 def test_popart_surrogate_advantages_are_divided_by_sigma():
     behaviour, target, actions, discounts, rewards, values, bootstrap = _loss_inputs(seed=1)
     state = popart.PopArtState(
-        mu=torch.tensor([0.5], dtype=torch.float64), nu=torch.tensor([4.25], dtype=torch.float64),
+        mu=torch.tensor([0.5], dtype=torch.float64),
+        nu=torch.tensor([4.25], dtype=torch.float64),
         sigma=torch.tensor([2.0], dtype=torch.float64),
     )
     out = impala_losses.popart_impala_loss(
-        behaviour, target, actions, discounts, rewards, values, bootstrap, state, pg_clip=0.2, normalize_advantages=False
+        behaviour,
+        target,
+        actions,
+        discounts,
+        rewards,
+        values,
+        bootstrap,
+        state,
+        pg_clip=0.2,
+        normalize_advantages=False,
     )
     v = values.detach() * 2.0 + 0.5
     boot = bootstrap * 2.0 + 0.5
     vs_tp1 = torch.cat([out.vtrace.vs[1:], boot[None]])
     torch.testing.assert_close(out.pg_advantages, (rewards + discounts * vs_tp1 - v) / 2.0)
     normed = impala_losses.popart_impala_loss(
-        behaviour, target, actions, discounts, rewards, values, bootstrap, state, pg_clip=0.2, normalize_advantages=True
+        behaviour,
+        target,
+        actions,
+        discounts,
+        rewards,
+        values,
+        bootstrap,
+        state,
+        pg_clip=0.2,
+        normalize_advantages=True,
     )
     torch.testing.assert_close(normed.pg_advantages, impala_losses.normalized(out.pg_advantages))
 
@@ -100,15 +122,24 @@ def test_epochs_and_clip_are_validated():
 def test_each_epoch_is_an_optimizer_step_on_the_same_batch():
     from learner.vtrace_learner import ImpalaTrainer
 
-    config = ImpalaConfig(batch_size=2, minibatches=1, epochs=3, pg_clip=0.2, loss_reduction="mean", optimizer="adam")
-    trainer = ImpalaTrainer(config, RunConfig(env="CartPole-v1", unroll_length=5, total_frames=1000, device="cpu"), CARTPOLE)
+    config = ImpalaConfig(
+        batch_size=2, minibatches=1, epochs=3, pg_clip=0.2, loss_reduction="mean", optimizer="adam"
+    )
+    trainer = ImpalaTrainer(
+        config, RunConfig(env="CartPole-v1", unroll_length=5, total_frames=1000, device="cpu"), CARTPOLE
+    )
     g = np.random.default_rng(0)
     for _ in range(2):
-        trainer._pending.append({
-            "obs": g.standard_normal((6, 4)).astype(np.float32), "first": np.zeros(6, bool),
-            "actions": g.integers(0, 2, 5), "rewards": g.standard_normal(5).astype(np.float32),
-            "dones": np.zeros(5, bool), "behaviour_logits": np.zeros((5, 2), np.float32),
-        })
+        trainer._pending.append(
+            {
+                "obs": g.standard_normal((6, 4)).astype(np.float32),
+                "first": np.zeros(6, bool),
+                "actions": g.integers(0, 2, 5),
+                "rewards": g.standard_normal(5).astype(np.float32),
+                "dones": np.zeros(5, bool),
+                "behaviour_logits": np.zeros((5, 2), np.float32),
+            }
+        )
     trainer.update(frames_done=0)
     state = trainer.learner.optimizer.state[next(trainer.learner.model.parameters())]
     assert int(state["step"]) == 3
@@ -121,9 +152,12 @@ def test_minibatches_split_whole_unrolls_and_cover_the_batch_each_epoch():
     learner = VTraceLearner(build_model("mlp", (4,), 2), config, torch.device("cpu"), total_frames=1000)
     g = torch.Generator().manual_seed(1)
     batch = {
-        "obs": torch.randn(6, 4, 4, generator=g), "first": torch.zeros(6, 4, dtype=torch.bool),
-        "actions": torch.randint(0, 2, (5, 4), generator=g), "rewards": torch.randn(5, 4, generator=g),
-        "dones": torch.zeros(5, 4, dtype=torch.bool), "behaviour_logits": torch.zeros(5, 4, 2),
+        "obs": torch.randn(6, 4, 4, generator=g),
+        "first": torch.zeros(6, 4, dtype=torch.bool),
+        "actions": torch.randint(0, 2, (5, 4), generator=g),
+        "rewards": torch.randn(5, 4, generator=g),
+        "dones": torch.zeros(5, 4, dtype=torch.bool),
+        "behaviour_logits": torch.zeros(5, 4, 2),
     }
     seen: list[torch.Tensor] = []
     real_step = learner.step

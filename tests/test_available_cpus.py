@@ -1,4 +1,5 @@
-"""available_cpus: affinity capped by a CFS quota (docker --cpus, Kubernetes limits), read the way the kernel exposes it."""
+"""available_cpus: affinity capped by a CFS quota (docker --cpus, Kubernetes limits), read the way the
+kernel exposes it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def _can_make_v1_cpu_cgroups() -> bool:
     return os.geteuid() == 0 and (CPU_V1 / "cpu.cfs_quota_us").exists() and os.access(CPU_V1, os.W_OK)
 
 
-@pytest.mark.skipif(not _can_make_v1_cpu_cgroups(), reason="needs root and a writable cgroup-v1 cpu hierarchy")
+@pytest.mark.skipif(
+    not _can_make_v1_cpu_cgroups(), reason="needs root and a writable cgroup-v1 cpu hierarchy"
+)
 @pytest.mark.parametrize("quota_us, expected_quota", [(50_000, 0.5), (150_000, 1.5)])
 def test_a_quota_on_a_parent_cgroup_caps_a_process_in_its_child(quota_us, expected_quota):
     """A real cgroup: the quota sits on the parent, the process runs in a child without one (the tightest
@@ -34,9 +37,17 @@ def test_a_quota_on_a_parent_cgroup_caps_a_process_in_its_child(quota_us, expect
     try:
         (parent / "cpu.cfs_period_us").write_text("100000")
         (parent / "cpu.cfs_quota_us").write_text(str(quota_us))
-        code = "from impala.run.cpus import available_cpus, cgroup_cpu_quota; print(available_cpus(), cgroup_cpu_quota())"
-        out = subprocess.run(["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$0" -c "$1"', sys.executable, code],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        code = (
+            "from impala.run.cpus import available_cpus, cgroup_cpu_quota; print(available_cpus(), "
+            "cgroup_cpu_quota())"
+        )
+        out = subprocess.run(
+            ["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$0" -c "$1"', sys.executable, code],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         cpus, quota = out.stdout.split()
         assert float(quota) == expected_quota
@@ -69,8 +80,11 @@ def test_cgroup_v2_cpu_max_is_read_and_max_means_no_quota(tmp_path):
     (mount / "cpu.max").write_text("max 100000\n")
     (mount / "kubepods" / "cpu.max").write_text("400000 100000\n")
     (mount / "kubepods" / "pod1" / "cpu.max").write_text("max 100000\n")
-    proc = _fake_proc(tmp_path, "0::/kubepods/pod1\n",
-                      f"30 23 0:26 / {mount} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n")
+    proc = _fake_proc(
+        tmp_path,
+        "0::/kubepods/pod1\n",
+        f"30 23 0:26 / {mount} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n",
+    )
     assert cgroup_cpu_quota(proc) == 4.0
     (mount / "kubepods" / "cpu.max").write_text("max 100000\n")
     assert cgroup_cpu_quota(proc) is None
@@ -95,15 +109,21 @@ def test_cgroup_v1_with_combined_controllers_optional_fields_and_an_escaped_spac
     (mount / "docker" / "cpu.cfs_quota_us").write_text("150000\n")
     (mount / "docker" / "cpu.cfs_period_us").write_text("100000\n")
     escaped = str(mount).replace(" ", "\\040")
-    proc = _fake_proc(tmp_path, "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n",
-                      f"25 1 0:22 / /sys rw shared:7 - sysfs sysfs rw\n"
-                      f"33 25 0:29 / {escaped} rw,nosuid shared:12 master:3 - cgroup cgroup rw,cpu,cpuacct\n")
+    proc = _fake_proc(
+        tmp_path,
+        "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n",
+        f"25 1 0:22 / /sys rw shared:7 - sysfs sysfs rw\n"
+        f"33 25 0:29 / {escaped} rw,nosuid shared:12 master:3 - cgroup cgroup rw,cpu,cpuacct\n",
+    )
     assert cgroup_cpu_quota(proc) == 1.5
     # a container's view (no cgroup namespace): only its own cgroup is mounted, at the mount point; the
     # parent's looser quota is not visible there, its own is
     (mount / "docker" / "abc" / "cpu.cfs_quota_us").write_text("50000\n")
     inside = tmp_path / "inside"
     inside.mkdir()
-    proc2 = _fake_proc(inside, "4:cpu,cpuacct:/docker/abc\n",
-                       f"33 25 0:29 /docker/abc {escaped}/docker/abc rw - cgroup cgroup rw,cpu,cpuacct\n")
+    proc2 = _fake_proc(
+        inside,
+        "4:cpu,cpuacct:/docker/abc\n",
+        f"33 25 0:29 /docker/abc {escaped}/docker/abc rw - cgroup cgroup rw,cpu,cpuacct\n",
+    )
     assert cgroup_cpu_quota(proc2) == 0.5

@@ -21,14 +21,59 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
 # Base arguments per script: valid, and a short run if nothing else stops it.
-TINY_IMPALA = ["--env", "CartPole-v1", "--workers", "1", "--in-process", "--total-frames", "64", "--unroll-length", "8",
-               "--batch-size", "2", "--minibatches", "1", "--no-progress", "--device", "cpu"]
-TINY_PPO = ["--env", "Pendulum-v1", "--workers", "1", "--in-process", "--total-steps", "64", "--buffer-size", "64",
-            "--batch-size", "32", "--hidden-units", "8", "--num-layers", "1", "--time-horizon", "32", "--no-progress", "--device", "cpu"]
+TINY_IMPALA = [
+    "--env",
+    "CartPole-v1",
+    "--workers",
+    "1",
+    "--in-process",
+    "--total-frames",
+    "64",
+    "--unroll-length",
+    "8",
+    "--batch-size",
+    "2",
+    "--minibatches",
+    "1",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
+TINY_PPO = [
+    "--env",
+    "Pendulum-v1",
+    "--workers",
+    "1",
+    "--in-process",
+    "--total-steps",
+    "64",
+    "--buffer-size",
+    "64",
+    "--batch-size",
+    "32",
+    "--hidden-units",
+    "8",
+    "--num-layers",
+    "1",
+    "--time-horizon",
+    "32",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
 BASE = {
     "launch_impala": TINY_IMPALA,
     "launch_ppo": TINY_PPO,
-    "frameskip_check": ["--env", "CartPole-v1", "--workers", "1", "--start-method", "fork", "--fingerprint-steps", "20"],
+    "frameskip_check": [
+        "--env",
+        "CartPole-v1",
+        "--workers",
+        "1",
+        "--start-method",
+        "fork",
+        "--fingerprint-steps",
+        "20",
+    ],
     "impala-actors": ["--learner", "tcp://127.0.0.1:9", "--timeout", "0.5", "--workers", "1"],
     # No such file: every flag is checked before the checkpoint is read, so a bad value that slipped
     # through would fail on the file instead, with a message naming neither the flag nor the value.
@@ -100,7 +145,10 @@ CASES = _flag_cases()
 def test_bad_flag_value_is_one_line_and_exit_2(prog, flag, value, tmp_path, capsys, monkeypatch):
     module = importlib.import_module(SCRIPTS[prog].split(":")[0])
     argv = list(BASE[prog])
-    if prog in ("launch_impala", "launch_ppo") and flag not in ("--runs-dir", "--run-id"):  # those name the folder instead
+    if prog in ("launch_impala", "launch_ppo") and flag not in (
+        "--runs-dir",
+        "--run-id",
+    ):  # those name the folder instead
         argv += ["--logdir", str(tmp_path / "run")]
     elif prog in ("launch_impala", "launch_ppo"):
         argv += ["--runs-dir", str(tmp_path / "runs")]
@@ -110,12 +158,20 @@ def test_bad_flag_value_is_one_line_and_exit_2(prog, flag, value, tmp_path, caps
     except SystemExit as e:  # argparse
         rc = e.code
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip() and not re.match(r"^\d{4}-\d\d-\d\d ", line)]  # log lines aside
+    lines = [
+        line for line in err.splitlines() if line.strip() and not re.match(r"^\d{4}-\d\d-\d\d ", line)
+    ]  # log lines aside
     assert rc == 2, f"{prog} {flag}={value!r} was accepted (exit {rc}); stderr: {err[-1500:]}"
     assert "Traceback" not in err, err[-3000:]
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), lines
-    names = (flag, flag[2:].replace("-", "_"), value)  # the flag, its option name (PPO's YAML-shared messages), or the value
-    assert any(n and n in lines[0] for n in names), f"the message names neither the flag nor the value: {lines[0]}"
+    names = (
+        flag,
+        flag[2:].replace("-", "_"),
+        value,
+    )  # the flag, its option name (PPO's YAML-shared messages), or the value
+    assert any(n and n in lines[0] for n in names), (
+        f"the message names neither the flag nor the value: {lines[0]}"
+    )
 
 
 @pytest.mark.parametrize("prog", sorted(SCRIPTS))
@@ -131,8 +187,10 @@ def _hostile_cases(tmp: Path) -> list[tuple[str, list[str], str]]:
     """Values a hostile or careless user gave that once ended in a traceback, a huge error line or a hang."""
     (tmp / "binary.yaml").write_bytes(bytes(range(256)) * 64)
     (tmp / "deep.yaml").write_text("[" * 20_000)
-    (tmp / "bomb.yaml").write_text("a: &a [x,x,x,x,x,x,x,x,x]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n"
-                                   "c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n")
+    (tmp / "bomb.yaml").write_text(
+        "a: &a [x,x,x,x,x,x,x,x,x]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n"
+        "c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n"
+    )
     return [
         ("launch_impala", ["--seed", str(2**70)], "--seed"),
         ("launch_ppo", ["--seed", str(2**70)], "--seed"),

@@ -24,7 +24,9 @@ def _learner():
 
     config = ImpalaConfig(batch_size=B, minibatches=1, epochs=1)
     cartpole = EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num_actions=2)
-    return ImpalaTrainer(config, RunConfig(env="CartPole-v1", unroll_length=T, total_frames=1000, device="cpu"), cartpole)
+    return ImpalaTrainer(
+        config, RunConfig(env="CartPole-v1", unroll_length=T, total_frames=1000, device="cpu"), cartpole
+    )
 
 
 def _unroll(rng, obs_scale=1.0):
@@ -59,19 +61,25 @@ def test_a_finite_but_huge_unroll_is_skipped_and_training_goes_on():
     good = trainer.learner.stage([_unroll(rng) for _ in range(B)], trainer.schema)
     metrics = trainer.learner.train(good, frames_done=0)
     assert metrics["learner/skipped_updates"] == 1.0
-    assert any(not torch.equal(after[k], v) for k, v in _weights(trainer).items()), "a good batch must still train"
+    assert any(not torch.equal(after[k], v) for k, v in _weights(trainer).items()), (
+        "a good batch must still train"
+    )
 
 
 def test_a_non_finite_state_is_never_written_over_a_good_checkpoint(tmp_path):
     path = str(tmp_path / "checkpoint.pt")
     save_checkpoint(path, {"trainer": {"w": torch.ones(3)}, "env_frames": 1, "version": 1})
     with pytest.raises(CheckpointError, match=r"not writing .*1 tensor\(s\) hold NaN or inf \(trainer\.w\)"):
-        save_checkpoint(path, {"trainer": {"w": torch.tensor([1.0, float("nan"), 2.0])}, "env_frames": 2, "version": 2})
+        save_checkpoint(
+            path, {"trainer": {"w": torch.tensor([1.0, float("nan"), 2.0])}, "env_frames": 2, "version": 2}
+        )
     state = load_checkpoint(path)
     assert state["version"] == 1 and torch.equal(state["trainer"]["w"], torch.ones(3))
     assert [n for n in os.listdir(tmp_path)] == ["checkpoint.pt"]  # no temp file left behind
     # integer tensors and plain data are not "non-finite"
-    assert non_finite_tensors({"a": torch.arange(3), "b": [torch.tensor([float("inf")])], "c": 1.5}) == ["b.0"]
+    assert non_finite_tensors({"a": torch.arange(3), "b": [torch.tensor([float("inf")])], "c": 1.5}) == [
+        "b.0"
+    ]
 
 
 def _bad_files(tmp_path):
@@ -133,8 +141,15 @@ def test_a_writer_killed_mid_save_leaves_the_last_checkpoint_and_no_temp_file(tm
         pytest.skip("this filesystem has no O_TMPFILE")
     rng = random.Random(0)
     path = tmp_path / "checkpoint.pt"
-    code = _SAVE_FOREVER if unnamed else _SAVE_FOREVER.replace(
-        "from impala.run.checkpoint import save_checkpoint", "import impala.run.checkpoint as c; c._unnamed_file = lambda d: None; save_checkpoint = c.save_checkpoint")
+    code = (
+        _SAVE_FOREVER
+        if unnamed
+        else _SAVE_FOREVER.replace(
+            "from impala.run.checkpoint import save_checkpoint",
+            "import impala.run.checkpoint as c; c._unnamed_file = lambda d: None; save_checkpoint = "
+            "c.save_checkpoint",
+        )
+    )
     for _ in range(8 if unnamed else 3):
         proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
         try:
@@ -166,15 +181,32 @@ def test_without_proc_a_checkpoint_is_still_written_once_and_whole(tmp_path):
 
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare")
-    code = ("import os, sys, torch\n"
-            "import impala.run.checkpoint as c\n"
-            "for step in range(3):\n"
-            "    c.save_checkpoint(sys.argv[1], {'w': torch.full((5,), float(step)), 'step': step})\n"
-            "print(c._link_works, sorted(os.listdir(os.path.dirname(sys.argv[1]))))\n")
+    code = (
+        "import os, sys, torch\n"
+        "import impala.run.checkpoint as c\n"
+        "for step in range(3):\n"
+        "    c.save_checkpoint(sys.argv[1], {'w': torch.full((5,), float(step)), 'step': step})\n"
+        "print(c._link_works, sorted(os.listdir(os.path.dirname(sys.argv[1]))))\n"
+    )
     path = tmp_path / "checkpoint.pt"
-    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                          'mount -t tmpfs none /proc && exec "$0" -c "$1" "$2"', sys.executable, code, str(path)],
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            'mount -t tmpfs none /proc && exec "$0" -c "$1" "$2"',
+            sys.executable,
+            code,
+            str(path),
+        ],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if out.returncode != 0 and "mount" in out.stderr and "Traceback" not in out.stderr:
         pytest.skip(f"cannot mount over /proc here: {out.stderr.strip()[:200]}")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -214,21 +246,51 @@ def test_resume_from_a_bad_checkpoint_is_one_line_and_exit_2(tmp_path, kind, cap
     logdir = tmp_path / "run"
     logdir.mkdir()
     os.replace(bad, logdir / "checkpoint.pt")
-    rc, err = _launch_impala(["--env", "CartPole-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], capsys,
-                             real_process=kind == "truncated")
+    rc, err = _launch_impala(
+        ["--env", "CartPole-v1", "--workers", "1", "--resume", "--logdir", str(logdir)],
+        capsys,
+        real_process=kind == "truncated",
+    )
     lines = err.strip().splitlines()
     assert rc == 2, err[-2000:]
     assert "Traceback" not in err and "weights_only" not in err
-    assert lines[-1].startswith("launch_impala: error: checkpoint ") and str(logdir / "checkpoint.pt") in lines[-1], lines
+    assert (
+        lines[-1].startswith("launch_impala: error: checkpoint ")
+        and str(logdir / "checkpoint.pt") in lines[-1]
+    ), lines
 
 
 def test_resume_from_another_networks_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
     """A CartPole checkpoint (made in this process) resumed as Acrobot by the real console script."""
     logdir = tmp_path / "run"
-    rc, err = _launch_impala(["--env", "CartPole-v1", "--workers", "1", "--in-process", "--unroll-length", "8", "--batch-size", "4",
-                              "--total-frames", "2000", "--logdir", str(logdir), "--no-progress", "--device", "cpu"], capsys, real_process=False)
+    rc, err = _launch_impala(
+        [
+            "--env",
+            "CartPole-v1",
+            "--workers",
+            "1",
+            "--in-process",
+            "--unroll-length",
+            "8",
+            "--batch-size",
+            "4",
+            "--total-frames",
+            "2000",
+            "--logdir",
+            str(logdir),
+            "--no-progress",
+            "--device",
+            "cpu",
+        ],
+        capsys,
+        real_process=False,
+    )
     assert rc == 0, err[-2000:]
-    rc, err = _launch_impala(["--env", "Acrobot-v1", "--workers", "1", "--resume", "--logdir", str(logdir)], capsys, real_process=True)
+    rc, err = _launch_impala(
+        ["--env", "Acrobot-v1", "--workers", "1", "--resume", "--logdir", str(logdir)],
+        capsys,
+        real_process=True,
+    )
     assert rc == 2 and "Traceback" not in err, err[-2000:]
     assert "does not fit this run: env 'CartPole-v1' there, 'Acrobot-v1' here" in err.strip().splitlines()[-1]
 
@@ -252,12 +314,36 @@ def test_sigkill_and_resume_ten_times(tmp_path):
     history: list[tuple[int, int]] = []
     orphans: list[int] = []
     for round_ in range(10):
-        proc = start(["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--unroll-length", "20", "--batch-size", "4",
-                      "--port", str(port), "--total-frames", "10000000", "--checkpoint-minutes", "0.01", "--no-progress",
-                      "--log-interval", "0.5", "--logdir", str(tmp_path)] + (["--resume"] if round_ else []))
+        proc = start(
+            [
+                "launch_impala",
+                "--env",
+                "CartPole-v1",
+                "--workers",
+                "1",
+                "--unroll-length",
+                "20",
+                "--batch-size",
+                "4",
+                "--port",
+                str(port),
+                "--total-frames",
+                "10000000",
+                "--checkpoint-minutes",
+                "0.01",
+                "--no-progress",
+                "--log-interval",
+                "0.5",
+                "--logdir",
+                str(tmp_path),
+            ]
+            + (["--resume"] if round_ else [])
+        )
         try:
             before = history[-1][0] if history else 0
-            assert wait_for(lambda: ckpt.exists() and load_checkpoint(str(ckpt))["env_frames"] > before, 90), f"round {round_}"
+            assert wait_for(
+                lambda: ckpt.exists() and load_checkpoint(str(ckpt))["env_frames"] > before, 90
+            ), f"round {round_}"
             time.sleep(rng.uniform(0.0, 1.0))
             orphans += actor_pids(proc.pid)
             os.kill(proc.pid, signal.SIGKILL)

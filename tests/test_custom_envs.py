@@ -16,9 +16,26 @@ from impala.envs import EnvPackageError, EnvSpec, make_env
 from impala.transport.messages import RunInfo
 from learner import launch_impala, launch_ppo
 
-TINY_RUN = ["--workers", "1", "--in-process", "--envs-per-worker", "2", "--unroll-length", "8",
-            "--batch-size", "4", "--minibatches", "1", "--total-frames", "400", "--no-progress",
-            "--device", "cpu", "--log-interval", "0"]
+TINY_RUN = [
+    "--workers",
+    "1",
+    "--in-process",
+    "--envs-per-worker",
+    "2",
+    "--unroll-length",
+    "8",
+    "--batch-size",
+    "4",
+    "--minibatches",
+    "1",
+    "--total-frames",
+    "400",
+    "--no-progress",
+    "--device",
+    "cpu",
+    "--log-interval",
+    "0",
+]
 NO_SUCH = "env package 'no_such_env_package_here' does not import (ModuleNotFoundError"
 
 
@@ -33,9 +50,11 @@ def _done(out: str) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize("env_args", [["--env", "custom_envs:Tiny-v0"],
-                                      ["--env-package", "custom_envs", "--env", "Tiny-v0"]],
-                         ids=["module:id", "env-package"])
+@pytest.mark.parametrize(
+    "env_args",
+    [["--env", "custom_envs:Tiny-v0"], ["--env-package", "custom_envs", "--env", "Tiny-v0"]],
+    ids=["module:id", "env-package"],
+)
 def test_a_users_registered_env_trains_through_launch_impala(env_args, tmp_path, capsys):
     rc = launch_impala.main([*env_args, *TINY_RUN, "--logdir", str(tmp_path / "run")])
     out = capsys.readouterr()
@@ -54,31 +73,41 @@ def test_the_package_travels_with_the_spec_to_a_fresh_process():
     # run info) builds the env from the spec alone: the spec imports its package before gym.make.
     spec = EnvSpec("custom_envs:Tiny-v0")
     assert spec.id == "Tiny-v0" and spec.packages == ("custom_envs",)
-    code = ("import pickle, sys; import gymnasium as gym; from impala.envs import make_env, EnvSpec;"
-            "assert 'Tiny-v0' not in gym.registry;"
-            "spec = pickle.loads(sys.stdin.buffer.read()); env = make_env(spec, seed=0);"
-            "print(env.observation_space.shape, env.action_space);"
-            "print(EnvSpec.from_dict({'id': 'TinyBox-v0', 'kwargs': {}, 'packages': ['custom_envs']}).id)")
+    code = (
+        "import pickle, sys; import gymnasium as gym; from impala.envs import make_env, EnvSpec;"
+        "assert 'Tiny-v0' not in gym.registry;"
+        "spec = pickle.loads(sys.stdin.buffer.read()); env = make_env(spec, seed=0);"
+        "print(env.observation_space.shape, env.action_space);"
+        "print(EnvSpec.from_dict({'id': 'TinyBox-v0', 'kwargs': {}, 'packages': ['custom_envs']}).id)"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(spec), capture_output=True, env=env,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(spec), capture_output=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     assert out.stdout.decode().split("\n")[:2] == ["(4,) Discrete(2)", "TinyBox-v0"]
 
 
-@pytest.mark.parametrize("packages,message", [
-    (["os; import shutil"], "is not a Python module name"),
-    (["__import__('os').system('true')"], "is not a Python module name"),
-    ("custom_envs", "must be a list"),
-    ([7], "is not a Python module name"),
-    (["no_such_env_package_here"], NO_SUCH),
-])
+@pytest.mark.parametrize(
+    "packages,message",
+    [
+        (["os; import shutil"], "is not a Python module name"),
+        (["__import__('os').system('true')"], "is not a Python module name"),
+        ("custom_envs", "must be a list"),
+        ([7], "is not a Python module name"),
+        (["no_such_env_package_here"], NO_SUCH),
+    ],
+)
 def test_a_peers_package_list_is_module_names_that_import(packages, message):
     # What a remote actor receives from the learner: names only, checked before anything is imported.
     env = {"id": "CartPole-v1", "kwargs": {}, "preprocess": True, "packages": packages}
-    info = {"run_id": "r", "env": env,
-            "agent": {"kind": "impala", "model": "mlp", "use_lstm": False, "popart_beta": 3e-4},
-            "unroll_length": 8, "envs_per_worker": 1}
+    info = {
+        "run_id": "r",
+        "env": env,
+        "agent": {"kind": "impala", "model": "mlp", "use_lstm": False, "popart_beta": 3e-4},
+        "unroll_length": 8,
+        "envs_per_worker": 1,
+    }
     with pytest.raises(EnvPackageError) as e:
         RunInfo.from_dict(info)
     assert message in str(e.value)
@@ -92,18 +121,28 @@ def test_run_info_round_trips_the_packages():
     assert env.reset(seed=1)[0].shape == (4,)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--env", "no_such_env_package_here:Tiny-v0"], NO_SUCH),
-    (["--env-package", "custom_envs.broken", "--env", "Tiny-v0"],
-     "env package 'custom_envs.broken' does not import (ImportError: this module is broken on purpose)"),
-    (["--env-package", "custom_envs;rm", "--env", "Tiny-v0"],
-     "--env-package 'custom_envs;rm' is not a Python module name"),
-    (["--env", "custom_envs:NoSuch-v0"], "unknown env id 'NoSuch-v0'"),
-    (["--env", "custom_envs:"], "nothing after the ':'"),
-    (["--env", "custom_envs:TinyBox-v0"],
-     "TinyBox-v0 has a Box action space; launch_impala trains discrete (Discrete) actions only; "
-     "launch_ppo trains continuous Box actions"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--env", "no_such_env_package_here:Tiny-v0"], NO_SUCH),
+        (
+            ["--env-package", "custom_envs.broken", "--env", "Tiny-v0"],
+            "env package 'custom_envs.broken' does not import (ImportError: this module is broken on "
+            "purpose)",
+        ),
+        (
+            ["--env-package", "custom_envs;rm", "--env", "Tiny-v0"],
+            "--env-package 'custom_envs;rm' is not a Python module name",
+        ),
+        (["--env", "custom_envs:NoSuch-v0"], "unknown env id 'NoSuch-v0'"),
+        (["--env", "custom_envs:"], "nothing after the ':'"),
+        (
+            ["--env", "custom_envs:TinyBox-v0"],
+            "TinyBox-v0 has a Box action space; launch_impala trains discrete (Discrete) actions only; "
+            "launch_ppo trains continuous Box actions",
+        ),
+    ],
+)
 def test_bad_custom_envs_are_one_line_errors(argv, message, tmp_path, capsys):
     rc = launch_impala.main([*argv, *TINY_RUN, "--logdir", str(tmp_path / "run")])
     err = capsys.readouterr().err
@@ -113,14 +152,29 @@ def test_bad_custom_envs_are_one_line_errors(argv, message, tmp_path, capsys):
 
 
 def test_launch_ppo_names_launch_impala_for_discrete_actions(tmp_path, capsys):
-    rc = launch_ppo.main(["--env", "custom_envs:Tiny-v0", "--workers", "1", "--in-process",
-                          "--total-steps", "64", "--no-progress", "--device", "cpu",
-                          "--logdir", str(tmp_path / "run")])
+    rc = launch_ppo.main(
+        [
+            "--env",
+            "custom_envs:Tiny-v0",
+            "--workers",
+            "1",
+            "--in-process",
+            "--total-steps",
+            "64",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--logdir",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err
     lines = _error_lines(err)
     assert rc == 2 and len(lines) == 1, err[-2000:]
-    assert "Tiny-v0 has a Discrete action space; launch_ppo trains continuous (Box) actions only; " \
-           "launch_impala trains discrete actions" in lines[0]
+    assert (
+        "Tiny-v0 has a Discrete action space; launch_ppo trains continuous (Box) actions only; "
+        "launch_impala trains discrete actions" in lines[0]
+    )
 
 
 def _script(name: str, args: list[str]) -> list[str]:
@@ -133,8 +187,11 @@ def _env(with_package: bool) -> dict:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     here = os.path.dirname(os.path.abspath(__file__))
     paths = [p for p in paths if os.path.abspath(p) != here]
-    return {**os.environ, "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(([here] if with_package else []) + paths)}
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(([here] if with_package else []) + paths),
+    }
 
 
 def test_remote_actors_import_the_runs_package_or_say_they_cannot(tmp_path):
@@ -144,21 +201,53 @@ def test_remote_actors_import_the_runs_package_or_say_they_cannot(tmp_path):
 
     port = free_port_pair()
     learner = subprocess.Popen(
-        _script("launch_impala", []) + ["--workers", "0", "--env-package", "custom_envs", "--env", "Tiny-v0",
-                                        "--unroll-length", "8", "--batch-size", "4", "--minibatches", "1",
-                                        "--total-frames", "800", "--port", str(port), "--no-progress",
-                                        "--torch-threads", "1", "--max-seconds", "120",
-                                        "--logdir", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=_env(True))
+        _script("launch_impala", [])
+        + [
+            "--workers",
+            "0",
+            "--env-package",
+            "custom_envs",
+            "--env",
+            "Tiny-v0",
+            "--unroll-length",
+            "8",
+            "--batch-size",
+            "4",
+            "--minibatches",
+            "1",
+            "--total-frames",
+            "800",
+            "--port",
+            str(port),
+            "--no-progress",
+            "--torch-threads",
+            "1",
+            "--max-seconds",
+            "120",
+            "--logdir",
+            str(tmp_path / "run"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=_env(True),
+    )
     try:
         endpoint = ["--learner", f"tcp://127.0.0.1:{port}", "--workers", "1", "--timeout", "60"]
-        missing = subprocess.run(_script("impala-actors", endpoint), capture_output=True, text=True,
-                                 timeout=120, env=_env(False))
+        missing = subprocess.run(
+            _script("impala-actors", endpoint), capture_output=True, text=True, timeout=120, env=_env(False)
+        )
         lines = _error_lines(missing.stderr)
         assert missing.returncode == 2 and len(lines) == 1, missing.stderr[-2000:]
         assert lines[0].startswith("impala-actors: error: env package 'custom_envs' does not import"), lines
-        actors = subprocess.run(_script("impala-actors", [*endpoint, "--learner-timeout", "8"]),
-                                capture_output=True, text=True, timeout=180, env=_env(True))
+        actors = subprocess.run(
+            _script("impala-actors", [*endpoint, "--learner-timeout", "8"]),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=_env(True),
+        )
         assert "running 1 actors for Tiny-v0" in actors.stderr, actors.stderr[-2000:]
         out, _ = learner.communicate(timeout=60)
     finally:
@@ -173,7 +262,10 @@ def test_impala_eval_plays_a_custom_env_checkpoint_in_worker_processes(tmp_path,
 
     from learner import eval_cli
 
-    assert launch_impala.main(["--env", "custom_envs:Tiny-v0", *TINY_RUN, "--logdir", str(tmp_path / "run")]) == 0
+    assert (
+        launch_impala.main(["--env", "custom_envs:Tiny-v0", *TINY_RUN, "--logdir", str(tmp_path / "run")])
+        == 0
+    )
     rc = eval_cli.main([str(tmp_path / "run"), "--episodes", "2", "--workers", "1"])
     out = capsys.readouterr()
     assert rc == 0, out.err[-2000:]

@@ -41,7 +41,7 @@ def _matching(text: str, i: int, open_: str, close: str) -> int:
             depth -= 1
             if depth == 0:
                 return j + 1
-    raise ValueError(f"unbalanced {open_!r} in {text[i:i + 80]!r}")
+    raise ValueError(f"unbalanced {open_!r} in {text[i : i + 80]!r}")
 
 
 def substitute(text: str) -> str:
@@ -58,7 +58,7 @@ def substitute(text: str) -> str:
             out.append(DUMMY)
         elif nxt == "{":
             end = _matching(text, i + 1, "{", "}")
-            m = re.fullmatch(r"#?[A-Za-z_][A-Za-z0-9_]*(?:(:?[-=+])(.*))?", text[i + 2:end - 1], re.S)
+            m = re.fullmatch(r"#?[A-Za-z_][A-Za-z0-9_]*(?:(:?[-=+])(.*))?", text[i + 2 : end - 1], re.S)
             if m and m.group(1) and m.group(1)[-1] in "-=":
                 out.append(substitute(m.group(2)))  # ${VAR:-default}: the default
             elif m and m.group(1):
@@ -67,7 +67,7 @@ def substitute(text: str) -> str:
                 out.append(DUMMY)
             i = end
         else:
-            m = re.match(r"[A-Za-z_][A-Za-z0-9_]*|[0-9@*#?$!-]", text[i + 1:])
+            m = re.match(r"[A-Za-z_][A-Za-z0-9_]*|[0-9@*#?$!-]", text[i + 1 :])
             if m:
                 out.append(DUMMY)
                 i += 1 + m.end()
@@ -81,7 +81,8 @@ def substitute(text: str) -> str:
 
 
 def split_comments(text: str) -> tuple[str, list[str]]:
-    """Shell text without its comments, and the comments' bodies (a ``#`` outside quotes that starts a word)."""
+    """Shell text without its comments, and the comments' bodies (a ``#`` outside quotes that starts a
+    word)."""
     code, comments = [], []
     quote = None
     i = 0
@@ -103,7 +104,7 @@ def split_comments(text: str) -> tuple[str, list[str]]:
         elif c == "#" and (i == 0 or text[i - 1] in " \t\n"):
             end = text.find("\n", i)
             end = len(text) if end < 0 else end
-            comments.append(text[i + 1:end])
+            comments.append(text[i + 1 : end])
             i = end
             continue
         code.append(c)
@@ -124,7 +125,7 @@ def shell_commands(text: str, *, examples_only: bool = False) -> list[list[str]]
     ``examples_only`` (prose comments): count a name only where a flag follows it, and read from there."""
     if examples_only:
         m = re.search(r"(?<!\S)\S*(?:launch_impala|launch_ppo|impala-actors)\s+--", text)
-        return shell_commands(text[m.start():]) if m else []
+        return shell_commands(text[m.start() :]) if m else []
     text = substitute(text.replace("\\\n", " "))
     code, comments = split_comments(text)
     lex = shlex.shlex(code, posix=True, punctuation_chars=";&|()<>\n")
@@ -160,7 +161,7 @@ def _segment_commands(tokens: list[str]) -> list[list[str]]:
             return shell_commands(words[k + 2])
         name = _command_at(tok)
         if name:
-            return [[name, *words[k + 1:]]]
+            return [[name, *words[k + 1 :]]]
     return []
 
 
@@ -252,7 +253,9 @@ def check_command(name: str, argv: list[str]) -> str | None:
                 if options.unity_build and config.env:
                     raise ConfigError("pass either --unity-build or --env, not both")
                 default = str(launch_ppo.CRAWLER_CONFIG) if config.env is None else None
-                config_from_args(args, default_trainer_config=args.ppo__trainer_config or default, seed=config.seed)
+                config_from_args(
+                    args, default_trainer_config=args.ppo__trainer_config or default, seed=config.seed
+                )
             else:
                 from actors import remote
 
@@ -280,8 +283,12 @@ def _at_repo_root(monkeypatch):
 @pytest.mark.parametrize("path", TEMPLATES, ids=[str(p.relative_to(ROOT)) for p in TEMPLATES])
 def test_every_command_line_in_the_kit_parses(path):
     commands = commands_in(path)
-    assert commands, f"{path.relative_to(ROOT)} holds no launch_impala / launch_ppo / impala-actors command line"
-    failures = [f"{shlex.join(cmd)}\n    -> {why}" for cmd in commands if (why := check_command(cmd[0], cmd[1:]))]
+    assert commands, (
+        f"{path.relative_to(ROOT)} holds no launch_impala / launch_ppo / impala-actors command line"
+    )
+    failures = [
+        f"{shlex.join(cmd)}\n    -> {why}" for cmd in commands if (why := check_command(cmd[0], cmd[1:]))
+    ]
     assert not failures, "\n".join(failures)
 
 
@@ -294,7 +301,8 @@ def test_the_extractor_reads_shell_yaml_dockerfile_and_markdown():
     shell = r"""
 PORT=${PORT:-5555}
 # not a command: impala-actors learns the env from the learner
-srun --het-group=1 bash -c 'exec impala-actors --learner "tcp://$0:$1" --first-id $(( 1000 * (SLURM_PROCID + 1) ))' "$H" 5555 &
+srun --het-group=1 bash -c 'exec impala-actors --learner "tcp://$0:$1" --first-id $(( 1000 * (SLURM_PROCID +
+1) ))' "$H" 5555 &
 "$VENV/bin/launch_impala" --env "$ENV_ID" \
     --port "${PORT:-5555}" --no-progress 2>&1 | tee log  # a comment: launch_ppo --env Pendulum-v1
 x=1; launch_ppo --env Pendulum-v1 ${RESUME:+--resume} > out.txt && echo done
@@ -323,9 +331,14 @@ spec:
         ["impala-actors", "--learner", "tcp://impala-learner:5555", "--workers", "1"],
         ["launch_impala", "--env", "CartPole-v1", "--workers", "0"],
     ]
-    dockerfile = 'FROM x\n#   docker run img impala-actors --workers 8\nRUN pip install . && \\\n    launch_impala --help > /dev/null\nCMD ["launch_ppo", "--help"]\n'
+    dockerfile = (
+        "FROM x\n#   docker run img impala-actors --workers 8\nRUN pip install . && \\\n    "
+        'launch_impala --help > /dev/null\nCMD ["launch_ppo", "--help"]\n'
+    )
     assert commands_in(Path("Dockerfile"), dockerfile) == [
-        ["impala-actors", "--workers", "8"], ["launch_impala", "--help"], ["launch_ppo", "--help"],
+        ["impala-actors", "--workers", "8"],
+        ["launch_impala", "--help"],
+        ["launch_ppo", "--help"],
     ]
     markdown = "text launch_impala --nope\n```bash\nimpala-actors --curve keys --make-keys\n```\n"
     assert commands_in(Path("x.md"), markdown) == [["impala-actors", "--curve", "keys", "--make-keys"]]
@@ -336,7 +349,10 @@ def test_a_drifted_flag_or_value_fails():
     in each kind of file."""
     bad = {
         Path("job.sbatch"): "srun launch_impala --env CartPole-v1 --no-such-flag 3\n",
-        Path("m.yaml"): 'spec: {containers: [{command: ["sh", "-c", "exec impala-actors --learner tcp://h:5555 --actors 4"]}]}\n',
+        Path(
+            "m.yaml"
+        ): 'spec: {containers: [{command: ["sh", "-c", "exec impala-actors --learner tcp://h:5555 --actors '
+        '4"]}]}\n',
         Path("Dockerfile"): 'CMD ["launch_ppo", "--env", "Pendulum-v1", "--num-epochs", "3"]\n',
         Path("SCALE_OUT.md"): "```bash\nlaunch_impala --env CartPole-v1 --batch-size 0\n```\n",
         Path("other.sbatch"): "impala-actors --learner tcp://h:99999 --workers 2\n",
@@ -348,7 +364,9 @@ def test_a_drifted_flag_or_value_fails():
         why = check_command(commands[0][0], commands[0][1:])
         assert why is not None, (path, text)
     assert "unrecognized arguments: --no-such-flag" in check_command("launch_impala", ["--no-such-flag", "3"])
-    assert "--batch-size must be >= 1" in check_command("launch_impala", ["--env", "CartPole-v1", "--batch-size", "0"])
+    assert "--batch-size must be >= 1" in check_command(
+        "launch_impala", ["--env", "CartPole-v1", "--batch-size", "0"]
+    )
     assert check_command("launch_impala", ["--env", "CartPole-v1", "--batch-size", "8"]) is None
 
 
@@ -373,8 +391,12 @@ def test_actor_pods_get_disjoint_id_ranges_from_their_ordinals():
     script = container["args"][0].replace("exec impala-actors", "echo")
     ranges = []
     for ordinal in [*range(64), 4095, 65000]:
-        env = {"POD_NAME": f"impala-actors-{ordinal}", "ACTORS_PER_POD": str(per_pod),
-               "PATH": "/usr/bin:/bin", "POD_IP": "fd00::1"}  # an IPv6 pod: must not matter
+        env = {
+            "POD_NAME": f"impala-actors-{ordinal}",
+            "ACTORS_PER_POD": str(per_pod),
+            "PATH": "/usr/bin:/bin",
+            "POD_IP": "fd00::1",
+        }  # an IPv6 pod: must not matter
         out = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
         first = int(re.search(r"--first-id (\d+)", out).group(1))
         ranges.append(range(first, first + per_pod))

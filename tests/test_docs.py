@@ -77,7 +77,9 @@ def texts() -> dict[str, str]:
 
 def test_readme_is_short():
     lines = len((REPO / "README.md").read_text().splitlines())
-    assert lines < README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/ (limit {README_MAX_LINES})"
+    assert lines < README_MAX_LINES, (
+        f"README.md has {lines} lines; move detail into docs/ (limit {README_MAX_LINES})"
+    )
 
 
 def test_every_relative_link_resolves():
@@ -104,18 +106,32 @@ def test_every_repository_path_mentioned_exists(texts):
 
 
 def test_nothing_names_a_file_outside_the_repository(texts):
-    sources = [p for d in ("impala", "actors", "learner", "scripts", "configs", "deploy") for p in (REPO / d).rglob("*")
-               if p.is_file() and p.suffix in {".py", ".yaml", ".yml", ".sh", ".md", ""} and "__pycache__" not in p.parts]
+    sources = [
+        p
+        for d in ("impala", "actors", "learner", "scripts", "configs", "deploy")
+        for p in (REPO / d).rglob("*")
+        if p.is_file()
+        and p.suffix in {".py", ".yaml", ".yml", ".sh", ".md", ""}
+        and "__pycache__" not in p.parts
+    ]
     everything = dict(texts)
     everything.update({str(p.relative_to(REPO)): p.read_text(errors="replace") for p in sources})
     everything["pyproject.toml"] = (REPO / "pyproject.toml").read_text()
     base = {where: (REPO / where).parent if (REPO / where).is_file() else REPO for where in everything}
-    bad = [f"{where}: {line.strip()[:160]}" for where, text in everything.items() for line in text.splitlines()
-           if FOREIGN.search(line) or any(not _inside(base[where], p) for p in CLIMB.findall(line))]
+    bad = [
+        f"{where}: {line.strip()[:160]}"
+        for where, text in everything.items()
+        for line in text.splitlines()
+        if FOREIGN.search(line) or any(not _inside(base[where], p) for p in CLIMB.findall(line))
+    ]
     assert not bad, "text that cites a file outside this repository:\n" + "\n".join(bad)
 
 
 def test_user_docs_speak_of_features_not_history(texts):
-    bad = [f"{where}: {m.group(0)!r} in {line.strip()[:120]!r}" for where, text in texts.items()
-           for line in text.splitlines() for m in [*ISSUE.finditer(line), *COMMIT.finditer(line)]]
+    bad = [
+        f"{where}: {m.group(0)!r} in {line.strip()[:120]!r}"
+        for where, text in texts.items()
+        for line in text.splitlines()
+        for m in [*ISSUE.finditer(line), *COMMIT.finditer(line)]
+    ]
     assert not bad, "issue numbers or commit ids in user-facing text:\n" + "\n".join(bad)

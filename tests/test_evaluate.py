@@ -1,7 +1,8 @@
 """``impala-eval``: real checkpoints (trained here for a few seconds), real worker processes, no mocks.
 
 Each checkpoint is made by the real launcher (CartPole and Pong with launch_impala, Pendulum
-with launch_ppo: its ``main``, in this process with ``--in-process``) once per module. Episodes are kept short with ``--max-frames`` so that a
+with launch_ppo: its ``main``, in this process with ``--in-process``) once per module. Episodes are kept short
+with ``--max-frames`` so that a
 tiny Pong agent's games end quickly.
 """
 
@@ -32,16 +33,76 @@ from procs import run
 BIN = Path(sys.executable).parent
 ALE_NOISE = ("A.L.E:", "[Powered by Stella]")
 
-TINY_CARTPOLE = ["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--in-process", "--total-frames", "2000", "--unroll-length", "8",
-                 "--batch-size", "4", "--minibatches", "1", "--no-progress", "--device", "cpu"]
-TINY_PONG = ["launch_impala", "--env", "PongDeterministic-v4", "--workers", "1", "--in-process", "--envs-per-worker", "1", "--unroll-length", "8",
-             "--batch-size", "2", "--minibatches", "1", "--total-frames", "400", "--no-progress", "--device", "cpu"]
-TINY_PPO = ["launch_ppo", "--env", "Pendulum-v1", "--semantics", "sb3", "--workers", "1", "--in-process", "--total-steps", "600", "--buffer-size", "64",
-            "--batch-size", "32", "--hidden-units", "8", "--num-layers", "1", "--time-horizon", "32", "--no-progress", "--device", "cpu"]
+TINY_CARTPOLE = [
+    "launch_impala",
+    "--env",
+    "CartPole-v1",
+    "--workers",
+    "1",
+    "--in-process",
+    "--total-frames",
+    "2000",
+    "--unroll-length",
+    "8",
+    "--batch-size",
+    "4",
+    "--minibatches",
+    "1",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
+TINY_PONG = [
+    "launch_impala",
+    "--env",
+    "PongDeterministic-v4",
+    "--workers",
+    "1",
+    "--in-process",
+    "--envs-per-worker",
+    "1",
+    "--unroll-length",
+    "8",
+    "--batch-size",
+    "2",
+    "--minibatches",
+    "1",
+    "--total-frames",
+    "400",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
+TINY_PPO = [
+    "launch_ppo",
+    "--env",
+    "Pendulum-v1",
+    "--semantics",
+    "sb3",
+    "--workers",
+    "1",
+    "--in-process",
+    "--total-steps",
+    "600",
+    "--buffer-size",
+    "64",
+    "--batch-size",
+    "32",
+    "--hidden-units",
+    "8",
+    "--num-layers",
+    "1",
+    "--time-horizon",
+    "32",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
 
 
 def _train(cmd: list[str], logdir: Path) -> Path:
-    """The launcher's main in this process (the runs are --in-process; impala-eval's own CLI runs as a real process below)."""
+    """The launcher's main in this process (the runs are --in-process; impala-eval's own CLI runs as a real
+    process below)."""
     from learner import launch_impala, launch_ppo
 
     launcher = {"launch_impala": launch_impala.main, "launch_ppo": launch_ppo.main}[cmd[0]]
@@ -75,7 +136,8 @@ def eval_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def eval_main(capsys, *args: str) -> tuple[int, str, str]:
-    """``impala-eval``'s main in this process (its episode workers are still real processes unless --workers 0)."""
+    """``impala-eval``'s main in this process (its episode workers are still real processes unless
+    --workers 0)."""
     rc = main(list(args))
     cap = capsys.readouterr()
     return rc, cap.out, cap.err
@@ -88,15 +150,50 @@ def errors(stderr: str) -> list[str]:
 def check_result_schema(data: dict, *, episodes: int) -> None:
     """Every key the JSON file promises, consistent with itself."""
     assert data["schema"] == RESULT_SCHEMA
-    for key in ("protocol", "settings", "policy", "seed", "episodes", "mean", "std", "median", "min", "max", "returns", "episode_steps",
-                "episode_frames", "episode_capped", "episode_seeds", "total_steps", "total_frames", "wall_time_s", "workers", "env", "agent",
-                "checkpoint", "config", "video"):
+    for key in (
+        "protocol",
+        "settings",
+        "policy",
+        "seed",
+        "episodes",
+        "mean",
+        "std",
+        "median",
+        "min",
+        "max",
+        "returns",
+        "episode_steps",
+        "episode_frames",
+        "episode_capped",
+        "episode_seeds",
+        "total_steps",
+        "total_frames",
+        "wall_time_s",
+        "workers",
+        "env",
+        "agent",
+        "checkpoint",
+        "config",
+        "video",
+    ):
         assert key in data, key
     returns = np.array(data["returns"], dtype=float)
-    assert data["episodes"] == episodes == len(returns) == len(data["episode_steps"]) == len(data["episode_frames"])
+    assert (
+        data["episodes"]
+        == episodes
+        == len(returns)
+        == len(data["episode_steps"])
+        == len(data["episode_frames"])
+    )
     assert data["mean"] == pytest.approx(returns.mean()) and data["std"] == pytest.approx(returns.std())
-    assert data["median"] == pytest.approx(np.median(returns)) and data["min"] == returns.min() and data["max"] == returns.max()
-    assert data["total_frames"] == sum(data["episode_frames"]) and data["total_steps"] == sum(data["episode_steps"])
+    assert (
+        data["median"] == pytest.approx(np.median(returns))
+        and data["min"] == returns.min()
+        and data["max"] == returns.max()
+    )
+    assert data["total_frames"] == sum(data["episode_frames"]) and data["total_steps"] == sum(
+        data["episode_steps"]
+    )
     assert data["episode_seeds"] == [data["seed"] + i for i in range(episodes)]
     assert data["settings"]["protocol"] == data["protocol"]
     # every episode was played by a worker that first measured and checked its env
@@ -112,7 +209,9 @@ def check_result_schema(data: dict, *, episodes: int) -> None:
 
 
 def test_cartpole_checkpoint_json_schema_table_and_workers(cartpole):
-    r = eval_cli(str(cartpole.parent), "--episodes", "4", "--workers", "2", "--seed", "7")  # a logdir is accepted for its checkpoint.pt
+    r = eval_cli(
+        str(cartpole.parent), "--episodes", "4", "--workers", "2", "--seed", "7"
+    )  # a logdir is accepted for its checkpoint.pt
     assert r.returncode == 0, r.stdout + r.stderr
     out = cartpole.parent / "eval-train-sample-4.json"
     data = json.loads(out.read_text())
@@ -127,8 +226,13 @@ def test_cartpole_checkpoint_json_schema_table_and_workers(cartpole):
     assert data["agent"] == stored["agent"] and data["env"] == stored["env"]
     assert data["episode_steps"] == data["episode_frames"]  # no frame skip: frames are agent steps
     assert all(w["pid"] != os.getpid() for w in data["workers"])
-    assert "mean ± std" in r.stdout and "train: CartPole-v1 as trained" in r.stdout and f"wrote {out}" in r.stdout
-    # Episode i resets its env and seeds its agent with seed + i, whoever plays it: in this process, the same returns.
+    assert (
+        "mean ± std" in r.stdout
+        and "train: CartPole-v1 as trained" in r.stdout
+        and f"wrote {out}" in r.stdout
+    )
+    # Episode i resets its env and seeds its agent with seed + i, whoever plays it: in this process, the same
+    # returns.
     ck = read_policy_checkpoint(str(cartpole))
     here = evaluate_params(ck.env, ck.agent, ck.params, policy="sample", workers=0, episodes=4, seed=7)
     assert here.returns == data["returns"] and [e.seed for e in here.episodes] == [7, 8, 9, 10]
@@ -136,17 +240,33 @@ def test_cartpole_checkpoint_json_schema_table_and_workers(cartpole):
 
 def test_ppo_checkpoint_greedy_plays_the_mean_action(ppo, tmp_path, capsys):
     out = tmp_path / "ppo.json"
-    rc, stdout, stderr = eval_main(capsys, str(ppo), "--episodes", "2", "--workers", "0", "--policy", "greedy", "--max-frames", "50", "--out", str(out))
+    rc, stdout, stderr = eval_main(
+        capsys,
+        str(ppo),
+        "--episodes",
+        "2",
+        "--workers",
+        "0",
+        "--policy",
+        "greedy",
+        "--max-frames",
+        "50",
+        "--out",
+        str(out),
+    )
     assert rc == 0, stdout + stderr
     data = json.loads(out.read_text())
     check_result_schema(data, episodes=2)
-    assert data["checkpoint"]["kind"] == "ppo" and data["agent"]["kind"] == "ppo" and data["policy"] == "greedy"
+    assert (
+        data["checkpoint"]["kind"] == "ppo" and data["agent"]["kind"] == "ppo" and data["policy"] == "greedy"
+    )
     assert data["episode_steps"] == [50, 50] and data["episode_capped"] == [True, True]
     assert data["settings"]["max_frames_per_episode"] == 50
 
 
 def test_greedy_and_sample_switch_in_both_agents(cartpole, ppo):
-    """act_greedy is argmax of the logits / the mean action; act keeps sampling; both from the same weights."""
+    """act_greedy is argmax of the logits / the mean action; act keeps sampling; both from the same
+    weights."""
     for path in (cartpole, ppo):
         ck = read_policy_checkpoint(str(path))
         env = make_env(ck.env, seed=0)
@@ -165,7 +285,9 @@ def test_greedy_and_sample_switch_in_both_agents(cartpole, ppo):
             from impala.nets.ppo_policy import env_action
 
             mu = a.policy.mean(t.from_numpy(obs.astype(np.float32))).detach().numpy()
-            np.testing.assert_allclose(greedy[0], env_action(mu, mode=a.config.action_clip, low=a.action_low, high=a.action_high))
+            np.testing.assert_allclose(
+                greedy[0], env_action(mu, mode=a.config.action_clip, low=a.action_low, high=a.action_high)
+            )
             samples = [a.act(obs, first)[0] for _ in range(5)]
             assert not all(np.array_equal(s, samples[0]) for s in samples)  # sampling still samples
         env.close()
@@ -180,12 +302,19 @@ class _One:
 
 def test_greedy_and_sample_results_are_seeded(cartpole):
     ck = read_policy_checkpoint(str(cartpole))
-    runs = {(policy, seed): evaluate_params(ck.env, ck.agent, ck.params, policy=policy, workers=0, episodes=4, seed=seed)
-            for policy in ("greedy", "sample") for seed in (3, 3, 4)}
+    runs = {
+        (policy, seed): evaluate_params(
+            ck.env, ck.agent, ck.params, policy=policy, workers=0, episodes=4, seed=seed
+        )
+        for policy in ("greedy", "sample")
+        for seed in (3, 3, 4)
+    }
     assert runs[("greedy", 3)].policy == "greedy" and runs[("sample", 3)].policy == "sample"
     again = evaluate_params(ck.env, ck.agent, ck.params, policy="sample", workers=0, episodes=4, seed=3)
     assert again.returns == runs[("sample", 3)].returns  # sampling is seeded
-    assert runs[("greedy", 3)].returns[1:] == runs[("greedy", 4)].returns[:3]  # greedy: only the env's seed matters
+    assert (
+        runs[("greedy", 3)].returns[1:] == runs[("greedy", 4)].returns[:3]
+    )  # greedy: only the env's seed matters
     assert runs[("greedy", 3)].to_dict()["workers"][0]["pid"] == os.getpid()
 
 
@@ -205,10 +334,24 @@ PROTOCOL_CASES = {
 def test_pong_checkpoint_under_each_protocol(protocol, pong, tmp_path, capsys):
     sticky, action_set, noop_max, limit, video_args = PROTOCOL_CASES[protocol]
     video = tmp_path / ("episode.gif" if protocol == "machado" else "episode.mp4")
-    # train: 2 worker processes; machado: 1; dqn: played in this process (a worker all the same: it checks its env)
+    # train: 2 worker processes; machado: 1; dqn: played in this process (a worker all the same: it checks its
+    # env)
     workers = {"train": "2", "machado": "1", "dqn": "0"}[protocol]
-    args = [str(pong), "--protocol", protocol, "--episodes", "2", "--workers", workers, "--max-frames", "400",
-            "--policy", "greedy" if protocol == "dqn" else "sample", "--out", str(tmp_path / "r.json")]
+    args = [
+        str(pong),
+        "--protocol",
+        protocol,
+        "--episodes",
+        "2",
+        "--workers",
+        workers,
+        "--max-frames",
+        "400",
+        "--policy",
+        "greedy" if protocol == "dqn" else "sample",
+        "--out",
+        str(tmp_path / "r.json"),
+    ]
     if video_args:
         args += ["--video", str(video), *video_args]
     rc, stdout, stderr = eval_main(capsys, *args)
@@ -216,8 +359,18 @@ def test_pong_checkpoint_under_each_protocol(protocol, pong, tmp_path, capsys):
     data = json.loads((tmp_path / "r.json").read_text())
     check_result_schema(data, episodes=2)
     s = data["settings"]
-    assert (s["protocol"], s["sticky"], s["action_set"], s["network_action_set"]) == (protocol, sticky, action_set, "minimal")
-    assert (s["noop_max"], s["max_frames_per_episode"], s["max_episode_steps"], s["frameskip"]) == (noop_max, 400, limit, 4)
+    assert (s["protocol"], s["sticky"], s["action_set"], s["network_action_set"]) == (
+        protocol,
+        sticky,
+        action_set,
+        "minimal",
+    )
+    assert (s["noop_max"], s["max_frames_per_episode"], s["max_episode_steps"], s["frameskip"]) == (
+        noop_max,
+        400,
+        limit,
+        4,
+    )
     assert s["life_loss_terminal"] is False
     assert f"protocol {protocol}:" in stdout and "settings {" in stdout  # printed before playing
     # each worker's measured env is the protocol's
@@ -247,7 +400,9 @@ def test_pong_checkpoint_under_each_protocol(protocol, pong, tmp_path, capsys):
         cap.release()
         # both episodes, the first screen of each plus one per agent step
         assert len(frames) == data["video"]["frames"] == sum(data["episode_steps"]) + 2
-        assert frames[0].shape[1] == 160 and frames[0].shape[0] > 210  # the raw screen plus the caption, not 84x84
+        assert (
+            frames[0].shape[1] == 160 and frames[0].shape[0] > 210
+        )  # the raw screen plus the caption, not 84x84
         assert frames[0][:210].std() > 5  # a picture, not a blank frame
     else:
         from PIL import Image
@@ -264,7 +419,9 @@ def test_network_on_the_minimal_set_takes_the_same_ale_actions_under_the_full_se
     A = ale_py.Action
     minimal = [A.NOOP, A.FIRE, A.RIGHT, A.LEFT, A.RIGHTFIRE, A.LEFTFIRE]
     legal = list(A)[:18]
-    assert action_index_map(minimal, legal).tolist() == [legal.index(a) for a in minimal] == [0, 1, 3, 4, 11, 12]
+    assert (
+        action_index_map(minimal, legal).tolist() == [legal.index(a) for a in minimal] == [0, 1, 3, 4, 11, 12]
+    )
     with pytest.raises(ValueError, match="lacks"):
         action_index_map(legal, minimal)
     # The same action sequence through the map on the full set plays the same game as on the minimal set.
@@ -272,7 +429,9 @@ def test_network_on_the_minimal_set_takes_the_same_ale_actions_under_the_full_se
     small = make_env(EnvSpec("PongDeterministic-v4", spec), seed=3)
     full_env = make_env(EnvSpec("PongDeterministic-v4", {**spec, "full_action_space": True}), seed=3)
     ale = full_env.unwrapped.ale
-    full = NetworkActions(full_env, action_index_map(list(ale.getMinimalActionSet()), list(ale.getLegalActionSet())))
+    full = NetworkActions(
+        full_env, action_index_map(list(ale.getMinimalActionSet()), list(ale.getLegalActionSet()))
+    )
     assert full.action_space.n == small.action_space.n == 6 and full_env.action_space.n == 18
     o1, _ = small.reset(seed=3)
     o2, _ = full.reset(seed=3)
@@ -299,8 +458,13 @@ def test_a_worker_whose_env_is_not_the_protocols_is_stopped_naming_the_fields(po
             run_episodes(job, episodes=2, workers=workers)
         msg = str(info.value)
         assert "does not run protocol machado" in msg
-        for field in ("sticky: configured 0.25, measured 0", "action_set: configured full (18)", "max_frames_per_episode: configured 400",
-                      "noop_max: configured 0, measured 30", "max_episode_steps: configured None, measured 100000"):
+        for field in (
+            "sticky: configured 0.25, measured 0",
+            "action_set: configured full (18)",
+            "max_frames_per_episode: configured 400",
+            "noop_max: configured 0, measured 30",
+            "max_episode_steps: configured None, measured 100000",
+        ):
             assert field in msg, msg
     # The same job with the protocol's own env passes.
     ok = run_episodes(dataclasses.replace(job, protocol=machado), episodes=1, workers=0)
@@ -310,13 +474,33 @@ def test_a_worker_whose_env_is_not_the_protocols_is_stopped_naming_the_fields(po
 def test_protocol_definitions():
     pong = EnvSpec("PongDeterministic-v4")
     m = eval_protocol(pong, "machado")
-    assert m.env.kwargs == {"repeat_action_probability": 0.25, "full_action_space": True, "noop_max": 0,
-                            "max_num_frames_per_episode": FRAME_CAP, "max_episode_steps": None}
-    assert (m.expected.sticky, m.expected.full_action_space, m.expected.frameskip, m.max_frames) == (0.25, True, 4, 108_000)
+    assert m.env.kwargs == {
+        "repeat_action_probability": 0.25,
+        "full_action_space": True,
+        "noop_max": 0,
+        "max_num_frames_per_episode": FRAME_CAP,
+        "max_episode_steps": None,
+    }
+    assert (m.expected.sticky, m.expected.full_action_space, m.expected.frameskip, m.max_frames) == (
+        0.25,
+        True,
+        4,
+        108_000,
+    )
     d = eval_protocol(pong, "dqn")
-    assert (d.expected.sticky, d.expected.full_action_space, d.noop_max, d.max_frames) == (0.0, False, 30, 108_000)
+    assert (d.expected.sticky, d.expected.full_action_space, d.noop_max, d.max_frames) == (
+        0.0,
+        False,
+        30,
+        108_000,
+    )
     t = eval_protocol(pong, "train")
-    assert t.env == pong and t.max_frames is None and t.noop_max == 30 and t.expected.max_episode_steps == 100_000
+    assert (
+        t.env == pong
+        and t.max_frames is None
+        and t.noop_max == 30
+        and t.expected.max_episode_steps == 100_000
+    )
     assert eval_protocol(pong, "machado", max_frames=500).max_frames == 500
     # the trained kwargs are kept under every protocol (here a frame skip of 4 on the NoFrameskip id)
     nf = EnvSpec("PongNoFrameskip-v4", {"frameskip": 4})
@@ -340,12 +524,19 @@ def test_old_format_checkpoint_falls_back_to_its_config_record(cartpole, tmp_pat
     old = tmp_path / "checkpoint.pt"
     torch.save(state, old)
     ck = read_policy_checkpoint(str(tmp_path))
-    assert ck.legacy and ck.kind == "impala" and ck.env.kwargs == {"max_episode_steps": 12} and ck.agent_steps is None
+    assert (
+        ck.legacy
+        and ck.kind == "impala"
+        and ck.env.kwargs == {"max_episode_steps": 12}
+        and ck.agent_steps is None
+    )
     out = tmp_path / "old.json"
     rc = main([str(old), "--episodes", "3", "--workers", "0", "--policy", "greedy", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert data["checkpoint"]["format"].startswith("legacy") and data["settings"]["env_kwargs"] == {"max_episode_steps": 12}
+    assert data["checkpoint"]["format"].startswith("legacy") and data["settings"]["env_kwargs"] == {
+        "max_episode_steps": 12
+    }
     assert max(data["episode_steps"]) <= 12
 
 
@@ -375,7 +566,11 @@ def _foreign(tmp_path: Path, kind: str, cartpole: Path) -> str:
             sys.setrecursionlimit(limit)
     elif kind == "wrong_weights":
         state = torch.load(cartpole, weights_only=True)
-        state["env"] = {"id": "Acrobot-v1", "kwargs": {}, "preprocess": True}  # 6 observations, the network takes 4
+        state["env"] = {
+            "id": "Acrobot-v1",
+            "kwargs": {},
+            "preprocess": True,
+        }  # 6 observations, the network takes 4
         torch.save(state, path)
     return str(path)
 
@@ -391,14 +586,26 @@ def _foreign(tmp_path: Path, kind: str, cartpole: Path) -> str:
         ("env_not_installed", ["{env_not_installed}"], "not installed here: unknown env id 'NoSuchGame-v9'"),
         ("wrong_weights", ["{wrong_weights}"], "the checkpoint cannot play Acrobot-v1"),
         ("deep_tasks", ["{deep_tasks}"], "its env/agent record is unusable (env spec must be"),
-        ("protocol", ["{cartpole}", "--protocol", "machado"], "--protocol machado is defined for Atari envs only"),
+        (
+            "protocol",
+            ["{cartpole}", "--protocol", "machado"],
+            "--protocol machado is defined for Atari envs only",
+        ),
         ("ppo_protocol", ["{ppo}", "--protocol", "dqn"], "--protocol dqn is defined for Atari envs only"),
         ("episodes", ["{cartpole}", "--episodes", "0"], "--episodes must be >= 1, got 0"),
         ("workers", ["{cartpole}", "--workers", "-1"], "--workers must be >= 0"),
         ("max_frames", ["{cartpole}", "--max-frames", "-5"], "--max-frames must be >= 0"),
         ("video_suffix", ["{cartpole}", "--video", "{tmp}/clip.avi"], "must end in .mp4 or .gif"),
-        ("video_episodes", ["{cartpole}", "--episodes", "2", "--video-episodes", "3"], "--video-episodes must be in 1..--episodes (2)"),
-        ("out_folder", ["{cartpole}", "--out", "/no/such/dir/r.json"], "--out /no/such/dir/r.json: the folder /no/such/dir does not exist"),
+        (
+            "video_episodes",
+            ["{cartpole}", "--episodes", "2", "--video-episodes", "3"],
+            "--video-episodes must be in 1..--episodes (2)",
+        ),
+        (
+            "out_folder",
+            ["{cartpole}", "--out", "/no/such/dir/r.json"],
+            "--out /no/such/dir/r.json: the folder /no/such/dir does not exist",
+        ),
         ("protocol_name", ["{cartpole}", "--protocol", "atari100k"], "invalid choice: 'atari100k'"),
     ],
 )
@@ -425,8 +632,12 @@ def video_stream(path: Path) -> str:
     ffmpeg binary imageio-ffmpeg ships, so the check does not depend on how the file was written."""
     import imageio_ffmpeg
 
-    probe = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-i", str(path)],
-                           capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-i", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = [line.strip() for line in probe.stderr.splitlines() if "Stream #" in line and "Video:" in line]
     assert len(lines) == 1, probe.stderr
     return lines[0].split("Video:", 1)[1].strip()
@@ -437,8 +648,19 @@ def test_cartpole_video_is_h264_in_the_run_folder(cartpole, capsys):
     (the render extra scripts/setup.sh installs) and the MP4 is H.264 in yuv420p, what browsers play
     inline; a relative --video name lands in the run folder, not wherever the command was typed."""
     video, result = cartpole.parent / "episode.mp4", cartpole.parent / "eval-train-greedy-2.json"
-    rc = main([str(cartpole.parent), "--episodes", "2", "--workers", "0", "--policy", "greedy",
-               "--video", "episode.mp4"])
+    rc = main(
+        [
+            str(cartpole.parent),
+            "--episodes",
+            "2",
+            "--workers",
+            "0",
+            "--policy",
+            "greedy",
+            "--video",
+            "episode.mp4",
+        ]
+    )
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     stream = video_stream(video)

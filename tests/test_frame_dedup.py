@@ -73,9 +73,15 @@ def test_the_actor_refuses_to_send_frames_alone_from_an_env_that_stacks_otherwis
 
     envs = GymVecEnv(EnvSpec("PongDeterministic-v4"), 1, seed=0)
     obs = envs.reset()
-    agent = make_agent(ImpalaAgentSpec("shallow", frame_stack=4), envs=envs, first_obs=obs, unroll_length=4, seed=0)
+    agent = make_agent(
+        ImpalaAgentSpec("shallow", frame_stack=4), envs=envs, first_obs=obs, unroll_length=4, seed=0
+    )
     first = np.ones(1, bool)
-    assert set(agent.unroll_start(obs)) == {"obs_head"} and agent.observation(obs, first)["frames"].shape == (1, 84, 84)
+    assert set(agent.unroll_start(obs)) == {"obs_head"} and agent.observation(obs, first)["frames"].shape == (
+        1,
+        84,
+        84,
+    )
     for _ in range(3):  # the real order passes
         obs = envs.step(np.array([2])).obs
         agent.observation(obs, np.zeros(1, bool))

@@ -1,4 +1,5 @@
-"""The frameskip regression check (the frameskip bug, docs/FRAMESKIP.md), with real actor processes and real envs.
+"""The frameskip regression check (the frameskip bug, docs/FRAMESKIP.md), with real actor processes and real
+envs.
 
 Every test here starts real processes (the ``frameskip_check`` command, real
 ``Actor`` children under fork/spawn/forkserver, the real learner runtime); no
@@ -30,12 +31,21 @@ METHODS = [m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.ge
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     # PYTHONPATH: the CLI (and the children it spawns) must import tests/legacy_env.py for --actor-class.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([sys.executable, "-m", "learner.frameskip_check", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "learner.frameskip_check", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def error_lines(stderr: str) -> list[str]:
     """stderr without the ALE's banner (printed by every emulator instance)."""
-    return [l for l in stderr.splitlines() if l.strip() and not l.startswith(("A.L.E:", "[Powered by Stella]"))]
+    return [
+        l for l in stderr.splitlines() if l.strip() and not l.startswith(("A.L.E:", "[Powered by Stella]"))
+    ]
 
 
 def own_children() -> list[tuple[int, str]]:
@@ -50,7 +60,12 @@ def own_children() -> list[tuple[int, str]]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if fields[1] == me and fields[0] not in ("Z", "X") and "resource_tracker" not in cmd and "forkserver" not in cmd:
+        if (
+            fields[1] == me
+            and fields[0] not in ("Z", "X")
+            and "resource_tracker" not in cmd
+            and "forkserver" not in cmd
+        ):
             out.append((int(pid), cmd))
     return out
 
@@ -75,18 +90,36 @@ def test_cli_passes_on_default_ids_under_every_start_method():
 def test_legacy_env_built_in_init_and_pickled_into_a_spawned_worker_is_caught():
     # PongDeterministic-v0: frameskip 4, sticky 0.25. The legacy actor's env is pickled into the
     # spawned child and comes back with gym <= 0.10.5's defaults: frameskip (2, 5), sticky 0.
-    r = run_cli("PongDeterministic-v0", "--start-method", "spawn", "--workers", "1", "--actor-class", "legacy_env:LegacyActor")
+    r = run_cli(
+        "PongDeterministic-v0",
+        "--start-method",
+        "spawn",
+        "--workers",
+        "1",
+        "--actor-class",
+        "legacy_env:LegacyActor",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     frameskip = [l for l in r.stderr.splitlines() if "worker 0: frameskip: configured 4, measured 2..4" in l]
-    assert frameskip and "pickl" in frameskip[0], r.stderr  # names the field, both values and the likely cause
+    assert frameskip and "pickl" in frameskip[0], (
+        r.stderr
+    )  # names the field, both values and the likely cause
     assert "sticky: configured 0.25, measured 0." in r.stderr
     assert ENV_IN_INIT in r.stderr
     assert "MISMATCH" in r.stdout
 
 
 def test_actor_with_an_unpicklable_env_from_init_is_a_finding_under_spawn_not_a_traceback():
-    r = run_cli("PongDeterministic-v4", "--start-method", "spawn", "--workers", "1", "--actor-class", "legacy_env:UnpicklableEnvActor")
+    r = run_cli(
+        "PongDeterministic-v4",
+        "--start-method",
+        "spawn",
+        "--workers",
+        "1",
+        "--actor-class",
+        "legacy_env:UnpicklableEnvActor",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert "could not be sent to a spawn worker" in r.stderr and "pickle" in r.stderr, r.stderr
@@ -104,7 +137,14 @@ def test_pickle_roundtrip_of_the_legacy_env_reports_frameskip_and_sticky():
 
 # 3 -------------------------------------------------------------------------
 def test_actor_that_builds_its_env_in_init_is_flagged_and_the_real_actor_is_not():
-    config = _actor_configs(EnvSpec("PongDeterministic-v4"), range(1), trajectory_endpoint="tcp://127.0.0.1:1", params_endpoint="tcp://127.0.0.1:2", seed=0, fingerprint_steps=50)[0]
+    config = _actor_configs(
+        EnvSpec("PongDeterministic-v4"),
+        range(1),
+        trajectory_endpoint="tcp://127.0.0.1:1",
+        params_endpoint="tcp://127.0.0.1:2",
+        seed=0,
+        fingerprint_steps=50,
+    )[0]
     legacy = LegacyActor(config)
     try:
         flags = check_actor_builds_no_env(legacy)
@@ -115,7 +155,9 @@ def test_actor_that_builds_its_env_in_init_is_flagged_and_the_real_actor_is_not(
     # An env hidden inside the config (a list in a dict in a dataclass in a dataclass) is found too.
     env = make_env(EnvSpec("PongDeterministic-v4"))
     try:
-        hidden = Actor(dataclasses.replace(config, env=dataclasses.replace(config.env, kwargs={"envs": [env]})))
+        hidden = Actor(
+            dataclasses.replace(config, env=dataclasses.replace(config.env, kwargs={"envs": [env]}))
+        )
         flags = check_actor_builds_no_env(hidden)
         assert len(flags) == 1 and "config.env.kwargs['envs'][0]" in flags[0], flags
     finally:
@@ -130,8 +172,17 @@ def test_runtime_refuses_to_train_when_one_actor_fingerprint_differs(tmp_path):
     from learner.runtime import RunPlan, run
     from learner.vtrace_learner import ImpalaTrainer
 
-    config = RunConfig(env="PongDeterministic-v4", workers=2, envs_per_worker=1, unroll_length=20, total_frames=100_000,
-                       device="cpu", logdir=str(tmp_path), start_method="spawn", progress=False)
+    config = RunConfig(
+        env="PongDeterministic-v4",
+        workers=2,
+        envs_per_worker=1,
+        unroll_length=20,
+        total_frames=100_000,
+        device="cpu",
+        logdir=str(tmp_path),
+        start_method="spawn",
+        progress=False,
+    )
     env = probe_env(EnvSpec(config.env), seed=config.seed)
     trainer = ImpalaTrainer(ImpalaConfig(batch_size=2, minibatches=1), config, env)
     with pytest.raises(FingerprintMismatchError) as info:
@@ -147,8 +198,14 @@ def test_runtime_refuses_to_train_when_one_actor_fingerprint_differs(tmp_path):
 @pytest.mark.parametrize(
     "args, expect",
     [
-        (["PongDeterministc-v4"], ["unknown env id 'PongDeterministc-v4'", "Close matches", "PongDeterministic-v4"]),
-        (["PongDeterministic-v4", "--start-method", "vfork"], ["start method 'vfork' is not available", "fork"]),
+        (
+            ["PongDeterministc-v4"],
+            ["unknown env id 'PongDeterministc-v4'", "Close matches", "PongDeterministic-v4"],
+        ),
+        (
+            ["PongDeterministic-v4", "--start-method", "vfork"],
+            ["start method 'vfork' is not available", "fork"],
+        ),
         (["--plot", "x.png", "--episodes", "0"], ["--episodes must be >= 1, got 0"]),
         (["--episodes", "-3"], ["--episodes must be >= 1, got -3"]),
     ],
@@ -175,7 +232,18 @@ def test_bad_input_is_one_line_exit_2(args, expect, capsys):
 # 6 -------------------------------------------------------------------------
 def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "frameskip.png"
-    r = run_cli("--plot", str(out), "--plot-only", "--episodes", "2", "--max-steps-per-episode", "60", "--jobs", "2", timeout=120)
+    r = run_cli(
+        "--plot",
+        str(out),
+        "--plot-only",
+        "--episodes",
+        "2",
+        "--max-steps-per-episode",
+        "60",
+        "--jobs",
+        "2",
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -145,9 +145,16 @@ def test_an_honest_actor_reports_the_same_returns_as_before():
     schema = impala_unroll_schema(16, (4,), "float32", 2)
     srv = TrajectoryServer(schema, queue_size=64)
     srv.start()
-    config = ActorConfig(actor_id=3, env=EnvSpec("CartPole-v1"), num_envs=4, unroll_length=16,
-                         trajectory_endpoint=srv.trajectory_endpoint, params_endpoint=srv.params_endpoint,
-                         agent=ImpalaAgentSpec("mlp"), learner_timeout_s=30)
+    config = ActorConfig(
+        actor_id=3,
+        env=EnvSpec("CartPole-v1"),
+        num_envs=4,
+        unroll_length=16,
+        trajectory_endpoint=srv.trajectory_endpoint,
+        params_endpoint=srv.params_endpoint,
+        agent=ImpalaAgentSpec("mlp"),
+        learner_timeout_s=30,
+    )
     actor = threading.Thread(target=run_actor, args=(config,), kwargs={"max_unrolls": 30}, daemon=True)
     claimed: list[tuple[float, int]] = []
     try:
@@ -291,14 +298,49 @@ def _honest_run(tmp_path, name: str, flood_rate: float) -> tuple[float, float, s
     from procs import descendants, free_port_pair, kill_group, start
 
     port = free_port_pair()
-    learner = start(["launch_impala", "--env", "CartPole-v1", "--workers", "0", "--unroll-length", "20",
-                     "--batch-size", "32", "--envs-per-worker", "1", "--port", str(port),
-                     "--total-frames", "100000000", "--max-seconds", "25", "--no-progress",
-                     "--log-interval", "5", "--logdir", str(tmp_path / name)],
-                    preexec_fn=lambda: os.sched_setaffinity(0, {LEARNER_CPU}))
-    honest = start(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1",
-                    "--first-id", "2000", "--learner-timeout", "5", "--max-seconds", "60"],
-                   preexec_fn=_own_cpu)
+    learner = start(
+        [
+            "launch_impala",
+            "--env",
+            "CartPole-v1",
+            "--workers",
+            "0",
+            "--unroll-length",
+            "20",
+            "--batch-size",
+            "32",
+            "--envs-per-worker",
+            "1",
+            "--port",
+            str(port),
+            "--total-frames",
+            "100000000",
+            "--max-seconds",
+            "25",
+            "--no-progress",
+            "--log-interval",
+            "5",
+            "--logdir",
+            str(tmp_path / name),
+        ],
+        preexec_fn=lambda: os.sched_setaffinity(0, {LEARNER_CPU}),
+    )
+    honest = start(
+        [
+            "impala-actors",
+            "--learner",
+            f"tcp://127.0.0.1:{port}",
+            "--workers",
+            "1",
+            "--first-id",
+            "2000",
+            "--learner-timeout",
+            "5",
+            "--max-seconds",
+            "60",
+        ],
+        preexec_fn=_own_cpu,
+    )
     stop, counts = threading.Event(), {"sent": 0}
     flooder = threading.Thread(target=_flood, args=(port, stop, flood_rate, counts), daemon=True)
     cpu_wait = 0.0
@@ -339,9 +381,11 @@ def test_a_flooding_id_does_not_starve_an_honest_actor(tmp_path):
     done = [line for line in out.splitlines() if line.startswith("launch_impala: done")][-1]
     over = int(re.search(r"'over_share': (\d+)", done).group(1))
     flood_n, flood_span = _accepted(out, 1000)
-    print(f"honest actor: {alone * 20:.0f} frames/s alone, {flooded * 20:.0f} beside the flood "
-          f"({alone_ready * 20:.0f} and {flooded_ready * 20:.0f} per second not waiting for a CPU); "
-          f"flood sent {counts['sent']}, {flood_n / flood_span:.0f}/s accepted, {over} dropped as over_share")
+    print(
+        f"honest actor: {alone * 20:.0f} frames/s alone, {flooded * 20:.0f} beside the flood "
+        f"({alone_ready * 20:.0f} and {flooded_ready * 20:.0f} per second not waiting for a CPU); "
+        f"flood sent {counts['sent']}, {flood_n / flood_span:.0f}/s accepted, {over} dropped as over_share"
+    )
     assert counts["sent"] > 10000 and over > 0, (counts, done)
     # On two shared cores the flood's own work (the learner training on the flood's share, the loopback
     # traffic) takes CPU from the honest actor; what the learner's fairness decides is whether the actor
@@ -418,8 +462,9 @@ def test_a_refusal_is_told_without_an_update_and_outlives_a_flood_of_others():
     """The weights heartbeat carries a new refusal within a second, with no update to publish (an
     evicted sole actor makes none), and a victim that keeps sending stays reported however many other
     ids are refused meanwhile (the report holds the newest 64)."""
-    srv = TrajectoryServer(SCHEMA, queue_size=8,
-                           on_hello=lambda actor, info: "junk" if info.get("junk") else None)
+    srv = TrajectoryServer(
+        SCHEMA, queue_size=8, on_hello=lambda actor, info: "junk" if info.get("junk") else None
+    )
     srv.start()
     ctx = zmq.Context.instance()
     push, sub = ctx.socket(zmq.PUSH), ctx.socket(zmq.SUB)
@@ -463,10 +508,33 @@ def _cartpole_learner(tmp_path, seconds: int, extra=()):
     from procs import free_port_pair, start
 
     port = free_port_pair()
-    learner = start(["launch_impala", "--env", "CartPole-v1", "--workers", "0", "--unroll-length", "20",
-                     "--batch-size", "8", "--port", str(port), "--total-frames", "100000000",
-                     "--max-seconds", str(seconds), "--torch-threads", "1", "--no-progress",
-                     "--log-interval", "2", "--logdir", str(tmp_path / "run"), *extra])
+    learner = start(
+        [
+            "launch_impala",
+            "--env",
+            "CartPole-v1",
+            "--workers",
+            "0",
+            "--unroll-length",
+            "20",
+            "--batch-size",
+            "8",
+            "--port",
+            str(port),
+            "--total-frames",
+            "100000000",
+            "--max-seconds",
+            str(seconds),
+            "--torch-threads",
+            "1",
+            "--no-progress",
+            "--log-interval",
+            "2",
+            "--logdir",
+            str(tmp_path / "run"),
+            *extra,
+        ]
+    )
     return port, learner
 
 
@@ -489,8 +557,19 @@ def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
     from procs import kill_group, start, wait_for
 
     port, learner = _cartpole_learner(tmp_path, 30)
-    actors = start(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1",
-                    "--first-id", "1000", "--learner-timeout", "5"])
+    actors = start(
+        [
+            "impala-actors",
+            "--learner",
+            f"tcp://127.0.0.1:{port}",
+            "--workers",
+            "1",
+            "--first-id",
+            "1000",
+            "--learner-timeout",
+            "5",
+        ]
+    )
     frames = lambda: _frames_so_far(tmp_path)  # noqa: E731
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 1000)
@@ -514,8 +593,10 @@ def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
 
     final = int(re.search(r"done: (\d+) env frames", out).group(1))
     assert final > at_forgery + 20000, (at_forgery, final)
-    print(f"forged hello: actor 1000 said hello again;"
-          f" frames {at_forgery:.0f} at the forgery, {final} at the end")
+    print(
+        f"forged hello: actor 1000 said hello again;"
+        f" frames {at_forgery:.0f} at the forgery, {final} at the end"
+    )
 
 
 def test_an_actor_refused_for_good_exits_with_one_line(tmp_path):
@@ -531,16 +612,30 @@ def test_an_actor_refused_for_good_exits_with_one_line(tmp_path):
     port, learner = _cartpole_learner(tmp_path, 60, ["--curve", keys_dir])
     first = None
     try:
-        assert wait_for(lambda: os.path.exists(os.path.join(keys_dir, "server.key"))
-                        and os.path.isdir(os.path.join(keys_dir, "authorized")), 60)
+        assert wait_for(
+            lambda: (
+                os.path.exists(os.path.join(keys_dir, "server.key"))
+                and os.path.isdir(os.path.join(keys_dir, "authorized"))
+            ),
+            60,
+        )
         dirs = []
         for name in ("first", "second"):
             d = str(tmp_path / name)
             shutil.copy(make_client_keys(d), os.path.join(keys_dir, "authorized", f"{name}.key"))
             shutil.copy(os.path.join(keys_dir, "server.key"), d)
             dirs.append(d)
-        cmd = ["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1",
-               "--first-id", "1000", "--learner-timeout", "5"]
+        cmd = [
+            "impala-actors",
+            "--learner",
+            f"tcp://127.0.0.1:{port}",
+            "--workers",
+            "1",
+            "--first-id",
+            "1000",
+            "--learner-timeout",
+            "5",
+        ]
         first = start([*cmd, "--curve", dirs[0]])
         assert wait_for(lambda: _frames_so_far(tmp_path) > 0, 60)  # the first one's unrolls: it owns 1000
         second = run([*cmd, "--curve", dirs[1], "--max-seconds", "50"], timeout=90)
@@ -571,9 +666,11 @@ def test_behaviour_logits_at_the_bound_are_dropped_before_they_stall_an_update()
 
     B = 4
     run = RunConfig(env="CartPole-v1", unroll_length=T, total_frames=1000, device="cpu")
-    trainer = ImpalaTrainer(ImpalaConfig(batch_size=B, minibatches=1, epochs=1), run,
-                            EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete",
-                                    num_actions=2))
+    trainer = ImpalaTrainer(
+        ImpalaConfig(batch_size=B, minibatches=1, epochs=1),
+        run,
+        EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num_actions=2),
+    )
     assert run.max_abs_value == 1e6
     rng = np.random.default_rng(0)
 

@@ -3,8 +3,10 @@
 PixelCatch-v0 (``impala/envs/catch.py``) is drawn like a preprocessed Atari frame
 (uint8 [4, 84, 84], constant gray field), so it runs through the same CNN torso, wire
 schema, actors and learner as Pong, with ``launch_impala``'s defaults: the only flags
-below are the env, the budget (stopping once the threshold is reached) and where to log. Random play scores about -0.5; the
-threshold needs about 90% of balls caught. Before the small-box recipe (docs/PONG.md) the defaults (PyTorch init,
+below are the env, the budget (stopping once the threshold is reached) and where to log. Random play scores
+about -0.5; the
+threshold needs about 90% of balls caught. Before the small-box recipe (docs/PONG.md) the defaults (PyTorch
+init,
 the paper's RMSProp numbers on mean-reduced losses) left Pong's policy uniform; the
 CartPole test could not see it because its hand-picked learning rate hid the scale.
 """
@@ -24,9 +26,24 @@ THRESHOLD = 0.8
 def test_pixel_catch_learns_with_the_default_settings(tmp_path):
     t0 = time.monotonic()
     out = run(
-        ["launch_impala", "--env", "PixelCatch-v0", "--workers", "2", "--total-frames", "250000", "--max-seconds", "170",
-         "--stop-at-return", str(THRESHOLD),
-         "--no-progress", "--log-interval", "5", "--logdir", str(tmp_path)],
+        [
+            "launch_impala",
+            "--env",
+            "PixelCatch-v0",
+            "--workers",
+            "2",
+            "--total-frames",
+            "250000",
+            "--max-seconds",
+            "170",
+            "--stop-at-return",
+            str(THRESHOLD),
+            "--no-progress",
+            "--log-interval",
+            "5",
+            "--logdir",
+            str(tmp_path),
+        ],
         timeout=260,
     )
     elapsed = time.monotonic() - t0

@@ -126,7 +126,9 @@ def test_build_model_kinds_and_errors():
     assert isinstance(impala_net.build_model("auto", PONG_OBS, 6).torso, impala_net.ShallowCNN)
     assert isinstance(impala_net.build_model("deep", PONG_OBS, 6).torso, impala_net.DeepResNet)
     assert isinstance(impala_net.build_model("nature", PONG_OBS, 6).torso, impala_net.NatureCNN)
-    with pytest.raises(ValueError, match="unknown model kind 'resnet'; choose one of auto, shallow, nature, deep, mlp"):
+    with pytest.raises(
+        ValueError, match="unknown model kind 'resnet'; choose one of auto, shallow, nature, deep, mlp"
+    ):
         impala_net.build_model("resnet", PONG_OBS, 6)
     with pytest.raises(ValueError, match="'mlp' needs 1-D observations"):
         impala_net.build_model("mlp", PONG_OBS, 6)

@@ -7,7 +7,8 @@ sum((vs - V)^2)``; ``entropy_cost * sum(p log p)``; rewards clipped to [-1, 1]; 
 grad-norm clip 40; ``torch.optim.RMSprop(lr, alpha, eps, momentum)``. The batch is
 Pong-shaped (T=80, B=32, 4x84x84 uint8 frames, 6 actions).
 
-Before the small-box recipe (docs/PONG.md) our losses were averaged over T x B while lr 6e-4 / eps 0.01 / clip 40 stayed
+Before the small-box recipe (docs/PONG.md) our losses were averaged over T x B while lr 6e-4 / eps 0.01 / clip
+40 stayed
 the summed-loss numbers, so every step was ~1% of the published one; the ``mean`` case below
 shows the check can tell the two apart.
 """
@@ -38,9 +39,24 @@ IMPALA_FIELDS = {f.name for f in dataclasses.fields(ImpalaConfig)}
 
 
 def test_the_preset_holds_the_papers_numbers():
-    want = dict(learning_rate=6e-4, rmsprop_alpha=0.99, rmsprop_eps=0.01, rmsprop_momentum=0.0, grad_norm_clip=40.0,
-                entropy_cost=0.01, baseline_cost=0.5, discount=0.99, reward_clip=1.0, loss_reduction="sum",
-                optimizer="rmsprop", epochs=1, minibatches=1, pg_clip=0.0, advantage_norm=False, vtrace_lambda=1.0)
+    want = dict(
+        learning_rate=6e-4,
+        rmsprop_alpha=0.99,
+        rmsprop_eps=0.01,
+        rmsprop_momentum=0.0,
+        grad_norm_clip=40.0,
+        entropy_cost=0.01,
+        baseline_cost=0.5,
+        discount=0.99,
+        reward_clip=1.0,
+        loss_reduction="sum",
+        optimizer="rmsprop",
+        epochs=1,
+        minibatches=1,
+        pg_clip=0.0,
+        advantage_norm=False,
+        vtrace_lambda=1.0,
+    )
     assert {k: PAPER[k] for k in want} == want
 
 
@@ -48,7 +64,9 @@ def vtrace_from_equation(log_rhos, discounts, rewards, values, bootstrap):
     """Eq. (1): v_s = V(x_s) + sum_{t>=s} gamma^{t-s} (prod_{i=s}^{t-1} c_i) rho_t delta_t V,
     with rho_t = min(1, pi/mu), c_i = min(1, pi/mu); and the policy-gradient advantage
     min(1, pi/mu)_s (r_s + gamma_s v_{s+1} - V(x_s)). Float64, vectorized over B only."""
-    log_rhos, discounts, rewards, values = (np.asarray(a, np.float64) for a in (log_rhos, discounts, rewards, values))
+    log_rhos, discounts, rewards, values = (
+        np.asarray(a, np.float64) for a in (log_rhos, discounts, rewards, values)
+    )
     bootstrap = np.asarray(bootstrap, np.float64)
     n = values.shape[0]
     rho = np.minimum(1.0, np.exp(log_rhos))
@@ -77,7 +95,9 @@ def make_batch(seed: int) -> dict[str, torch.Tensor]:
         "first": first,
         "actions": torch.randint(0, A, (T, B), generator=g),
         # Pong's rewards are +-1; a few larger ones exercise the clip.
-        "rewards": torch.where(torch.rand(T, B, generator=g) < 0.05, torch.randn(T, B, generator=g) * 3, torch.zeros(T, B)),
+        "rewards": torch.where(
+            torch.rand(T, B, generator=g) < 0.05, torch.randn(T, B, generator=g) * 3, torch.zeros(T, B)
+        ),
         "dones": dones,
         "behaviour_logits": torch.randn(T, B, A, generator=g) * 0.5,
     }
@@ -86,7 +106,10 @@ def make_batch(seed: int) -> dict[str, torch.Tensor]:
 def torchbeast_update(model: torch.nn.Module, batch: dict[str, torch.Tensor], hp: dict) -> None:
     """TorchBeast's learn() restated: forward, V-trace, summed losses, clip, RMSprop step."""
     optimizer = torch.optim.RMSprop(
-        model.parameters(), lr=hp["learning_rate"], alpha=hp["rmsprop_alpha"], eps=hp["rmsprop_eps"],
+        model.parameters(),
+        lr=hp["learning_rate"],
+        alpha=hp["rmsprop_alpha"],
+        eps=hp["rmsprop_eps"],
         momentum=hp["rmsprop_momentum"],
     )
     out, _ = model(batch["obs"], batch["first"])
@@ -99,10 +122,16 @@ def torchbeast_update(model: torch.nn.Module, batch: dict[str, torch.Tensor], hp
         target_lp = F.log_softmax(logits, -1).gather(-1, actions[..., None])[..., 0]
         behaviour_lp = F.log_softmax(batch["behaviour_logits"], -1).gather(-1, actions[..., None])[..., 0]
         vs, pg_adv = vtrace_from_equation(
-            (target_lp - behaviour_lp).double(), discounts, rewards.double(), values.double(), bootstrap.double()
+            (target_lp - behaviour_lp).double(),
+            discounts,
+            rewards.double(),
+            values.double(),
+            bootstrap.double(),
         )
     vs, pg_adv = torch.from_numpy(vs).float(), torch.from_numpy(pg_adv).float()
-    cross_entropy = F.nll_loss(F.log_softmax(logits.reshape(T * B, A), -1), actions.reshape(-1), reduction="none")
+    cross_entropy = F.nll_loss(
+        F.log_softmax(logits.reshape(T * B, A), -1), actions.reshape(-1), reduction="none"
+    )
     pg_loss = (cross_entropy.view(T, B) * pg_adv).sum()
     baseline_loss = hp["baseline_cost"] * 0.5 * ((vs - values) ** 2).sum()
     p = F.softmax(logits, -1)
@@ -118,7 +147,9 @@ def _learner(popart: bool, **overrides) -> tuple[VTraceLearner, torch.nn.Module]
     torch.manual_seed(3)
     model = build_model("shallow", OBS, A)
     reference = copy.deepcopy(model)
-    config = ImpalaConfig(**{k: v for k, v in {**PAPER, **overrides, "popart": popart}.items() if k in IMPALA_FIELDS})
+    config = ImpalaConfig(
+        **{k: v for k, v in {**PAPER, **overrides, "popart": popart}.items() if k in IMPALA_FIELDS}
+    )
     return VTraceLearner(model, config, torch.device("cpu"), total_frames=10_000_000), reference
 
 
@@ -129,7 +160,9 @@ def _deltas(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> dict[str
 @pytest.mark.parametrize("popart", [False, True])
 def test_update_equals_torchbeast_with_the_papers_settings(popart):
     learner, reference = _learner(popart)
-    before = {k: v.detach().clone().float() for k, v in reference.state_dict().items() if v.dtype.is_floating_point}
+    before = {
+        k: v.detach().clone().float() for k, v in reference.state_dict().items() if v.dtype.is_floating_point
+    }
     batch = make_batch(seed=11)
     vs = torchbeast_update(reference, batch, PAPER)
     learner.step(batch, frames_done=0)
@@ -145,7 +178,8 @@ def test_update_equals_torchbeast_with_the_papers_settings(popart):
         assert err < 2e-3, f"{name}: update differs from TorchBeast's by {err:.2e} of its size"
 
     if popart:
-        # ART: one EMA step on the batch mean of the targets; POP: W' = W sigma/sigma', b' = (sigma b + mu - mu')/sigma'.
+        # ART: one EMA step on the batch mean of the targets; POP: W' = W sigma/sigma', b' = (sigma b + mu -
+        # mu')/sigma'.
         beta = learner.model.baseline.beta
         v = vs.double()
         mu = beta * v.mean()
@@ -158,13 +192,17 @@ def test_update_equals_torchbeast_with_the_papers_settings(popart):
         want_b = (reference.baseline.linear.bias.double() - mu) / sigma
         moved = (want_w - before["baseline.linear.weight"].double()).abs().max()
         assert (head.linear.weight.double() - want_w).abs().max() < 2e-3 * moved
-        torch.testing.assert_close(head.linear.bias.detach().double(), want_b.detach(), rtol=1e-4, atol=2e-3 * float(moved.detach()))
+        torch.testing.assert_close(
+            head.linear.bias.detach().double(), want_b.detach(), rtol=1e-4, atol=2e-3 * float(moved.detach())
+        )
 
 
 def test_mean_reduction_is_not_the_papers_update():
     """The check above can fail: the same numbers on mean-reduced losses move weights far less."""
     learner, reference = _learner(False, loss_reduction="mean")
-    before = {k: v.detach().clone().float() for k, v in reference.state_dict().items() if v.dtype.is_floating_point}
+    before = {
+        k: v.detach().clone().float() for k, v in reference.state_dict().items() if v.dtype.is_floating_point
+    }
     batch = make_batch(seed=11)
     torchbeast_update(reference, batch, PAPER)
     learner.step(batch, frames_done=0)

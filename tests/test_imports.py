@@ -60,7 +60,7 @@ def _cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                found.append(stack[stack.index(nxt):] + [nxt])
+                found.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = 2

@@ -14,7 +14,17 @@ import torch
 
 from procs import actor_pids, alive, cmdline, descendants, free_port_pair, kill_group, run, start, wait_for
 
-CARTPOLE = ["--env", "CartPole-v1", "--unroll-length", "20", "--batch-size", "8", "--no-progress", "--log-interval", "2"]
+CARTPOLE = [
+    "--env",
+    "CartPole-v1",
+    "--unroll-length",
+    "20",
+    "--batch-size",
+    "8",
+    "--no-progress",
+    "--log-interval",
+    "2",
+]
 
 
 def _done_line(out: str) -> str:
@@ -35,8 +45,27 @@ def _csv_rows(logdir) -> list[dict]:
 def test_cartpole_learns_to_195_within_3_minutes(tmp_path):
     t0 = time.monotonic()
     # The README's CartPole recipe: short unrolls, small batches, a higher learning rate than Atari's.
-    out = run(["launch_impala", "--workers", "2", *CARTPOLE, "--learning-rate", "2e-3", "--total-frames", "400000", "--max-seconds", "170",
-               "--stop-at-return", "195", "--logdir", str(tmp_path), "--log-interval", "5"], timeout=240)
+    out = run(
+        [
+            "launch_impala",
+            "--workers",
+            "2",
+            *CARTPOLE,
+            "--learning-rate",
+            "2e-3",
+            "--total-frames",
+            "400000",
+            "--max-seconds",
+            "170",
+            "--stop-at-return",
+            "195",
+            "--logdir",
+            str(tmp_path),
+            "--log-interval",
+            "5",
+        ],
+        timeout=240,
+    )
     elapsed = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = _done_line(out.stdout)
@@ -48,11 +77,29 @@ def test_cartpole_learns_to_195_within_3_minutes(tmp_path):
 
 def test_pong_smoke_actor_kill_checkpoint_and_resume(tmp_path):
     port = free_port_pair()
-    args = ["--env", "PongDeterministic-v4", "--workers", "2", "--envs-per-worker", "2", "--unroll-length", "20", "--batch-size", "4",
-            "--no-progress", "--log-interval", "1", "--logdir", str(tmp_path), "--port", str(port)]
+    args = [
+        "--env",
+        "PongDeterministic-v4",
+        "--workers",
+        "2",
+        "--envs-per-worker",
+        "2",
+        "--unroll-length",
+        "20",
+        "--batch-size",
+        "4",
+        "--no-progress",
+        "--log-interval",
+        "1",
+        "--logdir",
+        str(tmp_path),
+        "--port",
+        str(port),
+    ]
     proc = start(["launch_impala", *args, "--total-frames", "12000", "--max-seconds", "150"])
     try:
-        # Once frames move, SIGKILL one actor mid-unroll: it must be restarted and no partial unroll may arrive.
+        # Once frames move, SIGKILL one actor mid-unroll: it must be restarted and no partial unroll may
+        # arrive.
         assert wait_for(lambda: os.path.exists(tmp_path / "metrics.csv"), 120), "no metrics written"
         victims = actor_pids(proc.pid)
         assert len(victims) == 2
@@ -72,7 +119,10 @@ def test_pong_smoke_actor_kill_checkpoint_and_resume(tmp_path):
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert ckpt["env_frames"] == frames and ckpt["version"] > 0
 
-    out2 = run(["launch_impala", *args, "--total-frames", str(frames + 4000), "--resume", "--max-seconds", "120"], timeout=200)
+    out2 = run(
+        ["launch_impala", *args, "--total-frames", str(frames + 4000), "--resume", "--max-seconds", "120"],
+        timeout=200,
+    )
     assert out2.returncode == 0, out2.stdout[-3000:] + out2.stderr[-3000:]
     assert f"at {frames} env frames" in out2.stdout + out2.stderr
     line2 = _done_line(out2.stdout)
@@ -82,10 +132,25 @@ def test_pong_smoke_actor_kill_checkpoint_and_resume(tmp_path):
 
 
 def test_learner_sigkill_then_resume_continues_from_checkpoint(tmp_path):
-    proc = start(["launch_impala", "--workers", "2", *CARTPOLE, "--total-frames", "10000000", "--checkpoint-minutes", "0.02", "--logdir", str(tmp_path)])
+    proc = start(
+        [
+            "launch_impala",
+            "--workers",
+            "2",
+            *CARTPOLE,
+            "--total-frames",
+            "10000000",
+            "--checkpoint-minutes",
+            "0.02",
+            "--logdir",
+            str(tmp_path),
+        ]
+    )
     try:
         ckpt_path = tmp_path / "checkpoint.pt"
-        assert wait_for(lambda: ckpt_path.exists() and torch.load(ckpt_path, weights_only=True)["env_frames"] > 20000, 150)
+        assert wait_for(
+            lambda: ckpt_path.exists() and torch.load(ckpt_path, weights_only=True)["env_frames"] > 20000, 150
+        )
         actors = actor_pids(proc.pid)
         assert actors
         os.kill(proc.pid, signal.SIGKILL)
@@ -96,14 +161,38 @@ def test_learner_sigkill_then_resume_continues_from_checkpoint(tmp_path):
         kill_group(proc)
     saved = torch.load(ckpt_path, weights_only=True)
     frames = saved["env_frames"]
-    out = run(["launch_impala", "--workers", "1", *CARTPOLE, "--total-frames", str(frames + 5000), "--resume", "--logdir", str(tmp_path)], timeout=150)
+    out = run(
+        [
+            "launch_impala",
+            "--workers",
+            "1",
+            *CARTPOLE,
+            "--total-frames",
+            str(frames + 5000),
+            "--resume",
+            "--logdir",
+            str(tmp_path),
+        ],
+        timeout=150,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"at {frames} env frames, policy version {saved['version']}" in out.stderr + out.stdout
     assert _frames(_done_line(out.stdout)) >= frames + 5000
 
 
 def test_ctrl_c_leaves_no_child_processes(tmp_path):
-    proc = start(["launch_impala", "--workers", "2", *CARTPOLE, "--total-frames", "10000000", "--logdir", str(tmp_path)])
+    proc = start(
+        [
+            "launch_impala",
+            "--workers",
+            "2",
+            *CARTPOLE,
+            "--total-frames",
+            "10000000",
+            "--logdir",
+            str(tmp_path),
+        ]
+    )
     try:
         assert wait_for(lambda: os.path.exists(tmp_path / "metrics.csv"), 150)
         children = descendants(proc.pid)
@@ -116,7 +205,9 @@ def test_ctrl_c_leaves_no_child_processes(tmp_path):
     assert "(interrupted)" in _done_line(out)
     assert (tmp_path / "checkpoint.pt").exists()
     # Actors are joined before exit; multiprocessing's resource tracker exits once its pipe closes.
-    assert wait_for(lambda: not any(alive(p) for p in children), 10), [cmdline(p) for p in children if alive(p)]
+    assert wait_for(lambda: not any(alive(p) for p in children), 10), [
+        cmdline(p) for p in children if alive(p)
+    ]
 
 
 def test_unknown_env_id_lists_close_matches():
@@ -132,7 +223,10 @@ def test_port_in_use_names_port_and_flag(tmp_path):
     sock = zmq.Context.instance().socket(zmq.PULL)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     try:
-        out = run(["launch_impala", *CARTPOLE, "--workers", "1", "--port", str(port), "--logdir", str(tmp_path)], timeout=60)
+        out = run(
+            ["launch_impala", *CARTPOLE, "--workers", "1", "--port", str(port), "--logdir", str(tmp_path)],
+            timeout=60,
+        )
     finally:
         sock.close()
     assert out.returncode == 2
@@ -143,7 +237,18 @@ def test_port_in_use_names_port_and_flag(tmp_path):
 def test_help_documents_every_option():
     out = run(["launch_impala", "--help"], timeout=60)
     assert out.returncode == 0
-    for flag in ("--workers", "--env", "--total-frames", "--device", "--logdir", "--resume", "--bind", "--start-method", "--popart", "--batch-size"):
+    for flag in (
+        "--workers",
+        "--env",
+        "--total-frames",
+        "--device",
+        "--logdir",
+        "--resume",
+        "--bind",
+        "--start-method",
+        "--popart",
+        "--batch-size",
+    ):
         assert flag in out.stdout
 
 
@@ -158,7 +263,11 @@ def test_env_kwargs_override_is_applied_and_validated(tmp_path):
     with pytest.raises(ConfigError, match="--env-kwargs"):
         RunConfig(env_kwargs="[1, 2]")
     out = run(["launch_impala", "--env-kwargs", "{bad"], timeout=60)
-    assert out.returncode == 2 and "--env-kwargs is not valid JSON" in out.stderr and "Traceback" not in out.stderr
+    assert (
+        out.returncode == 2
+        and "--env-kwargs is not valid JSON" in out.stderr
+        and "Traceback" not in out.stderr
+    )
 
 
 BAD_VALUES = [
@@ -178,7 +287,10 @@ BAD_VALUES = [
     (["--device", "cuda:7"], "--device cuda:7"),
     (["--env", "CartPole-v1", "--model", "deep"], "--model deep: model kind 'deep' needs image observations"),
     (["--env", "CartPole-v1", "--env-kwargs", '{"foo": 1}'], "CartPole-v1 does not accept them"),
-    (["--env", "CartPole-v1", "--logdir", "/proc/no-such-dir"], "--logdir /proc/no-such-dir: cannot create it"),
+    (
+        ["--env", "CartPole-v1", "--logdir", "/proc/no-such-dir"],
+        "--logdir /proc/no-such-dir: cannot create it",
+    ),
 ]
 
 
@@ -207,9 +319,16 @@ def test_preset_values_are_defaults_that_flags_override(tmp_path):
     from learner.launch_impala import parse_args
 
     preset = tmp_path / "p.yaml"
-    preset.write_text("learning-rate: 1e-3\nunroll_length: 80\noptimizer: rmsprop\n")  # YAML 1.1 reads 1e-3 as a string
+    preset.write_text(
+        "learning-rate: 1e-3\nunroll_length: 80\noptimizer: rmsprop\n"
+    )  # YAML 1.1 reads 1e-3 as a string
     args = parse_args(["--config", str(preset), "--unroll-length", "20"])
-    assert (args.learning_rate, args.unroll_length, args.optimizer, args.batch_size) == (0.001, 20, "rmsprop", 32)
+    assert (args.learning_rate, args.unroll_length, args.optimizer, args.batch_size) == (
+        0.001,
+        20,
+        "rmsprop",
+        32,
+    )
     preset.write_text("unroll_length: eighty\n")
     from impala.run.config import ConfigError
 
@@ -229,8 +348,23 @@ def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
     assert args.max_policy_lag is None and args.stop_at_return == 20.0
     # on-policy only, for real: every unroll used was produced by the current weights
     # a row after every update (--log-interval 0): the last row counts every drop, however fast the run went
-    out = run(["launch_impala", "--workers", "2", *CARTPOLE, "--max-policy-lag", "0", "--total-frames", "6000",
-               "--log-interval", "0", "--logdir", str(tmp_path / "run")], timeout=120)
+    out = run(
+        [
+            "launch_impala",
+            "--workers",
+            "2",
+            *CARTPOLE,
+            "--max-policy-lag",
+            "0",
+            "--total-frames",
+            "6000",
+            "--log-interval",
+            "0",
+            "--logdir",
+            str(tmp_path / "run"),
+        ],
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     with open(tmp_path / "run" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
@@ -245,7 +379,8 @@ ANY_NUMBER = {"stop_at_return"}
 
 @pytest.mark.parametrize("cls_name", ["RunConfig", "ImpalaConfig"])
 def test_every_numeric_and_choice_field_rejects_bad_values(cls_name):
-    """Walk every RunConfig and ImpalaConfig field (each is a launch_impala flag) with values that cannot work."""
+    """Walk every RunConfig and ImpalaConfig field (each is a launch_impala flag) with values that cannot
+    work."""
     import dataclasses
     import math
 
@@ -256,8 +391,12 @@ def test_every_numeric_and_choice_field_rejects_bad_values(cls_name):
     accepted = []
     for f in dataclasses.fields(cls):
         choices, kind, _ = field_kind(cls, f.name)
-        bad = {float: [math.nan, math.inf, -math.inf] + ([] if f.name in ANY_NUMBER else [-1.0]), int: [-1],
-               str: [] if f.name in FREE_TEXT else ["BOGUS"], bool: []}[kind]
+        bad = {
+            float: [math.nan, math.inf, -math.inf] + ([] if f.name in ANY_NUMBER else [-1.0]),
+            int: [-1],
+            str: [] if f.name in FREE_TEXT else ["BOGUS"],
+            bool: [],
+        }[kind]
         for value in bad:
             try:
                 cls(**{f.name: value})
@@ -279,8 +418,22 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
     from impala.transport import wire
 
     port = free_port_pair()
-    learner = start(["launch_impala", "--workers", "1", *CARTPOLE, "--port", str(port), "--total-frames", "100000000",
-                     "--max-seconds", "600", "--logdir", str(tmp_path)])
+    learner = start(
+        [
+            "launch_impala",
+            "--workers",
+            "1",
+            *CARTPOLE,
+            "--port",
+            str(port),
+            "--total-frames",
+            "100000000",
+            "--max-seconds",
+            "600",
+            "--logdir",
+            str(tmp_path),
+        ]
+    )
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{port}")
@@ -293,40 +446,58 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
         assert wait_for(lambda: frames_logged(), 90), "the run never started"
         rows_at_forgery = len(frames_logged())
         for actor in (0, 0, 5):  # the local actor's id (twice), then a free remote id
-            sock.send_multipart([bytes(f) for f in wire.encode("hello", actor=actor, version=-1, info={"fingerprint": {"junk": 1}})])
-        # The baseline is taken two log rows (>= 4 s) after the forgeries, when they have long been handled and
+            sock.send_multipart(
+                [
+                    bytes(f)
+                    for f in wire.encode("hello", actor=actor, version=-1, info={"fingerprint": {"junk": 1}})
+                ]
+            )
+        # The baseline is taken two log rows (>= 4 s) after the forgeries, when they have long been handled
+        # and
         # anything actor 0 had queued before them is trained on: frames past it are frames actor 0 made after.
         assert wait_for(lambda: len(frames_logged()) >= rows_at_forgery + 2, 60)
         at_forgery = frames_logged()[-1]
-        assert wait_for(lambda: frames_logged()[-1] >= at_forgery + 4000, 120), (at_forgery, frames_logged()[-3:])
+        assert wait_for(lambda: frames_logged()[-1] >= at_forgery + 4000, 120), (
+            at_forgery,
+            frames_logged()[-3:],
+        )
         learner.send_signal(signal.SIGTERM)
         out, _ = learner.communicate(timeout=60)
     finally:
         sock.close()
         kill_group(learner)
     assert learner.returncode == 0, out[-3000:]
-    assert "ignored a hello in the name of verified actor 0" in out and "no valid local token" in out, out[-3000:]
+    assert "ignored a hello in the name of verified actor 0" in out and "no valid local token" in out, out[
+        -3000:
+    ]
     assert "refused actor 5" in out
     assert _frames(_done_line(out)) >= at_forgery + 4000  # actor 0 kept training after the forgeries
 
 
 @pytest.mark.parametrize("name", ["atari.yaml", "atari_deep.yaml", "pong_small_cpu.yaml", "cartpole.yaml"])
 def test_shipped_presets_load_and_validate(name):
-    """Every preset in configs/ names only real options with valid values, and says where its numbers come from."""
+    """Every preset in configs/ names only real options with valid values, and says where its numbers come
+    from."""
     from learner.launch_impala import parse_args, resolve
 
     path = os.path.join(os.path.dirname(__file__), "..", "configs", name)
     with open(path) as f:
-        assert f.readline().startswith("# "), "a preset starts with a comment saying where its numbers come from"
+        assert f.readline().startswith("# "), (
+            "a preset starts with a comment saying where its numbers come from"
+        )
     run_config, impala = resolve(parse_args(["--config", path]))
     with open(path) as f:
         written = yaml.safe_load(f)
     for key, value in written.items():  # every key of the file is what the run gets
         resolved = getattr(impala, key) if hasattr(impala, key) else getattr(run_config, key)
         if isinstance(resolved, float) and isinstance(value, str):
-            value = float(value)  # YAML 1.1 reads 1e-05 (no dot) as a string; the loader takes it as the number
+            value = float(
+                value
+            )  # YAML 1.1 reads 1e-05 (no dot) as a string; the loader takes it as the number
         assert resolved == value, (name, key, resolved, value)
-    expected_model = {"atari.yaml": "shallow", "atari_deep.yaml": "deep"}.get(name, written.get("model", "auto"))
+    expected_model = {"atari.yaml": "shallow", "atari_deep.yaml": "deep"}.get(
+        name, written.get("model", "auto")
+    )
     assert impala.model == expected_model
     if name == "pong_small_cpu.yaml":
         # the file pins today's defaults; if a default moves, this file (and docs/PONG.md) must say so
@@ -334,22 +505,49 @@ def test_shipped_presets_load_and_validate(name):
         assert dataclasses.replace(impala, model="auto") == default_impala
         assert run_config == default_run
     elif name.startswith("atari"):
-        assert (impala.loss_reduction, impala.optimizer, impala.learning_rate, run_config.unroll_length) == ("sum", "rmsprop", 6e-4, 20)
+        assert (impala.loss_reduction, impala.optimizer, impala.learning_rate, run_config.unroll_length) == (
+            "sum",
+            "rmsprop",
+            6e-4,
+            20,
+        )
 
 
 def test_runs_get_their_own_folders_and_a_used_one_is_never_overwritten(tmp_path, capsys):
-    """The same command twice: the second is refused (one line, exit 2) and the first run's files are untouched;
+    """The same command twice: the second is refused (one line, exit 2) and the first run's files are
+    untouched;
     --force starts over; --resume of the finished run exits 0 at once; config.yaml says what ran."""
     from learner.launch_impala import main
 
-    tiny = ["--env", "CartPole-v1", "--workers", "1", "--in-process", "--unroll-length", "8", "--batch-size", "2",
-            "--minibatches", "1", "--total-frames", "64", "--no-progress", "--device", "cpu", "--runs-dir", str(tmp_path),
-            "--log-interval", "0"]
+    tiny = [
+        "--env",
+        "CartPole-v1",
+        "--workers",
+        "1",
+        "--in-process",
+        "--unroll-length",
+        "8",
+        "--batch-size",
+        "2",
+        "--minibatches",
+        "1",
+        "--total-frames",
+        "64",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--runs-dir",
+        str(tmp_path),
+        "--log-interval",
+        "0",
+    ]
     assert main([*tiny, "--run-id", "first"]) == 0
     folder = tmp_path / "first"
     written = yaml.safe_load((folder / "config.yaml").read_text())
     assert written["env"] == "CartPole-v1" and written["batch_size"] == 2 and written["logdir"] == str(folder)
-    before = {name: (folder / name).stat().st_mtime_ns for name in ("checkpoint.pt", "metrics.csv", "config.yaml")}
+    before = {
+        name: (folder / name).stat().st_mtime_ns for name in ("checkpoint.pt", "metrics.csv", "config.yaml")
+    }
     capsys.readouterr()
     assert main([*tiny, "--run-id", "first"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

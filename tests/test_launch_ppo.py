@@ -45,8 +45,21 @@ LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
 
 def tiny(time_horizon: int = 32) -> list[str]:
     """Crawler.yaml shrunk to a few seconds per update on 2 loaded cores."""
-    return ["--buffer-size", "256", "--batch-size", "64", "--hidden-units", "32", "--num-layers", "1",
-            "--time-horizon", str(time_horizon), "--log-interval", "0", "--no-progress"]
+    return [
+        "--buffer-size",
+        "256",
+        "--batch-size",
+        "64",
+        "--hidden-units",
+        "32",
+        "--num-layers",
+        "1",
+        "--time-horizon",
+        str(time_horizon),
+        "--log-interval",
+        "0",
+        "--no-progress",
+    ]
 
 
 def free_base_port(n: int) -> int:
@@ -79,7 +92,8 @@ def recording_build(path: Path, records: Path, *extra: str) -> Path:
         f"sys.path.insert(0, {str(HERE)!r})\n"
         "from fake_unity import main\n"
         "port = sys.argv[sys.argv.index('--mlagents-port') + 1]\n"
-        f"sys.exit(main(['--preset', 'crawler', *{list(extra)!r}, '--record', {str(records)!r} + f'/player-{{port}}.json'] + sys.argv[1:]))\n"
+        f"sys.exit(main(['--preset', 'crawler', *{list(extra)!r}, '--record', {str(records)!r} + "
+        f"f'/player-{{port}}.json'] + sys.argv[1:]))\n"
     )
     path.chmod(0o755)
     return path
@@ -108,11 +122,25 @@ def wait_records(records: Path, ports: list[int], timeout: float = 20.0) -> dict
 
 def check_metrics(rows: list[dict[str, str]]) -> None:
     assert rows, "metrics.csv has no rows"
-    for key in ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
-                "losses/clip_fraction", "health/explained_variance", "charts/fps", "transport/rejected_nan"):
+    for key in (
+        "losses/policy_loss",
+        "losses/value_loss",
+        "losses/entropy",
+        "losses/approx_kl",
+        "losses/clip_fraction",
+        "health/explained_variance",
+        "charts/fps",
+        "transport/rejected_nan",
+    ):
         assert key in rows[0], f"{key} not in metrics.csv columns"
     for row in rows:
-        for key in ("losses/policy_loss", "losses/value_loss", "losses/total", "losses/approx_kl", "losses/clip_fraction"):
+        for key in (
+            "losses/policy_loss",
+            "losses/value_loss",
+            "losses/total",
+            "losses/approx_kl",
+            "losses/clip_fraction",
+        ):
             assert math.isfinite(float(row[key])), (key, row[key])
 
 
@@ -124,7 +152,17 @@ def test_unity_two_workers_train_and_resume(tmp_path):
     records = tmp_path / "records"
     build = recording_build(tmp_path / "FakeCrawler.x86_64", records)
     logdir = tmp_path / "run"
-    common = ["--unity-build", str(build), "--workers", "2", "--unity-base-port", str(base), "--logdir", str(logdir), *tiny()]
+    common = [
+        "--unity-build",
+        str(build),
+        "--workers",
+        "2",
+        "--unity-base-port",
+        str(base),
+        "--logdir",
+        str(logdir),
+        *tiny(),
+    ]
 
     first = launch(*common, "--total-steps", "900")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -140,7 +178,9 @@ def test_unity_two_workers_train_and_resume(tmp_path):
     for port, r in rec.items():
         assert r["port"] == port and r["engine_config"]["time_scale"] == 20.0, r
         assert r["error"] is None and not r["protocol_errors"], r
-    assert rec[base]["seed"] == 0 and rec[base + 1]["seed"] == 1000  # ActorConfig.seed = seed + 1000 * worker_id
+    assert (
+        rec[base]["seed"] == 0 and rec[base + 1]["seed"] == 1000
+    )  # ActorConfig.seed = seed + 1000 * worker_id
     assert rec[base]["n_steps"] > 0 and rec[base + 1]["n_steps"] > 0
     assert rec[base + 2]["shutdown"] == "quit"  # the probe closed its instance properly
 
@@ -162,8 +202,20 @@ def test_single_process_mode(tmp_path):
     records = tmp_path / "records"
     build = recording_build(tmp_path / "FakeCrawler.x86_64", records)
     logdir = tmp_path / "run"
-    out = launch("--unity-build", str(build), "--workers", "1", "--in-process", "--unity-base-port", str(base), "--logdir", str(logdir),
-                 "--total-steps", "600", *tiny())
+    out = launch(
+        "--unity-build",
+        str(build),
+        "--workers",
+        "1",
+        "--in-process",
+        "--unity-base-port",
+        str(base),
+        "--logdir",
+        str(logdir),
+        "--total-steps",
+        "600",
+        *tiny(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "started 1 actors (threads)" in out.stderr
     assert (logdir / "checkpoint.pt").exists()
@@ -177,15 +229,25 @@ def test_single_process_mode(tmp_path):
 def test_ant_stand_in(tmp_path):
     pytest.importorskip("mujoco")
     logdir = tmp_path / "ant"
-    out = launch("--workers", "1", "--envs-per-worker", "2", "--total-steps", "700", "--logdir", str(logdir),
-                 *tiny(time_horizon=64))
+    out = launch(
+        "--workers",
+        "1",
+        "--envs-per-worker",
+        "2",
+        "--total-steps",
+        "700",
+        "--logdir",
+        str(logdir),
+        *tiny(time_horizon=64),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     stand_in = [line for line in out.stdout.splitlines() if "STAND-IN" in line]
     assert len(stand_in) == 1 and "Ant-v5" in stand_in[0] and "--unity-build" in stand_in[0]
     rows = read_csv(logdir / "metrics.csv")
     check_metrics(rows)
     assert float(rows[-1]["charts/updates"]) >= 2
-    # The mlagents preset's trajectory handling (#15): nothing dropped for its age, unfinished trajectories kept.
+    # The mlagents preset's trajectory handling (#15): nothing dropped for its age, unfinished trajectories
+    # kept.
     assert "charts/pending_steps" in rows[-1] and float(rows[-1].get("transport/dropped_stale") or 0) == 0
 
 
@@ -203,7 +265,8 @@ def assert_clean_error(out: subprocess.CompletedProcess, *needles: str) -> None:
 
 def launch_here(capsys, *args: str) -> subprocess.CompletedProcess:
     """launch_ppo's main in this process, as a CompletedProcess (for errors raised before any process starts;
-    test_build_that_never_answers and test_bad_log_level_is_an_argparse_error_not_a_traceback run the real command)."""
+    test_build_that_never_answers and test_bad_log_level_is_an_argparse_error_not_a_traceback run the real
+    command)."""
     from learner.launch_ppo import main
 
     threads = torch.get_num_threads()
@@ -217,7 +280,15 @@ def launch_here(capsys, *args: str) -> subprocess.CompletedProcess:
 
 def test_missing_build(tmp_path, capsys):
     missing = tmp_path / "nowhere" / "Crawler.x86_64"
-    out = launch_here(capsys, "--unity-build", str(missing), "--logdir", str(tmp_path / "r"), "--unity-base-port", str(free_base_port(3)))
+    out = launch_here(
+        capsys,
+        "--unity-build",
+        str(missing),
+        "--logdir",
+        str(tmp_path / "r"),
+        "--unity-base-port",
+        str(free_base_port(3)),
+    )
     assert_clean_error(out, str(missing), "not found")
 
 
@@ -225,15 +296,29 @@ def test_build_that_never_answers(tmp_path):
     base = free_base_port(3)
     build = write_fake_build(tmp_path / "Hang.x86_64", preset="crawler", args=["--hang"])
     t0 = time.monotonic()
-    out = launch("--unity-build", str(build), "--workers", "2", "--unity-timeout", "2", "--unity-base-port", str(base),
-                 "--logdir", str(tmp_path / "r"))
+    out = launch(
+        "--unity-build",
+        str(build),
+        "--workers",
+        "2",
+        "--unity-timeout",
+        "2",
+        "--unity-base-port",
+        str(base),
+        "--logdir",
+        str(tmp_path / "r"),
+    )
     assert_clean_error(out, str(build), f"port {base + 2}", "did not connect")
     assert time.monotonic() - t0 < 60
 
 
 def test_unknown_yaml_key(tmp_path, capsys):
     bad = tmp_path / "Crawler.yaml"
-    text = (HERE.parent / "configs" / "Crawler.yaml").read_text().replace("      num_epoch: 3\n", "      num_epoch: 3\n      num_epochs: 5\n")
+    text = (
+        (HERE.parent / "configs" / "Crawler.yaml")
+        .read_text()
+        .replace("      num_epoch: 3\n", "      num_epoch: 3\n      num_epochs: 5\n")
+    )
     bad.write_text(text)
     out = launch_here(capsys, "--mlagents-config", str(bad), "--logdir", str(tmp_path / "r"))
     assert_clean_error(out, "behaviors.Crawler.hyperparameters.num_epochs", "unknown key")
@@ -262,7 +347,9 @@ def _trainer(cfg: PPOConfig, unroll_length: int = 8, **run: object) -> PPOTraine
     """A trainer for 3-value observations and 2 actions in [-1, 1] (the spaces a probe would report)."""
     ones = np.ones(2, np.float32)
     env = EnvInfo(EnvSpec("Pendulum-v1"), (3,), "float32", "Box", "Box", action_low=-ones, action_high=ones)
-    return PPOTrainer(cfg, RunConfig(env="Pendulum-v1", unroll_length=unroll_length, device="cpu", **run), env)
+    return PPOTrainer(
+        cfg, RunConfig(env="Pendulum-v1", unroll_length=unroll_length, device="cpu", **run), env
+    )
 
 
 def _message(trainer: PPOTrainer, arrays: dict[str, np.ndarray]) -> wire.Message:
@@ -282,8 +369,15 @@ def test_piece_from_unroll_bootstraps_from_final_obs():
 
 def test_nan_unroll_rejected_and_counted():
     # The same unroll three times is no continuing stream: 'rollout' processes each as it comes.
-    cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=8,
-                           trajectory_handling="rollout")
+    cfg = PPOConfig.preset(
+        "mlagents",
+        buffer_size=16,
+        batch_size=8,
+        hidden_units=8,
+        num_layers=1,
+        time_horizon=8,
+        trajectory_handling="rollout",
+    )
     trainer = _trainer(cfg)
     rng = np.random.default_rng(1)
     good = _unroll(8, 3, 2, rng)
@@ -297,8 +391,12 @@ def test_nan_unroll_rejected_and_counted():
     assert trainer.ready()
     m = trainer.update(24)
     assert m["transport/rejected_nan"] == 1.0
-    assert all(math.isfinite(m[k]) for k in ("losses/policy_loss", "losses/approx_kl", "health/explained_variance"))
-    assert float(trainer.learner.policy.actor_norm.steps) == float(steps) + 24  # the NaN piece never reached the normalizer
+    assert all(
+        math.isfinite(m[k]) for k in ("losses/policy_loss", "losses/approx_kl", "health/explained_variance")
+    )
+    assert (
+        float(trainer.learner.policy.actor_norm.steps) == float(steps) + 24
+    )  # the NaN piece never reached the normalizer
 
 
 def _stream_unrolls(n: int, T: int, D: int, A: int, rng, ends: dict[int, str]) -> list[dict[str, np.ndarray]]:
@@ -310,9 +408,15 @@ def _stream_unrolls(n: int, T: int, D: int, A: int, rng, ends: dict[int, str]) -
     out = []
     for k in range(n):
         a, b = k * T, (k + 1) * T
-        u = {"obs": obs[a : b + 1].copy(), "actions": rng.normal(size=(T, A)).astype(np.float32),
-             "log_probs": (rng.normal(size=(T, A)) - 1).astype(np.float32), "rewards": rng.normal(size=T).astype(np.float32),
-             "terminated": np.zeros(T, bool), "truncated": np.zeros(T, bool), "final_obs": np.zeros((T, D), np.float32)}
+        u = {
+            "obs": obs[a : b + 1].copy(),
+            "actions": rng.normal(size=(T, A)).astype(np.float32),
+            "log_probs": (rng.normal(size=(T, A)) - 1).astype(np.float32),
+            "rewards": rng.normal(size=T).astype(np.float32),
+            "terminated": np.zeros(T, bool),
+            "truncated": np.zeros(T, bool),
+            "final_obs": np.zeros((T, D), np.float32),
+        }
         for t, how in ends.items():
             if a <= t < b:
                 u[how][t - a] = True
@@ -324,12 +428,16 @@ def _stream_unrolls(n: int, T: int, D: int, A: int, rng, ends: dict[int, str]) -
 def test_trainer_cuts_mlagents_trajectories_across_unrolls():
     """trajectory_handling='mlagents' through the real codec: unrolls of 8, time_horizon 5; an episode ends at
     step 6, so trajectories are 0-4 (horizon), 5-6 (end), 7-11 (horizon from its own start), 12-16, ..."""
-    cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=5)
+    cfg = PPOConfig.preset(
+        "mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=5
+    )
     trainer = _trainer(cfg, unroll_length=8, max_policy_lag=None)
     rng = np.random.default_rng(5)
     unrolls = _stream_unrolls(3, 8, 3, 2, rng, {6: "terminated"})
     assert trainer.ingest(_message(trainer, unrolls[0]), 0)
-    assert trainer.learner.total_steps == 7 and trainer.learner.trajectories.pending_steps == 1  # 0-4, 5-6; 7 waits
+    assert (
+        trainer.learner.total_steps == 7 and trainer.learner.trajectories.pending_steps == 1
+    )  # 0-4, 5-6; 7 waits
     assert trainer.ingest(_message(trainer, unrolls[1]), 0)
     starts = trainer.learner.buffer.stacked()["obs"][:, 0].numpy()
     assert trainer.learner.total_steps == 12 and list(starts[[0, 5, 7]]) == [0, 5, 7] and starts[-1] == 11
@@ -341,12 +449,16 @@ def test_trainer_cuts_mlagents_trajectories_across_unrolls():
     assert m["charts/pending_steps"] == 2.0 and m["charts/broken_trajectories"] == 0.0
     # Actors wait for their share of an update even without an on-policy lag limit (ML-Agents is synchronous).
     assert trainer.agent.unrolls_per_update == unrolls_per_update(cfg, 8, trainer.n_envs) > 0
-    rollout = _trainer(dataclasses.replace(cfg, trajectory_handling="rollout"), unroll_length=8, max_policy_lag=None)
+    rollout = _trainer(
+        dataclasses.replace(cfg, trajectory_handling="rollout"), unroll_length=8, max_policy_lag=None
+    )
     assert rollout.agent.unrolls_per_update == 0  # off-policy rollouts: actors never wait
 
 
 def test_huge_finite_unrolls_are_dropped_on_receipt():
-    cfg = PPOConfig.preset("mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=8)
+    cfg = PPOConfig.preset(
+        "mlagents", buffer_size=16, batch_size=8, hidden_units=8, num_layers=1, time_horizon=8
+    )
     trainer = _trainer(cfg)
     rng = np.random.default_rng(2)
     assert trainer.validate(_unroll(8, 3, 2, rng)) is None
@@ -363,10 +475,15 @@ def test_huge_finite_unrolls_are_dropped_on_receipt():
 
 def test_choose_unroll_length():
     ml = PPOConfig.preset("mlagents", time_horizon=1000, buffer_size=20480, batch_size=2048)
-    assert choose_unroll_length(ml, 0) == (16, None)  # the learner cuts the trajectories (#15): a short transport unit
+    assert choose_unroll_length(ml, 0) == (
+        16,
+        None,
+    )  # the learner cuts the trajectories (#15): a short transport unit
     assert choose_unroll_length(ml, 40) == (40, None)
     assert choose_unroll_length(PPOConfig.preset("mlagents", time_horizon=8), 0) == (8, None)
-    ml_rollout = PPOConfig.preset("mlagents", time_horizon=1000, buffer_size=20480, batch_size=2048, trajectory_handling="rollout")
+    ml_rollout = PPOConfig.preset(
+        "mlagents", time_horizon=1000, buffer_size=20480, batch_size=2048, trajectory_handling="rollout"
+    )
     assert choose_unroll_length(ml_rollout, 0) == (1000, None)
     sb = PPOConfig.preset("sb3", time_horizon=2048, buffer_size=2048)
     T, note = choose_unroll_length(sb, 0)
@@ -393,9 +510,24 @@ def test_readme_pendulum_example_drops_nothing(tmp_path, capsys, caplog):
     caplog.set_level(logging.INFO)  # the launcher's plan line names T
     threads = torch.get_num_threads()
     try:
-        rc = launch_ppo.main(["--env", "Pendulum-v1", "--semantics", "sb3", "--workers", "1", "--in-process",
-                              "--total-steps", "8192", "--no-progress", "--device", "cpu",
-                              "--logdir", str(tmp_path / "run")])
+        rc = launch_ppo.main(
+            [
+                "--env",
+                "Pendulum-v1",
+                "--semantics",
+                "sb3",
+                "--workers",
+                "1",
+                "--in-process",
+                "--total-steps",
+                "8192",
+                "--no-progress",
+                "--device",
+                "cpu",
+                "--logdir",
+                str(tmp_path / "run"),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr()
@@ -435,7 +567,9 @@ def test_agent_clips_env_actions_and_records_raw(semantics):
 def test_agent_waits_after_its_share_of_completed_trajectories():
     """trajectory_handling='mlagents': the share of an update is counted in steps of trajectories this actor
     completed (episode end or time_horizon from the trajectory's start) since the weights arrived."""
-    cfg = PPOConfig.preset("mlagents", hidden_units=8, num_layers=1, buffer_size=16, batch_size=8, time_horizon=4)
+    cfg = PPOConfig.preset(
+        "mlagents", hidden_units=8, num_layers=1, buffer_size=16, batch_size=8, time_horizon=4
+    )
     obs = np.zeros((3, 4))
     spec = PPOAgentSpec(cfg, 4, 2, (-1.0, -1.0), (1.0, 1.0), unrolls_per_update=1, params_wait_s=5.0)
     agent = PPOAgent(spec, envs=_Envs(), first_obs=obs, unroll_length=2, seed=0)
@@ -450,8 +584,21 @@ def test_agent_waits_after_its_share_of_completed_trajectories():
     assert agent.completed_steps == 9 and agent.params_wait_s(2) == 5.0
     agent.load_params(dict(agent.policy.state_dict()))  # new weights: a new share
     assert agent.completed_steps == 0 and agent.params_wait_s(0) == 0.0
-    rollout = PPOAgent(PPOAgentSpec(dataclasses.replace(cfg, trajectory_handling="rollout"), 4, 2, (-1.0, -1.0), (1.0, 1.0),
-                                    unrolls_per_update=1, params_wait_s=5.0), envs=_Envs(), first_obs=obs, unroll_length=2, seed=0)
+    rollout = PPOAgent(
+        PPOAgentSpec(
+            dataclasses.replace(cfg, trajectory_handling="rollout"),
+            4,
+            2,
+            (-1.0, -1.0),
+            (1.0, 1.0),
+            unrolls_per_update=1,
+            params_wait_s=5.0,
+        ),
+        envs=_Envs(),
+        first_obs=obs,
+        unroll_length=2,
+        seed=0,
+    )
     assert rollout.params_wait_s(1) == 5.0  # counted in unrolls
 
 
@@ -475,20 +622,30 @@ RUN_BAD_VALUES = [
 def test_bad_run_values_are_one_line_errors(argv, message, capsys, tmp_path):
     from learner.launch_ppo import main
 
-    assert main(["--env", "Pendulum-v1", "--workers", "1", "--in-process", "--logdir", str(tmp_path), *argv]) == 2
+    assert (
+        main(["--env", "Pendulum-v1", "--workers", "1", "--in-process", "--logdir", str(tmp_path), *argv])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("launch_ppo: error: ") and message in err[0], err
 
 
 def test_bad_log_level_is_an_argparse_error_not_a_traceback():
-    out = subprocess.run([sys.executable, "-m", "learner.launch_ppo", "--log-level", "BOGUS"], capture_output=True, text=True, timeout=60,
-                         cwd=HERE.parent)
+    out = subprocess.run(
+        [sys.executable, "-m", "learner.launch_ppo", "--log-level", "BOGUS"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=HERE.parent,
+    )
     assert out.returncode == 2 and "invalid choice: 'BOGUS'" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_config_preset_sets_run_launch_and_ppo_options_and_flags_win(tmp_path):
-    """launch_ppo --config: the shipped Pendulum preset resolves key by key; a flag given beside it wins; a PPO
-    option set by the preset counts as chosen (not overwritten by --semantics' preset); an unknown key is one line."""
+    """launch_ppo --config: the shipped Pendulum preset resolves key by key; a flag given beside it wins; a
+    PPO
+    option set by the preset counts as chosen (not overwritten by --semantics' preset); an unknown key is
+    one line."""
     import yaml as _yaml
 
     from impala.run.ppo_config import config_from_args
@@ -498,12 +655,21 @@ def test_config_preset_sets_run_launch_and_ppo_options_and_flags_win(tmp_path):
     args = parse_args(["--config", path])
     written = _yaml.safe_load(open(path))
     assert (args.env, args.ppo__semantics, args.workers, args.in_process, args.total_steps) == (
-        written["env"], written["semantics"], written["workers"], written["in_process"], written["total_steps"])
+        written["env"],
+        written["semantics"],
+        written["workers"],
+        written["in_process"],
+        written["total_steps"],
+    )
     mine = tmp_path / "p.yaml"
     mine.write_text("semantics: sb3\nbatch_size: 128\nworkers: 3\n")
     args = parse_args(["--config", str(mine), "--workers", "1"])
     cfg = config_from_args(args)
-    assert (args.workers, cfg.batch_size, cfg.advantage_norm) == (1, 128, "minibatch")  # sb3's, batch from the file
+    assert (args.workers, cfg.batch_size, cfg.advantage_norm) == (
+        1,
+        128,
+        "minibatch",
+    )  # sb3's, batch from the file
     mine.write_text("batch_sise: 128\n")
     with pytest.raises(ConfigError, match="unknown option 'batch_sise'; did you mean batch_size"):
         parse_args(["--config", str(mine)])

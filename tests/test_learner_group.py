@@ -18,8 +18,13 @@ T, B, A, OBS = 5, 4, 6, (4, 84, 84)
 PRESET = os.path.join(os.path.dirname(__file__), "..", "configs", "atari.yaml")
 FIELDS = {f.name for f in dataclasses.fields(ImpalaConfig)}
 CONFIGS = {
-    "paper+popart": ImpalaConfig(**{**{k: v for k, v in load_preset(PRESET, (RunConfig, ImpalaConfig)).items() if k in FIELDS},
-                                    "batch_size": B, "popart": True}),
+    "paper+popart": ImpalaConfig(
+        **{
+            **{k: v for k, v in load_preset(PRESET, (RunConfig, ImpalaConfig)).items() if k in FIELDS},
+            "batch_size": B,
+            "popart": True,
+        }
+    ),
     "defaults+popart": ImpalaConfig(batch_size=B, minibatches=1, epochs=1, popart=True),
 }
 
@@ -60,7 +65,9 @@ def _rank(rank: int, world: int, store: str, outs: dict[str, str]) -> None:
             learner = _learner(CONFIGS[name], LearnerGroup())
             share = B // world
             batch = {k: v[:, rank * share : (rank + 1) * share].contiguous() for k, v in _batch().items()}
-            for _ in range(2):  # two updates: the second starts from the first's PopArt statistics and optimizer state
+            for _ in range(
+                2
+            ):  # two updates: the second starts from the first's PopArt statistics and optimizer state
                 learner.step(batch, frames_done=0)
             torch.save(learner.model.state_dict(), out)
     finally:
@@ -73,7 +80,12 @@ def group_results(tmp_path_factory) -> dict[str, list[str]]:
     tmp, world = tmp_path_factory.mktemp("group"), 2
     outs = {name: [str(tmp / f"{name}-rank{r}.pt") for r in range(world)] for name in CONFIGS}
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, str(tmp / "store"), {name: o[r] for name, o in outs.items()})) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_rank, args=(r, world, str(tmp / "store"), {name: o[r] for name, o in outs.items()})
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -94,7 +106,8 @@ def test_two_ranks_on_half_batches_equal_one_learner_on_the_whole_batch(name, gr
     for out in outs:
         got = torch.load(out)
         for key, value in want.items():
-            # Not bit for bit: each rank reduces its half in float32 and the all-reduce adds the halves, so sums run
+            # Not bit for bit: each rank reduces its half in float32 and the all-reduce adds the halves, so
+            # sums run
             # in another order than one learner's (and AVX2 vs AVX-512 kernels and thread counts reorder them
             # too). After two updates that moves values by up to ~2e-6 relative (PopArt's nu: 11.176605 vs
             # 11.176584 on an AVX-512 Xeon); 2e-5 leaves room for that while an unsynchronized group misses by
@@ -103,13 +116,17 @@ def test_two_ranks_on_half_batches_equal_one_learner_on_the_whole_batch(name, gr
 
 
 def test_one_learner_is_not_the_sum_of_two_unsynchronized_halves(tmp_path):
-    """The comparison has teeth: a learner that steps on half the batch alone differs from the whole-batch step."""
+    """The comparison has teeth: a learner that steps on half the batch alone differs from the whole-batch
+    step."""
     half = _learner(CONFIGS["defaults+popart"])
     batch = {k: v[:, : B // 2].contiguous() for k, v in _batch().items()}
     half.step(batch, frames_done=0)
     whole = _learner(CONFIGS["defaults+popart"])
     whole.step(_batch(), frames_done=0)
-    diffs = [float((half.model.state_dict()[k].double() - v.double()).abs().max()) for k, v in whole.model.state_dict().items()]
+    diffs = [
+        float((half.model.state_dict()[k].double() - v.double()).abs().max())
+        for k, v in whole.model.state_dict().items()
+    ]
     assert max(diffs) > 1e-4
 
 
@@ -123,12 +140,34 @@ def test_launch_impala_with_two_learner_ranks_learns_resumes_and_leaves_nothing(
     sys.path.insert(0, os.path.dirname(__file__))
     from procs import alive, cmdline, descendants, kill_group, run, start, wait_for
 
-    common = ["launch_impala", "--env", "CartPole-v1", "--learners", "2", "--workers", "2", "--unroll-length", "20", "--batch-size", "8",
-              "--learning-rate", "2e-3", "--no-progress", "--log-interval", "5", "--logdir", str(tmp_path)]
-    out = run([*common, "--total-frames", "200000", "--max-seconds", "120", "--stop-at-return", "60"], timeout=200)
+    common = [
+        "launch_impala",
+        "--env",
+        "CartPole-v1",
+        "--learners",
+        "2",
+        "--workers",
+        "2",
+        "--unroll-length",
+        "20",
+        "--batch-size",
+        "8",
+        "--learning-rate",
+        "2e-3",
+        "--no-progress",
+        "--log-interval",
+        "5",
+        "--logdir",
+        str(tmp_path),
+    ]
+    out = run(
+        [*common, "--total-frames", "200000", "--max-seconds", "120", "--stop-at-return", "60"], timeout=200
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     done = [line for line in out.stdout.splitlines() if line.startswith("launch_impala: done")][-1]
-    assert float(re.search(r"mean return \(last 100\) ([\d.]+)", done).group(1)) >= 60, done  # random play: about 22
+    assert float(re.search(r"mean return \(last 100\) ([\d.]+)", done).group(1)) >= 60, (
+        done
+    )  # random play: about 22
     frames = int(re.search(r"done: (\d+) env frames", done).group(1))
     out = run([*common, "--resume", "--total-frames", str(frames + 4000)], timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -140,9 +179,13 @@ def test_launch_impala_with_two_learner_ranks_learns_resumes_and_leaves_nothing(
         # training again (new metrics rows), so the follower and both actors are in their loops
         assert wait_for(lambda: (tmp_path / "metrics.csv").read_text().count("\n") > rows + 1, 120)
         children = descendants(proc.pid)
-        assert len(children) >= 3, [cmdline(p) for p in children]  # the follower, 2 actors (+ multiprocessing's tracker)
+        assert len(children) >= 3, [
+            cmdline(p) for p in children
+        ]  # the follower, 2 actors (+ multiprocessing's tracker)
         os.kill(proc.pid, signal.SIGKILL)
-        assert wait_for(lambda: not any(alive(p) for p in children), 60), [cmdline(p) for p in children if alive(p)]
+        assert wait_for(lambda: not any(alive(p) for p in children), 60), [
+            cmdline(p) for p in children if alive(p)
+        ]
     finally:
         kill_group(proc)
 
@@ -156,11 +199,38 @@ def test_a_lost_follower_ends_the_run_with_one_line_and_a_checkpoint(tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from procs import cmdline, descendants, kill_group, start, wait_for
 
-    proc = start(["launch_impala", "--env", "CartPole-v1", "--learners", "2", "--workers", "1", "--unroll-length", "20", "--batch-size", "8",
-                  "--no-progress", "--log-interval", "1", "--total-frames", "10000000", "--logdir", str(tmp_path)])
+    proc = start(
+        [
+            "launch_impala",
+            "--env",
+            "CartPole-v1",
+            "--learners",
+            "2",
+            "--workers",
+            "1",
+            "--unroll-length",
+            "20",
+            "--batch-size",
+            "8",
+            "--no-progress",
+            "--log-interval",
+            "1",
+            "--total-frames",
+            "10000000",
+            "--logdir",
+            str(tmp_path),
+        ]
+    )
     try:
-        assert wait_for(lambda: (tmp_path / "metrics.csv").exists() and (tmp_path / "metrics.csv").read_text().count("\n") > 2, 120)
-        follower = [p for p in descendants(proc.pid) if "pipe_handle" in cmdline(p)][0]  # the first spawned child is rank 1
+        assert wait_for(
+            lambda: (
+                (tmp_path / "metrics.csv").exists() and (tmp_path / "metrics.csv").read_text().count("\n") > 2
+            ),
+            120,
+        )
+        follower = [p for p in descendants(proc.pid) if "pipe_handle" in cmdline(p)][
+            0
+        ]  # the first spawned child is rank 1
         os.kill(follower, signal.SIGKILL)
         err, _ = proc.communicate(timeout=90)  # stdout and stderr together
     finally:
@@ -168,4 +238,6 @@ def test_a_lost_follower_ends_the_run_with_one_line_and_a_checkpoint(tmp_path):
     lines = [line for line in err.splitlines() if line.startswith("launch_impala: error:")]
     assert proc.returncode == 1, err[-3000:]
     assert len(lines) == 1 and "a learner rank stopped" in lines[0] and "Traceback" not in err, err[-3000:]
-    assert (tmp_path / "checkpoint.pt").exists() and "--resume continues" in lines[0]  # named only because it exists
+    assert (tmp_path / "checkpoint.pt").exists() and "--resume continues" in lines[
+        0
+    ]  # named only because it exists

@@ -22,7 +22,9 @@ def test_orthogonal_init_gains_and_zero_biases():
     for layer in (model.torso.conv1, model.torso.conv2, model.torso.fc):
         w = layer.weight.detach().flatten(1)
         rows = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
-        torch.testing.assert_close(rows, 2.0 * torch.eye(rows.shape[0]), atol=1e-4, rtol=0)  # orthogonal, gain sqrt(2)
+        torch.testing.assert_close(
+            rows, 2.0 * torch.eye(rows.shape[0]), atol=1e-4, rtol=0
+        )  # orthogonal, gain sqrt(2)
         assert layer.bias.abs().max() == 0
     p = model.policy.weight.detach()
     torch.testing.assert_close(p @ p.T, 1e-4 * torch.eye(6), atol=1e-8, rtol=0)  # gain 0.01
@@ -69,7 +71,11 @@ def test_logit_spread_is_zero_for_a_state_independent_policy():
 def test_step_fraction_matches_the_optimizer_state(kind):
     w = torch.nn.Parameter(torch.zeros(4))
     eps = 1e-3
-    opt = torch.optim.RMSprop([w], lr=0.1, eps=eps, alpha=0.9) if kind == "rmsprop" else torch.optim.Adam([w], lr=0.1, eps=eps, betas=(0.9, 0.99))
+    opt = (
+        torch.optim.RMSprop([w], lr=0.1, eps=eps, alpha=0.9)
+        if kind == "rmsprop"
+        else torch.optim.Adam([w], lr=0.1, eps=eps, betas=(0.9, 0.99))
+    )
     grads = [torch.tensor([1.0, 1e-2, 1e-4, 0.0]), torch.tensor([2.0, 1e-2, 1e-4, 0.0])]
     for g in grads:
         w.grad = g.clone()
@@ -86,7 +92,9 @@ def test_step_fraction_matches_the_optimizer_state(kind):
 def test_learner_reports_health_every_update():
     torch.manual_seed(0)
     config = ImpalaConfig(batch_size=3, minibatches=1, loss_reduction="mean", optimizer="adam")
-    learner = VTraceLearner(build_model("shallow", (4, 84, 84), 6), config, torch.device("cpu"), total_frames=1000)
+    learner = VTraceLearner(
+        build_model("shallow", (4, 84, 84), 6), config, torch.device("cpu"), total_frames=1000
+    )
     g = torch.Generator().manual_seed(1)
     batch = {
         "obs": torch.randint(0, 256, (6, 3, 4, 84, 84), generator=g, dtype=torch.uint8),
@@ -97,7 +105,13 @@ def test_learner_reports_health_every_update():
         "behaviour_logits": torch.zeros(5, 3, 6),
     }
     m = learner.step(batch, frames_done=0)
-    for key in ("health/step_fraction", "health/logit_spread", "health/alive_conv1", "health/alive_conv2", "health/alive_fc"):
+    for key in (
+        "health/step_fraction",
+        "health/logit_spread",
+        "health/alive_conv1",
+        "health/alive_conv2",
+        "health/alive_fc",
+    ):
         assert np.isfinite(m[key]), key
     assert 0 < m["health/step_fraction"] <= 1
     assert 0 < m["health/alive_conv1"] <= 1

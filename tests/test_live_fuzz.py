@@ -56,9 +56,16 @@ def _hostile_messages(rng: np.random.Generator, n: int, run_id: str) -> list[lis
             bad["rewards"][0] = np.nan
             frames = [bytes(f) for f in wire.encode("unroll", actor=0, version=0, arrays=bad)]
         elif kind == 4:  # a version from the future, from an unknown id
-            frames = [bytes(f) for f in wire.encode("unroll", actor=int(rng.integers(1, 1 << 20)), version=2**62, arrays=good)]
+            frames = [
+                bytes(f)
+                for f in wire.encode(
+                    "unroll", actor=int(rng.integers(1, 1 << 20)), version=2**62, arrays=good
+                )
+            ]
         elif kind == 5:  # forged hello for the local actor, junk fingerprint
-            frames = [bytes(f) for f in wire.encode("hello", actor=0, version=-1, info={"fingerprint": {"junk": 1}})]
+            frames = [
+                bytes(f) for f in wire.encode("hello", actor=0, version=-1, info={"fingerprint": {"junk": 1}})
+            ]
         elif kind == 6:  # wrong dtype declared
             header = json.loads(frames[0])
             header["arrays"][0][1] = "float64"
@@ -71,9 +78,30 @@ def _hostile_messages(rng: np.random.Generator, n: int, run_id: str) -> list[lis
 
 def test_live_fuzz_against_a_running_learner(tmp_path):
     port = free_port_pair()
-    learner = start(["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--unroll-length", str(T), "--batch-size", "8",
-                     "--port", str(port), "--total-frames", "10000000", "--max-seconds", "170", "--no-progress",
-                     "--log-interval", "2", "--logdir", str(tmp_path)])
+    learner = start(
+        [
+            "launch_impala",
+            "--env",
+            "CartPole-v1",
+            "--workers",
+            "1",
+            "--unroll-length",
+            str(T),
+            "--batch-size",
+            "8",
+            "--port",
+            str(port),
+            "--total-frames",
+            "10000000",
+            "--max-seconds",
+            "170",
+            "--no-progress",
+            "--log-interval",
+            "2",
+            "--logdir",
+            str(tmp_path),
+        ]
+    )
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100000)
@@ -92,7 +120,9 @@ def test_live_fuzz_against_a_running_learner(tmp_path):
         frames_at_flood = _last(metrics, "charts/env_frames")
         hostile_unrolls = n - n // 8  # the hellos among them are refused and logged instead
         # The receive thread shares the GIL with training: let it drain the flood, then stop the run.
-        assert wait_for(lambda: _last(metrics, "transport/dropped") >= hostile_unrolls, 120), _last(metrics, "transport/dropped")
+        assert wait_for(lambda: _last(metrics, "transport/dropped") >= hostile_unrolls, 120), _last(
+            metrics, "transport/dropped"
+        )
         # ... and the honest actor keeps training through and after it
         assert wait_for(lambda: _last(metrics, "charts/env_frames") >= frames_at_flood + HONEST_FRAMES, 60)
         rss_after = _rss_kib(learner.pid)
@@ -111,6 +141,13 @@ def test_live_fuzz_against_a_running_learner(tmp_path):
     dropped = ast.literal_eval(re.search(r"dropped (\{.*?\}), actor restarts", done).group(1))
     # Every hostile unroll-kind message is dropped and counted.
     assert sum(dropped.values()) >= hostile_unrolls, dropped
-    assert dropped["unverified_local"] >= n // 8 and dropped["non_finite"] >= n // 8 and dropped["oversized"] >= n // 8, dropped
+    assert (
+        dropped["unverified_local"] >= n // 8
+        and dropped["non_finite"] >= n // 8
+        and dropped["oversized"] >= n // 8
+    ), dropped
     assert rss_after < 1.5 * rss_start, (rss_start, rss_after)
-    print(f"live fuzz: {n} messages sent in {sent_s:.1f}s, dropped {dropped}, RSS {rss_start} -> {rss_after} KiB")
+    print(
+        f"live fuzz: {n} messages sent in {sent_s:.1f}s, dropped {dropped}, RSS {rss_start} -> {rss_after} "
+        "KiB"
+    )

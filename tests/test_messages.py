@@ -16,13 +16,27 @@ from impala.run.ppo_config import PPOConfig
 
 def _through_the_wire(info: dict) -> dict:
     """As a remote actor reads it: one packed weights frame (impala-actors' fetch_run_info)."""
-    frame = wire.encode_packed("params", actor=0, version=0, arrays={"w": np.zeros(2, np.float32)}, info={"run": info})
+    frame = wire.encode_packed(
+        "params", actor=0, version=0, arrays={"w": np.zeros(2, np.float32)}, info={"run": info}
+    )
     return wire.decode_packed(frame, expect_kind="params").info["run"]
 
 
 RUNS = [
-    RunInfo("a" * 32, EnvSpec("PongDeterministic-v4", {"frameskip": 4}), ImpalaAgentSpec("shallow", True, 1e-3), 20, 4),
-    RunInfo("b" * 32, EnvSpec("Pendulum-v1"), PPOAgentSpec(PPOConfig.preset("sb3"), 3, 1, (-2.0,), (2.0,), 4, 60.0), 64, 8),
+    RunInfo(
+        "a" * 32,
+        EnvSpec("PongDeterministic-v4", {"frameskip": 4}),
+        ImpalaAgentSpec("shallow", True, 1e-3),
+        20,
+        4,
+    ),
+    RunInfo(
+        "b" * 32,
+        EnvSpec("Pendulum-v1"),
+        PPOAgentSpec(PPOConfig.preset("sb3"), 3, 1, (-2.0,), (2.0,), 4, 60.0),
+        64,
+        8,
+    ),
 ]
 
 
@@ -60,7 +74,9 @@ BROKEN = [
 ]
 
 
-@pytest.mark.parametrize("which,path,value,reason", BROKEN, ids=[".".join(b[1]) + f"={b[2]!r}" for b in BROKEN])
+@pytest.mark.parametrize(
+    "which,path,value,reason", BROKEN, ids=[".".join(b[1]) + f"={b[2]!r}" for b in BROKEN]
+)
 def test_malformed_run_info_is_refused_with_a_reason(which, path, value, reason):
     with pytest.raises(ValueError, match=reason):
         RunInfo.from_dict(_broken(RUNS[which], path, value))

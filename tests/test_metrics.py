@@ -44,9 +44,36 @@ def test_track_logs_rows_config_and_commit_to_wandb_offline(tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     logdir = tmp_path / "run"
-    assert main(["--env", "CartPole-v1", "--workers", "1", "--in-process", "--total-frames", "640", "--unroll-length", "8",
-                 "--batch-size", "4", "--minibatches", "1", "--log-interval", "0", "--no-progress", "--device", "cpu",
-                 "--track", "--track-project", "test-project", "--logdir", str(logdir)]) == 0
+    assert (
+        main(
+            [
+                "--env",
+                "CartPole-v1",
+                "--workers",
+                "1",
+                "--in-process",
+                "--total-frames",
+                "640",
+                "--unroll-length",
+                "8",
+                "--batch-size",
+                "4",
+                "--minibatches",
+                "1",
+                "--log-interval",
+                "0",
+                "--no-progress",
+                "--device",
+                "cpu",
+                "--track",
+                "--track-project",
+                "test-project",
+                "--logdir",
+                str(logdir),
+            ]
+        )
+        == 0
+    )
     runs = list((logdir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((logdir / "wandb").iterdir())
     history, config = _read_offline_run(next(runs[0].glob("run-*.wandb")))
@@ -84,9 +111,16 @@ def _read_offline_run(path, timeout: float = 30.0) -> tuple[list[dict], dict]:
                 record.ParseFromString(data)
                 kind = record.WhichOneof("record_type")
                 if kind == "history":
-                    history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+                    history.append(
+                        {
+                            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item
+                        }
+                    )
                 elif kind == "run":
-                    config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+                    config.update(
+                        {item.key: json.loads(item.value_json) for item in record.run.config.update}
+                    )
                 elif kind == "exit":
                     finished = True
         except AssertionError:  # a header or block not fully written yet
@@ -117,8 +151,16 @@ def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    config = RunConfig(env="PongDeterministic-v4", eval_every=1, eval_episodes=1, eval_video=True, logdir=str(tmp_path))
-    info = RunInfo("r" * 32, EnvSpec("PongDeterministic-v4", {"max_num_frames_per_episode": 2000}), ImpalaAgentSpec("shallow", frame_stack=4), 32, 4)
+    config = RunConfig(
+        env="PongDeterministic-v4", eval_every=1, eval_episodes=1, eval_video=True, logdir=str(tmp_path)
+    )
+    info = RunInfo(
+        "r" * 32,
+        EnvSpec("PongDeterministic-v4", {"max_num_frames_per_episode": 2000}),
+        ImpalaAgentSpec("shallow", frame_stack=4),
+        32,
+        4,
+    )
     evaluator = PeriodicEval(config, info)
     evaluator.maybe_start(1000, state_dict_arrays(build_model("shallow", (4, 84, 84), 6)))
     deadline, done = time.monotonic() + 180, None
@@ -133,7 +175,9 @@ def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
     frames = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
     ok, image = capture.read()
     capture.release()
-    assert ok and 0 < frames <= 600 and image.shape[0] >= 210  # the raw screen (210 rows and a caption), not 84x84
+    assert (
+        ok and 0 < frames <= 600 and image.shape[0] >= 210
+    )  # the raw screen (210 rows and a caption), not 84x84
     tracker = WandbTracker(project="test", logdir=str(tmp_path), name="video", config={}, resume=False)
     tracker.log_video(5000, "eval/video", video)
     tracker.close()
@@ -156,8 +200,10 @@ def _impala_step(popart: bool) -> dict:
     cfg = ImpalaConfig(popart=popart, epochs=1, minibatches=1)
     learner = VTraceLearner(build_model("mlp", (3,), 2), cfg, torch.device("cpu"), total_frames=10_000)
     batch = {
-        "obs": torch.randn(T + 1, B, 3), "first": torch.zeros(T + 1, B, dtype=torch.bool),
-        "actions": torch.zeros(T, B, dtype=torch.long), "rewards": torch.randn(T, B),
+        "obs": torch.randn(T + 1, B, 3),
+        "first": torch.zeros(T + 1, B, dtype=torch.bool),
+        "actions": torch.zeros(T, B, dtype=torch.long),
+        "rewards": torch.randn(T, B),
         "dones": torch.zeros(T, B, dtype=torch.bool),
         "behaviour_logits": torch.zeros(T, B, 2),
     }
@@ -181,23 +227,35 @@ def test_both_launchers_log_one_set_of_loss_names():
             assert key in impala and key in METRIC_KEYS.values(), key
 
 
-ROW = {"charts/env_frames": 123_456_789, "charts/agent_steps": 30_864_197, "charts/fps": 123_456.7,
-       "charts/mean_return_100": -12_345.6, "charts/episodes": 1_234_567, "charts/policy_lag": 12.5,
-       "transport/queue_depth": 1024, "transport/dropped": 99_999, "losses/entropy": -12.789,
-       "losses/grad_norm": 12_345.6}
+ROW = {
+    "charts/env_frames": 123_456_789,
+    "charts/agent_steps": 30_864_197,
+    "charts/fps": 123_456.7,
+    "charts/mean_return_100": -12_345.6,
+    "charts/episodes": 1_234_567,
+    "charts/policy_lag": 12.5,
+    "transport/queue_depth": 1024,
+    "transport/dropped": 99_999,
+    "losses/entropy": -12.789,
+    "losses/grad_norm": 12_345.6,
+}
 
 
-@pytest.mark.parametrize("record,unit,total", [
-    ({"total_frames": 200_000_000, "total_steps": None}, "frames", "123M/200M"),  # launch_impala's record
-    ({"run": {"total_frames": None, "total_steps": 50_000_000}}, "steps", "30.9M/50.0M"),  # launch_ppo's
-])
+@pytest.mark.parametrize(
+    "record,unit,total",
+    [
+        ({"total_frames": 200_000_000, "total_steps": None}, "frames", "123M/200M"),  # launch_impala's record
+        ({"run": {"total_frames": None, "total_steps": 50_000_000}}, "steps", "30.9M/50.0M"),  # launch_ppo's
+    ],
+)
 def test_progress_display_has_total_and_eta_and_fits_80_columns(record, unit, total, tmp_path):
     from rich.console import Console
 
     from impala.run.metrics import MetricsLogger
 
-    m = MetricsLogger(str(tmp_path), progress=False, title="impala PongNoFrameskip-v4 (a long title)",
-                      config_record=record)
+    m = MetricsLogger(
+        str(tmp_path), progress=False, title="impala PongNoFrameskip-v4 (a long title)", config_record=record
+    )
     try:
         key = "charts/env_frames" if unit == "frames" else "charts/agent_steps"
         start = m._start
@@ -215,8 +273,18 @@ def test_progress_display_has_total_and_eta_and_fits_80_columns(record, unit, to
 
         labels = [unit, "ETA", "fps", "return", "episodes", "lag", "queue", "dropped", "entropy", "grad"]
         assert header.split() == labels
-        assert cells == [total, duration(left), "123k", "-12.3k", "1.2M", "12.5", "1.0k", "100k", "-12.8",
-                         "12.3k"], cells
+        assert cells == [
+            total,
+            duration(left),
+            "123k",
+            "-12.3k",
+            "1.2M",
+            "12.5",
+            "1.0k",
+            "100k",
+            "-12.8",
+            "12.3k",
+        ], cells
     finally:
         m.close()
 

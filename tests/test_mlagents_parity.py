@@ -105,10 +105,16 @@ RTOL = 1e-5
 SCHEDULE_STATS = {"learning_rate": "Learning Rate", "epsilon": "Epsilon", "beta": "Beta"}
 # Our parameter -> (ML-Agents module, its parameter). log_sigma is [1, A] there, [A] here.
 PARAMS = {
-    **{f"actor_body.{i}.{p}": ("actor", f"network_body._body_endoder.seq_layers.{i}.{p}")
-       for i in (0, 2, 4) for p in ("weight", "bias")},
-    **{f"critic_body.{i}.{p}": ("critic", f"network_body._body_endoder.seq_layers.{i}.{p}")
-       for i in (0, 2, 4) for p in ("weight", "bias")},
+    **{
+        f"actor_body.{i}.{p}": ("actor", f"network_body._body_endoder.seq_layers.{i}.{p}")
+        for i in (0, 2, 4)
+        for p in ("weight", "bias")
+    },
+    **{
+        f"critic_body.{i}.{p}": ("critic", f"network_body._body_endoder.seq_layers.{i}.{p}")
+        for i in (0, 2, 4)
+        for p in ("weight", "bias")
+    },
     "mu_head.weight": ("actor", "action_model._continuous_distribution.mu.weight"),
     "mu_head.bias": ("actor", "action_model._continuous_distribution.mu.bias"),
     "log_sigma": ("actor", "action_model._continuous_distribution.log_sigma"),
@@ -141,8 +147,12 @@ def our_config(**overrides: Any) -> PPOConfig:
 
 def behavior_spec() -> BehaviorSpec:
     obs = [
-        ObservationSpec(shape=(n,), dimension_property=(DimensionProperty.NONE,),
-                        observation_type=ObservationType.DEFAULT, name=f"vector{i}")
+        ObservationSpec(
+            shape=(n,),
+            dimension_property=(DimensionProperty.NONE,),
+            observation_type=ObservationType.DEFAULT,
+            name=f"vector{i}",
+        )
         for i, n in enumerate(OBS_SIZES)
     ]
     return BehaviorSpec(obs, ActionSpec.create_continuous(ACTIONS))
@@ -168,21 +178,30 @@ class TrajectoryArrays:
         steps = []
         for t in range(T):
             last = t == T - 1
-            steps.append(AgentExperience(
-                obs=self.split(t),
-                reward=float(self.rewards[t]),
-                done=last and self.end in ("done", "interrupted"),
-                action=ActionTuple(continuous=self.actions[t], discrete=np.zeros(0, np.int32)),
-                action_probs=LogProbsTuple(continuous=self.log_probs[t], discrete=np.zeros(0, np.float32)),
-                action_mask=None,
-                prev_action=np.zeros(0, np.int32),
-                interrupted=last and self.end == "interrupted",
-                memory=None,
-                group_status=[],
-                group_reward=0.0,
-            ))
-        return Trajectory(steps=steps, next_obs=self.split(T), next_group_obs=[], agent_id=self.agent,
-                          behavior_id=f"{BEHAVIOR}?team=0")
+            steps.append(
+                AgentExperience(
+                    obs=self.split(t),
+                    reward=float(self.rewards[t]),
+                    done=last and self.end in ("done", "interrupted"),
+                    action=ActionTuple(continuous=self.actions[t], discrete=np.zeros(0, np.int32)),
+                    action_probs=LogProbsTuple(
+                        continuous=self.log_probs[t], discrete=np.zeros(0, np.float32)
+                    ),
+                    action_mask=None,
+                    prev_action=np.zeros(0, np.int32),
+                    interrupted=last and self.end == "interrupted",
+                    memory=None,
+                    group_status=[],
+                    group_reward=0.0,
+                )
+            )
+        return Trajectory(
+            steps=steps,
+            next_obs=self.split(T),
+            next_group_obs=[],
+            agent_id=self.agent,
+            behavior_id=f"{BEHAVIOR}?team=0",
+        )
 
     def to_piece(self) -> TrajectoryPiece:
         T = len(self.rewards)
@@ -190,8 +209,16 @@ class TrajectoryArrays:
         truncated = np.zeros(T, bool)
         terminated[-1] = self.end == "done"
         truncated[-1] = self.end == "interrupted"
-        return TrajectoryPiece(obs=self.obs[:T], actions=self.actions, log_probs=self.log_probs, rewards=self.rewards,
-                               terminated=terminated, truncated=truncated, next_obs=self.obs[1:], source=self.agent)
+        return TrajectoryPiece(
+            obs=self.obs[:T],
+            actions=self.actions,
+            log_probs=self.log_probs,
+            rewards=self.rewards,
+            terminated=terminated,
+            truncated=truncated,
+            next_obs=self.obs[1:],
+            source=self.agent,
+        )
 
 
 def sample_round(policy: TorchPolicy, k: int) -> list[TrajectoryArrays]:
@@ -208,8 +235,16 @@ def sample_round(policy: TorchPolicy, k: int) -> list[TrajectoryArrays]:
         with torch.no_grad():
             action, log_probs, _, _ = policy.sample_actions(parts)
         rewards = rng.normal(0.1, 1.0, T).astype(np.float32)
-        out.append(TrajectoryArrays(obs, action.continuous_tensor.numpy().copy(),
-                                    log_probs.continuous_tensor.numpy().copy(), rewards, end, f"agent-{k}-{j}"))
+        out.append(
+            TrajectoryArrays(
+                obs,
+                action.continuous_tensor.numpy().copy(),
+                log_probs.continuous_tensor.numpy().copy(),
+                rewards,
+                end,
+                f"agent-{k}-{j}",
+            )
+        )
     return out
 
 
@@ -241,7 +276,9 @@ class MinibatchLog:
             yield
 
     @contextlib.contextmanager
-    def step_hook(self, optimizer: torch.optim.Optimizer, named: Callable[[], dict[str, torch.Tensor]]) -> Iterator[None]:
+    def step_hook(
+        self, optimizer: torch.optim.Optimizer, named: Callable[[], dict[str, torch.Tensor]]
+    ) -> Iterator[None]:
         original = optimizer.step
         log = self
 
@@ -291,11 +328,14 @@ def shuffle_as(buffer: AgentBuffer, perms: list[np.ndarray]) -> None:
 # --------------------------------------------------------------------------- ML-Agents' side
 
 
-def mlagents_named(trainer: MLAgentsPPOTrainer, read: Callable[[torch.nn.Parameter], torch.Tensor | None]
-                   ) -> dict[str, torch.Tensor | None]:
+def mlagents_named(
+    trainer: MLAgentsPPOTrainer, read: Callable[[torch.nn.Parameter], torch.Tensor | None]
+) -> dict[str, torch.Tensor | None]:
     """``read(parameter)`` for every parameter, under our names and shapes."""
-    params = {"actor": dict(trainer.policy.actor.named_parameters()),
-              "critic": dict(trainer.optimizer.critic.named_parameters())}
+    params = {
+        "actor": dict(trainer.policy.actor.named_parameters()),
+        "critic": dict(trainer.optimizer.critic.named_parameters()),
+    }
     out: dict[str, torch.Tensor | None] = {}
     for ours, (side, name) in PARAMS.items():
         t = read(params[side][name])
@@ -333,7 +373,10 @@ def build_mlagents(tmp: Path) -> MLAgentsPPOTrainer:
     # sigma = 1 hides formula slips and Adam's first steps are all +-lr.
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for name, p in [*trainer.policy.actor.named_parameters(), *trainer.optimizer.critic.named_parameters()]:
+        for name, p in [
+            *trainer.policy.actor.named_parameters(),
+            *trainer.optimizer.critic.named_parameters(),
+        ]:
             if name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("log_sigma"):
@@ -375,23 +418,29 @@ def run_mlagents(tmp: Path, seed: int, epochs: int) -> Reference:
                 trainer._process_trajectory(traj.to_mlagents())
         buf = trainer.update_buffer
         assert buf.num_experiences == N_STEPS
-        rec.ingest.append({
-            **mlagents_normalizers(trainer),
-            "values": np.concatenate(values),
-            "advantages": np.asarray(buf[BufferKey.ADVANTAGES].get_batch()),
-            "returns": np.asarray(buf[RewardSignalUtil.returns_key("extrinsic")].get_batch()),
-        })
+        rec.ingest.append(
+            {
+                **mlagents_normalizers(trainer),
+                "values": np.concatenate(values),
+                "advantages": np.asarray(buf[BufferKey.ADVANTAGES].get_batch()),
+                "returns": np.asarray(buf[RewardSignalUtil.returns_key("extrinsic")].get_batch()),
+            }
+        )
         # #6281, read from the installed code: the buffer field the optimizer reads as the old value
         # estimates is the returns field, so it holds the returns, not the values GAE used.
         assert RewardSignalUtil.value_estimates_key("extrinsic") == RewardSignalUtil.returns_key("extrinsic")
         old_values = np.asarray(buf[RewardSignalUtil.value_estimates_key("extrinsic")].get_batch())
-        np.testing.assert_array_equal(old_values, np.asarray(buf[RewardSignalUtil.returns_key("extrinsic")].get_batch()))
+        np.testing.assert_array_equal(
+            old_values, np.asarray(buf[RewardSignalUtil.returns_key("extrinsic")].get_batch())
+        )
         assert not np.allclose(old_values, rec.ingest[-1]["values"], atol=0.1)
         if k == 0:
             # The intended clip (around V_old) only differs from what runs where |V - V_old| > eps.
             with torch.no_grad():
                 obs = torch.as_tensor(np.concatenate([t.obs[:-1] for t in data]))
-                v_now = opt.critic.critic_pass(list(torch.split(obs, OBS_SIZES, dim=1)))[0]["extrinsic"].numpy()
+                v_now = opt.critic.critic_pass(list(torch.split(obs, OBS_SIZES, dim=1)))[0][
+                    "extrinsic"
+                ].numpy()
             eps = opt.decay_epsilon.get_value(trainer.policy.get_current_step())
             clip_binds = float(np.mean(np.abs(v_now - rec.ingest[0]["values"]) > eps))
 
@@ -420,22 +469,30 @@ def run_mlagents(tmp: Path, seed: int, epochs: int) -> Reference:
             return log_probs, entropy
 
         shuffle_as(buf, perms)
-        with log.backward_hook(), log.step_hook(opt.optimizer, lambda: mlagents_named(trainer, lambda p: p.grad)), \
-                mock.patch.object(opt, "update", opt_update), \
-                mock.patch.object(ModelUtils, "trust_region_value_loss", staticmethod(vl)), \
-                mock.patch.object(ModelUtils, "trust_region_policy_loss", staticmethod(pl)), \
-                mock.patch.object(TorchPolicy, "evaluate_actions", ev):
+        with (
+            log.backward_hook(),
+            log.step_hook(opt.optimizer, lambda: mlagents_named(trainer, lambda p: p.grad)),
+            mock.patch.object(opt, "update", opt_update),
+            mock.patch.object(ModelUtils, "trust_region_value_loss", staticmethod(vl)),
+            mock.patch.object(ModelUtils, "trust_region_policy_loss", staticmethod(pl)),
+            mock.patch.object(TorchPolicy, "evaluate_actions", ev),
+        ):
             assert trainer._update_policy()
         assert len(log.rows) == epochs, "one minibatch per epoch"
         rec.minibatches.append(log.rows)
-        rec.after.append({
-            "params": {n: v.clone() for n, v in mlagents_named(trainer, lambda p: p).items()},
-            "exp_avg": mlagents_named(trainer, lambda p: opt.optimizer.state[p]["exp_avg"].clone()),
-            "exp_avg_sq": mlagents_named(trainer, lambda p: opt.optimizer.state[p]["exp_avg_sq"].clone()),
-            "adam_lr": float(opt.optimizer.param_groups[0]["lr"]),
-            "adam_eps": float(opt.optimizer.param_groups[0]["eps"]),
-            **{key: np.array([s[f"Policy/{stat}"] for s in stats]) for key, stat in SCHEDULE_STATS.items()},
-        })
+        rec.after.append(
+            {
+                "params": {n: v.clone() for n, v in mlagents_named(trainer, lambda p: p).items()},
+                "exp_avg": mlagents_named(trainer, lambda p: opt.optimizer.state[p]["exp_avg"].clone()),
+                "exp_avg_sq": mlagents_named(trainer, lambda p: opt.optimizer.state[p]["exp_avg_sq"].clone()),
+                "adam_lr": float(opt.optimizer.param_groups[0]["lr"]),
+                "adam_eps": float(opt.optimizer.param_groups[0]["eps"]),
+                **{
+                    key: np.array([s[f"Policy/{stat}"] for s in stats])
+                    for key, stat in SCHEDULE_STATS.items()
+                },
+            }
+        )
     return Reference(initial_params, initial_norms, rounds, rec, epochs, clip_binds)
 
 
@@ -449,7 +506,9 @@ def pieces(data: list[TrajectoryArrays], joined: tuple[int, ...]) -> list[Trajec
         piece = traj.to_piece()
         if j in joined and j - 1 in joined:
             prev = out.pop()
-            piece = TrajectoryPiece(*(np.concatenate([a, b]) for a, b in zip(prev[:7], piece[:7])), None, prev.source)
+            piece = TrajectoryPiece(
+                *(np.concatenate([a, b]) for a, b in zip(prev[:7], piece[:7])), None, prev.source
+            )
         out.append(piece)
     return out
 
@@ -469,8 +528,9 @@ def late_normalizer_ingest(learner: PPOLearner, piece: TrajectoryPiece) -> bool:
     return ok
 
 
-def run_ours(ref: Reference, config: PPOConfig, ingest: Callable[[PPOLearner, TrajectoryPiece], bool] | None = None
-             ) -> Record:
+def run_ours(
+    ref: Reference, config: PPOConfig, ingest: Callable[[PPOLearner, TrajectoryPiece], bool] | None = None
+) -> Record:
     """Our PPOLearner, from ML-Agents' initial weights and normalizers, through the same rounds."""
     learner = PPOLearner(config, OBS_DIM, ACTIONS)
     state = learner.policy.state_dict()
@@ -485,29 +545,39 @@ def run_ours(ref: Reference, config: PPOConfig, ingest: Callable[[PPOLearner, Tr
             assert ingest(learner, piece)
         stacked = learner.buffer.stacked()
         norms = {k: v.numpy().copy() for k, v in learner.policy.state_dict().items() if "_norm." in k}
-        rec.ingest.append({**norms, **{k: stacked[k].numpy().copy() for k in ("values", "advantages", "returns")}})
+        rec.ingest.append(
+            {**norms, **{k: stacked[k].numpy().copy() for k in ("values", "advantages", "returns")}}
+        )
 
         log = MinibatchLog()
         total_loss = impala.algos.ppo.total_loss_mlagents
 
         def total(policy_loss, value_loss, entropy, **kwargs):
-            log.note(policy_loss=float(policy_loss.detach()), value_loss=float(value_loss.detach()),
-                     entropy=float(entropy.detach()))
+            log.note(
+                policy_loss=float(policy_loss.detach()),
+                value_loss=float(value_loss.detach()),
+                entropy=float(entropy.detach()),
+            )
             return total_loss(policy_loss, value_loss, entropy, **kwargs)
 
-        with log.backward_hook(), log.step_hook(learner.optimizer, lambda: {k: p.grad for k, p in named.items()}), \
-                mock.patch.object(impala.algos.ppo, "total_loss_mlagents", total):
+        with (
+            log.backward_hook(),
+            log.step_hook(learner.optimizer, lambda: {k: p.grad for k, p in named.items()}),
+            mock.patch.object(impala.algos.ppo, "total_loss_mlagents", total),
+        ):
             metrics = learner.update()
         rec.minibatches.append(log.rows)
         opt = learner.optimizer
-        rec.after.append({
-            "params": {k: p.detach().clone() for k, p in named.items()},
-            "exp_avg": {k: opt.state[p]["exp_avg"].clone() for k, p in named.items()},
-            "exp_avg_sq": {k: opt.state[p]["exp_avg_sq"].clone() for k, p in named.items()},
-            "adam_lr": float(opt.param_groups[0]["lr"]),
-            "adam_eps": float(opt.param_groups[0]["eps"]),
-            **{key: np.full(len(log.rows), metrics[key]) for key in SCHEDULE_STATS},
-        })
+        rec.after.append(
+            {
+                "params": {k: p.detach().clone() for k, p in named.items()},
+                "exp_avg": {k: opt.state[p]["exp_avg"].clone() for k, p in named.items()},
+                "exp_avg_sq": {k: opt.state[p]["exp_avg_sq"].clone() for k, p in named.items()},
+                "adam_lr": float(opt.param_groups[0]["lr"]),
+                "adam_eps": float(opt.param_groups[0]["eps"]),
+                **{key: np.full(len(log.rows), metrics[key]) for key in SCHEDULE_STATS},
+            }
+        )
     return rec
 
 
@@ -570,11 +640,29 @@ def test_our_yaml_reading_is_the_mlagents_preset_with_the_files_values():
     cfg = our_config()
     preset = PPOConfig.preset("mlagents")
     for f in dataclasses.fields(PPOConfig):
-        if f.name not in ("batch_size", "buffer_size", "learning_rate", "beta", "epsilon", "lambd", "num_epoch",
-                          "hidden_units", "num_layers", "gamma", "max_steps", "time_horizon"):
+        if f.name not in (
+            "batch_size",
+            "buffer_size",
+            "learning_rate",
+            "beta",
+            "epsilon",
+            "lambd",
+            "num_epoch",
+            "hidden_units",
+            "num_layers",
+            "gamma",
+            "max_steps",
+            "time_horizon",
+        ):
             assert getattr(cfg, f.name) == getattr(preset, f.name), f.name
     assert (cfg.batch_size, cfg.buffer_size, cfg.hidden_units, cfg.num_layers, cfg.gamma, cfg.max_steps) == (
-        N_STEPS, N_STEPS, HIDDEN, 3, 0.995, MAX_STEPS)
+        N_STEPS,
+        N_STEPS,
+        HIDDEN,
+        3,
+        0.995,
+        MAX_STEPS,
+    )
     assert cfg.value_loss == "mlagents"
 
 
@@ -585,10 +673,17 @@ def test_two_updates_match_mlagents_trainer(reference):
     print("largest relative differences:", ", ".join(f"{k} {v:.1e}" for k, v in worst))
     assert not failures(diffs), failures(diffs)
     # The comparison is not vacuous: both updates moved the weights, and the second ran on the floors.
-    assert rel_diff(reference.record.after[0]["params"]["critic_body.0.weight"],
-                    reference.initial_params["critic_body.0.weight"]) > 1e-4
+    assert (
+        rel_diff(
+            reference.record.after[0]["params"]["critic_body.0.weight"],
+            reference.initial_params["critic_body.0.weight"],
+        )
+        > 1e-4
+    )
     after = reference.record.after[1]
-    assert (after["learning_rate"][0], after["epsilon"][0], after["beta"][0]) == pytest.approx((1e-10, 0.1, 1e-5))
+    assert (after["learning_rate"][0], after["epsilon"][0], after["beta"][0]) == pytest.approx(
+        (1e-10, 0.1, 1e-5)
+    )
     assert len(reference.record.minibatches[0]) == 3
     joined = pieces(reference.rounds[1], JOINED[1])
     assert len(joined) == 2 and joined[1].terminated.sum() == 2 and joined[1].truncated.sum() == 1
@@ -596,11 +691,19 @@ def test_two_updates_match_mlagents_trainer(reference):
 
 PLANTED_BUGS: dict[str, tuple[dict[str, Any], Callable | None, str]] = {
     # name: (our config overrides, our ingest, a quantity that must then differ)
-    "value loss clipped around the old values": ({"value_loss": "mlagents_intended"}, None, "grad/value_head.weight"),
+    "value loss clipped around the old values": (
+        {"value_loss": "mlagents_intended"},
+        None,
+        "grad/value_head.weight",
+    ),
     "advantages normalized per minibatch": ({"advantage_norm": "minibatch"}, None, "grad/mu_head"),
     "entropy summed over action dims": ({"entropy_reduce": "sum"}, None, "entropy"),
     "normalizer updated after its values": ({}, late_normalizer_ingest, "ingest/values"),
-    "normalizer updated per piece, not per trajectory": ({}, whole_piece_normalizer_ingest, "r2/ingest/values"),
+    "normalizer updated per piece, not per trajectory": (
+        {},
+        whole_piece_normalizer_ingest,
+        "r2/ingest/values",
+    ),
     "GAE lambda 0.9": ({"lambd": 0.9}, None, "ingest/advantages"),
     "Adam eps 1e-5": ({"adam_eps": 1e-5}, None, "after/params"),
     "lr floor 0": ({"lr_floor": 0.0}, None, "after/adam_lr"),
@@ -613,14 +716,17 @@ def test_planted_bug_breaks_parity(reference, bug):
     overrides, ingest, where = PLANTED_BUGS[bug]
     if "value loss" in bug:
         assert reference.clip_binds > 0.1, "the data must make the intended value clip bind"
-    failed = failures(compare(run_ours(reference, our_config(**HANDED_OVER, **overrides), ingest), reference.record))
+    failed = failures(
+        compare(run_ours(reference, our_config(**HANDED_OVER, **overrides), ingest), reference.record)
+    )
     assert failed, f"planted bug {bug!r} went unnoticed"
     assert any(where in k for k in failed), sorted(failed)[:10]
 
 
 def test_normalizer_counts_past_2_24_like_mlagents():
     """ML-Agents counts normalizer steps in int64; a float32 count is exact only to 2^24 (a Crawler run of
-    10M steps per normalizer gets close, several runs' worth passes it): ours must count and divide as it does."""
+    10M steps per normalizer gets close, several runs' worth passes it): ours must count and divide as it
+    does."""
     from mlagents.trainers.torch.encoders import Normalizer
 
     from impala.algos.normalizers import MLAgentsNormalizer

@@ -81,15 +81,27 @@ RTOL = 1e-5
 
 
 def trainer_doc() -> dict:
-    return {"behaviors": {BEHAVIOR: {
-        "trainer_type": "ppo",
-        "hyperparameters": {"batch_size": BATCH, "buffer_size": BUFFER, "learning_rate": 3e-3, "beta": 5e-3,
-                            "epsilon": 0.2, "lambd": 0.95, "num_epoch": 2, "learning_rate_schedule": "linear"},
-        "network_settings": {"normalize": True, "hidden_units": 16, "num_layers": 2},
-        "reward_signals": {"extrinsic": {"gamma": 0.99, "strength": 1.0}},
-        "max_steps": MAX_STEPS,
-        "time_horizon": TIME_HORIZON,
-    }}}
+    return {
+        "behaviors": {
+            BEHAVIOR: {
+                "trainer_type": "ppo",
+                "hyperparameters": {
+                    "batch_size": BATCH,
+                    "buffer_size": BUFFER,
+                    "learning_rate": 3e-3,
+                    "beta": 5e-3,
+                    "epsilon": 0.2,
+                    "lambd": 0.95,
+                    "num_epoch": 2,
+                    "learning_rate_schedule": "linear",
+                },
+                "network_settings": {"normalize": True, "hidden_units": 16, "num_layers": 2},
+                "reward_signals": {"extrinsic": {"gamma": 0.99, "strength": 1.0}},
+                "max_steps": MAX_STEPS,
+                "time_horizon": TIME_HORIZON,
+            }
+        }
+    }
 
 
 def our_config(**overrides: Any) -> PPOConfig:
@@ -101,8 +113,12 @@ def our_config(**overrides: Any) -> PPOConfig:
 
 
 PARAMS = {
-    **{f"{side}_body.{i}.{p}": (side, f"network_body._body_endoder.seq_layers.{i}.{p}")
-       for side in ("actor", "critic") for i in (0, 2) for p in ("weight", "bias")},
+    **{
+        f"{side}_body.{i}.{p}": (side, f"network_body._body_endoder.seq_layers.{i}.{p}")
+        for side in ("actor", "critic")
+        for i in (0, 2)
+        for p in ("weight", "bias")
+    },
     "mu_head.weight": ("actor", "action_model._continuous_distribution.mu.weight"),
     "mu_head.bias": ("actor", "action_model._continuous_distribution.mu.bias"),
     "log_sigma": ("actor", "action_model._continuous_distribution.log_sigma"),
@@ -112,9 +128,14 @@ PARAMS = {
 
 
 def mlagents_params(trainer: MLAgentsPPOTrainer) -> dict[str, torch.Tensor]:
-    nets = {"actor": dict(trainer.policy.actor.named_parameters()), "critic": dict(trainer.optimizer.critic.named_parameters())}
-    return {ours: nets[side][name].detach().clone().reshape(-1 if ours == "log_sigma" else nets[side][name].shape)
-            for ours, (side, name) in PARAMS.items()}
+    nets = {
+        "actor": dict(trainer.policy.actor.named_parameters()),
+        "critic": dict(trainer.optimizer.critic.named_parameters()),
+    }
+    return {
+        ours: nets[side][name].detach().clone().reshape(-1 if ours == "log_sigma" else nets[side][name].shape)
+        for ours, (side, name) in PARAMS.items()
+    }
 
 
 def mlagents_normalizers(trainer: MLAgentsPPOTrainer) -> dict[str, torch.Tensor]:
@@ -150,12 +171,21 @@ class Env:
 
     @staticmethod
     def split(obs: np.ndarray) -> list[np.ndarray]:
-        return [np.ascontiguousarray(p, dtype=np.float32) for p in np.split(obs, np.cumsum(OBS_SIZES)[:-1], axis=1)]
+        return [
+            np.ascontiguousarray(p, dtype=np.float32)
+            for p in np.split(obs, np.cumsum(OBS_SIZES)[:-1], axis=1)
+        ]
 
     def decision_steps(self, reward: np.ndarray) -> DecisionSteps:
         n = AGENTS
-        return DecisionSteps(self.split(self.obs), reward.astype(np.float32), np.arange(n), None, np.zeros(n, np.int32),
-                             np.zeros(n, np.float32))
+        return DecisionSteps(
+            self.split(self.obs),
+            reward.astype(np.float32),
+            np.arange(n),
+            None,
+            np.zeros(n, np.int32),
+            np.zeros(n, np.float32),
+        )
 
     def step(self) -> tuple[DecisionSteps, TerminalSteps, list[dict]]:
         """Returns the new steps and, per agent, what its last action led to (reward, end, next obs)."""
@@ -166,17 +196,39 @@ class Env:
             nxt = self._obs(i)
             if self.left[i] == 0:
                 interrupted = bool(self.rng.random() < 0.5)
-                out.append({"agent": i, "reward": reward[i], "terminated": not interrupted, "truncated": interrupted, "next_obs": nxt})
+                out.append(
+                    {
+                        "agent": i,
+                        "reward": reward[i],
+                        "terminated": not interrupted,
+                        "truncated": interrupted,
+                        "next_obs": nxt,
+                    }
+                )
                 ended.append((i, interrupted))
                 final.append(nxt)
                 self.left[i] = self._length()
                 self.obs[i] = self._obs(i)  # the next episode's first observation
             else:
-                out.append({"agent": i, "reward": reward[i], "terminated": False, "truncated": False, "next_obs": nxt})
+                out.append(
+                    {
+                        "agent": i,
+                        "reward": reward[i],
+                        "terminated": False,
+                        "truncated": False,
+                        "next_obs": nxt,
+                    }
+                )
                 self.obs[i] = nxt
         ids = np.array([i for i, _ in ended], dtype=np.int64)
-        terminal = TerminalSteps(self.split(np.array(final, np.float32).reshape(len(ended), OBS_DIM)), reward[ids],
-                                 np.array([x for _, x in ended], bool), ids, np.zeros(len(ids), np.int32), np.zeros(len(ids), np.float32))
+        terminal = TerminalSteps(
+            self.split(np.array(final, np.float32).reshape(len(ended), OBS_DIM)),
+            reward[ids],
+            np.array([x for _, x in ended], bool),
+            ids,
+            np.zeros(len(ids), np.int32),
+            np.zeros(len(ids), np.float32),
+        )
         # A new episode's first decision carries no reward (Unity resets the agent's reward with the episode).
         decision_reward = reward.copy()
         decision_reward[ids] = 0.0
@@ -199,6 +251,7 @@ class Update:
 @dataclasses.dataclass
 class Stream:
     """The agent step stream as ML-Agents saw it, for our side: per env step, each agent's transition."""
+
     steps: list[list[dict]] = dataclasses.field(default_factory=list)
     trajectories: list[dict] = dataclasses.field(default_factory=list)  # what ML-Agents' processor emitted
 
@@ -209,12 +262,23 @@ def build_mlagents(tmp: Path) -> tuple[MLAgentsPPOTrainer, AgentProcessor]:
     trainer = MLAgentsPPOTrainer(BEHAVIOR, 100, settings, True, False, 0, str(tmp))
     name = f"{BEHAVIOR}?team=0"
     behavior_id = BehaviorIdentifiers.from_name_behavior_id(name)
-    spec = BehaviorSpec([ObservationSpec(shape=(n,), dimension_property=(DimensionProperty.NONE,),
-                                         observation_type=ObservationType.DEFAULT, name=f"vector{i}")
-                         for i, n in enumerate(OBS_SIZES)], ActionSpec.create_continuous(ACTIONS))
+    spec = BehaviorSpec(
+        [
+            ObservationSpec(
+                shape=(n,),
+                dimension_property=(DimensionProperty.NONE,),
+                observation_type=ObservationType.DEFAULT,
+                name=f"vector{i}",
+            )
+            for i, n in enumerate(OBS_SIZES)
+        ],
+        ActionSpec.create_continuous(ACTIONS),
+    )
     trainer.add_policy(behavior_id, trainer.create_policy(behavior_id, spec))
     # As TrainerController._create_trainer_and_manager: max_trajectory_length = time_horizon.
-    processor = AgentProcessor(trainer.policy, name, trainer.stats_reporter, trainer.trainer_settings.time_horizon)
+    processor = AgentProcessor(
+        trainer.policy, name, trainer.stats_reporter, trainer.trainer_settings.time_horizon
+    )
     queue = AgentManagerQueue(name)
     processor.publish_trajectory_queue(queue)
     trainer.subscribe_trajectory_queue(queue)
@@ -261,8 +325,15 @@ def run_mlagents(tmp: Path, seed: int) -> tuple[list[Update], Stream, dict[str, 
     process_trajectory = trainer._process_trajectory
 
     def record_trajectory(trajectory):
-        stream.trajectories.append({"agent": trajectory.agent_id, "len": len(trajectory.steps), "env_step": env_step,
-                                    "done": trajectory.done_reached, "interrupted": trajectory.interrupted})
+        stream.trajectories.append(
+            {
+                "agent": trajectory.agent_id,
+                "len": len(trajectory.steps),
+                "env_step": env_step,
+                "done": trajectory.done_reached,
+                "interrupted": trajectory.interrupted,
+            }
+        )
         return process_trajectory(trajectory)
 
     update_policy = trainer._update_policy
@@ -270,20 +341,39 @@ def run_mlagents(tmp: Path, seed: int) -> tuple[list[Update], Stream, dict[str, 
     def record_update() -> bool:
         buf = trainer.update_buffer
         rows = {
-            "obs": np.concatenate([np.asarray(buf[(ObservationKeyPrefix.OBSERVATION, i)].get_batch(), np.float32)
-                                   for i in range(len(OBS_SIZES))], axis=1),
+            "obs": np.concatenate(
+                [
+                    np.asarray(buf[(ObservationKeyPrefix.OBSERVATION, i)].get_batch(), np.float32)
+                    for i in range(len(OBS_SIZES))
+                ],
+                axis=1,
+            ),
             "actions": np.asarray(buf[BufferKey.CONTINUOUS_ACTION].get_batch(), np.float32),
             "log_probs": np.asarray(buf[BufferKey.CONTINUOUS_LOG_PROBS].get_batch(), np.float32),
-            "advantages": np.asarray(buf[BufferKey.ADVANTAGES].get_batch(), np.float32),  # before _update_policy normalizes
+            "advantages": np.asarray(
+                buf[BufferKey.ADVANTAGES].get_batch(), np.float32
+            ),  # before _update_policy normalizes
             "returns": np.asarray(buf[RewardSignalUtil.returns_key("extrinsic")].get_batch(), np.float32),
         }
         step = policy.get_current_step()
         assert step == trainer.get_step
-        schedule = {"learning_rate": opt.decay_learning_rate.get_value(step), "epsilon": opt.decay_epsilon.get_value(step),
-                    "beta": opt.decay_beta.get_value(step)}
+        schedule = {
+            "learning_rate": opt.decay_learning_rate.get_value(step),
+            "epsilon": opt.decay_epsilon.get_value(step),
+            "beta": opt.decay_beta.get_value(step),
+        }
         versions = np.array([version_of[a.tobytes()] for a in rows["actions"]])
         ok = update_policy()
-        updates.append(Update(env_step, rows, step, schedule, {**mlagents_params(trainer), **mlagents_normalizers(trainer)}, versions))
+        updates.append(
+            Update(
+                env_step,
+                rows,
+                step,
+                schedule,
+                {**mlagents_params(trainer), **mlagents_normalizers(trainer)},
+                versions,
+            )
+        )
         return ok
 
     trainer._process_trajectory = record_trajectory
@@ -304,8 +394,13 @@ def run_mlagents(tmp: Path, seed: int) -> tuple[list[Update], Stream, dict[str, 
         decision, terminal, transitions = env.step()
         for tr in transitions:
             i = tr["agent"]
-            tr.update(obs=acted_on[i], action=actions[i].astype(np.float32), log_prob=log_probs[i].astype(np.float32))
-        # ML-Agents' order: the agents in the TerminalSteps first, then the rest (AgentProcessor.add_experiences).
+            tr.update(
+                obs=acted_on[i],
+                action=actions[i].astype(np.float32),
+                log_prob=log_probs[i].astype(np.float32),
+            )
+        # ML-Agents' order: the agents in the TerminalSteps first, then the rest
+        # (AgentProcessor.add_experiences).
         ended = [tr for tr in transitions if tr["terminated"] or tr["truncated"]]
         stream.steps.append(ended + [tr for tr in transitions if not (tr["terminated"] or tr["truncated"])])
         processor.add_experiences(decision, terminal, 0, action_info)
@@ -313,9 +408,13 @@ def run_mlagents(tmp: Path, seed: int) -> tuple[list[Update], Stream, dict[str, 
     return updates, stream, initial
 
 
-def run_ours(stream: Stream, initial: dict[str, torch.Tensor], config: PPOConfig,
-             ingest: Callable[[PPOLearner, TrajectoryPiece], bool] | None = None,
-             update: Callable[[PPOLearner], dict] | None = None) -> list[Update]:
+def run_ours(
+    stream: Stream,
+    initial: dict[str, torch.Tensor],
+    config: PPOConfig,
+    ingest: Callable[[PPOLearner, TrajectoryPiece], bool] | None = None,
+    update: Callable[[PPOLearner], dict] | None = None,
+) -> list[Update]:
     learner = PPOLearner(config, OBS_DIM, ACTIONS)
     state = learner.policy.state_dict()
     state.update({k: v.clone().reshape(state[k].shape) for k, v in initial.items()})
@@ -327,9 +426,15 @@ def run_ours(stream: Stream, initial: dict[str, torch.Tensor], config: PPOConfig
     for env_step, transitions in enumerate(stream.steps, start=1):
         for tr in transitions:
             piece = TrajectoryPiece(
-                obs=tr["obs"][None], actions=tr["action"][None], log_probs=tr["log_prob"][None],
-                rewards=np.array([tr["reward"]], np.float32), terminated=np.array([tr["terminated"]]),
-                truncated=np.array([tr["truncated"]]), next_obs=tr["next_obs"][None], source=tr["agent"])
+                obs=tr["obs"][None],
+                actions=tr["action"][None],
+                log_probs=tr["log_prob"][None],
+                rewards=np.array([tr["reward"]], np.float32),
+                terminated=np.array([tr["terminated"]]),
+                truncated=np.array([tr["truncated"]]),
+                next_obs=tr["next_obs"][None],
+                source=tr["agent"],
+            )
             assert ingest(learner, piece)
         if not learner.ready():
             continue
@@ -338,8 +443,16 @@ def run_ours(stream: Stream, initial: dict[str, torch.Tensor], config: PPOConfig
         step = learner.total_steps
         m = update(learner)
         norms = {k: v.clone() for k, v in learner.policy.state_dict().items() if "_norm." in k}
-        updates.append(Update(env_step, rows, step, {k: m[k] for k in ("learning_rate", "epsilon", "beta")},
-                              {**{k: p.detach().clone() for k, p in named.items()}, **norms}, np.zeros(0)))
+        updates.append(
+            Update(
+                env_step,
+                rows,
+                step,
+                {k: m[k] for k in ("learning_rate", "epsilon", "beta")},
+                {**{k: p.detach().clone() for k, p in named.items()}, **norms},
+                np.zeros(0),
+            )
+        )
     return updates
 
 
@@ -360,11 +473,15 @@ def differences(ours: list[Update], theirs: list[Update]) -> list[str]:
     """What differs, as readable lines (empty: the same)."""
     out = []
     if [u.env_step for u in ours] != [u.env_step for u in theirs]:
-        out.append(f"updates at env steps {[u.env_step for u in ours]}, ML-Agents at {[u.env_step for u in theirs]}")
+        out.append(
+            f"updates at env steps {[u.env_step for u in ours]}, ML-Agents at {[u.env_step for u in theirs]}"
+        )
     for k, (a, b) in enumerate(zip(ours, theirs)):
         for name in ("obs", "actions", "log_probs"):
             if a.rows[name].shape != b.rows[name].shape or not np.array_equal(a.rows[name], b.rows[name]):
-                out.append(f"update {k + 1}: {name} rows differ ({len(a.rows[name])} vs {len(b.rows[name])} rows)")
+                out.append(
+                    f"update {k + 1}: {name} rows differ ({len(a.rows[name])} vs {len(b.rows[name])} rows)"
+                )
         for name in ("advantages", "returns"):
             if not rel(a.rows[name], b.rows[name]) <= RTOL:
                 out.append(f"update {k + 1}: {name} differ by {rel(a.rows[name], b.rows[name]):.1e}")
@@ -375,7 +492,9 @@ def differences(ours: list[Update], theirs: list[Update]) -> list[str]:
                 out.append(f"update {k + 1}: {name} {a.schedule[name]:.6g}, ML-Agents {v:.6g}")
         for name, v in b.params.items():
             if not rel(a.params[name], v) <= RTOL:
-                out.append(f"update {k + 1}: after the update, {name} differs by {rel(a.params[name], v):.1e}")
+                out.append(
+                    f"update {k + 1}: after the update, {name} differs by {rel(a.params[name], v):.1e}"
+                )
     return out
 
 
@@ -390,7 +509,11 @@ def reference(tmp_path_factory):
 
 def test_mlagents_preset_reads_trajectory_handling_mlagents():
     cfg = our_config()
-    assert cfg.trajectory_handling == "mlagents" and cfg.time_horizon == TIME_HORIZON and cfg.buffer_size == BUFFER
+    assert (
+        cfg.trajectory_handling == "mlagents"
+        and cfg.time_horizon == TIME_HORIZON
+        and cfg.buffer_size == BUFFER
+    )
 
 
 def test_the_stream_exercises_what_is_compared(reference):
@@ -409,7 +532,9 @@ def test_the_stream_exercises_what_is_compared(reference):
         ends[t["agent"]] = ends.get(t["agent"], 0) + t["len"]
         off_grid += t["len"] == TIME_HORIZON and not t["done"] and ends[t["agent"]] % TIME_HORIZON != 0
     assert off_grid > 0
-    straddling = [u for u in updates[1:] if (u.versions < len([v for v in updates if v.env_step < u.env_step])).any()]
+    straddling = [
+        u for u in updates[1:] if (u.versions < len([v for v in updates if v.env_step < u.env_step])).any()
+    ]
     assert len(straddling) >= 2, "updates that train on steps acted on before the previous update"
     assert max(len(u.rows["obs"]) for u in updates) > BUFFER + 1  # whole trajectories: the size varies
 
@@ -445,9 +570,24 @@ def _log_probs_of_the_current_policy(learner: PPOLearner, piece: TrajectoryPiece
 
 PLANTED_BUGS: dict[str, tuple[dict[str, Any], Callable | None, Callable | None, str]] = {
     # name: (our config overrides, our ingest, our update, what must then differ)
-    "each piece processed as it arrives (rollout)": ({"trajectory_handling": "rollout"}, None, None, "obs rows differ"),
-    "unfinished trajectories dropped at an update": ({}, None, _drop_unfinished_at_update, "update 2: obs rows differ"),
-    "time_horizon one step longer": ({"time_horizon": TIME_HORIZON + 1}, None, None, "update 1: obs rows differ"),
+    "each piece processed as it arrives (rollout)": (
+        {"trajectory_handling": "rollout"},
+        None,
+        None,
+        "obs rows differ",
+    ),
+    "unfinished trajectories dropped at an update": (
+        {},
+        None,
+        _drop_unfinished_at_update,
+        "update 2: obs rows differ",
+    ),
+    "time_horizon one step longer": (
+        {"time_horizon": TIME_HORIZON + 1},
+        None,
+        None,
+        "update 1: obs rows differ",
+    ),
     "steps counted on arrival": ({}, _count_on_arrival, None, "update 1: step count"),
     "log-probs recomputed at ingest": ({}, _log_probs_of_the_current_policy, None, "log_probs rows differ"),
 }

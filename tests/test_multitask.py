@@ -32,10 +32,26 @@ from learner.vtrace_learner import VTraceLearner
 from procs import run
 
 TASKS = "CartPole-v1,CartPoleX1000-v1"
-# The README's CartPole recipe (T=20, B=8, lr 2e-3); 64k frames = 32k per task. Measured (seeds 1, 2): with PopArt
+# The README's CartPole recipe (T=20, B=8, lr 2e-3); 64k frames = 32k per task. Measured (seeds 1, 2): with
+# PopArt
 # 232/235,860 and 235/225,640 at ~57k frames; without, 9.3/9,320 and 9.3/9,460 (both tasks collapse).
-RECIPE = ["--workers", "2", "--env", TASKS, "--unroll-length", "20", "--batch-size", "8", "--learning-rate", "2e-3",
-          "--no-progress", "--log-interval", "2", "--seed", "1"]
+RECIPE = [
+    "--workers",
+    "2",
+    "--env",
+    TASKS,
+    "--unroll-length",
+    "20",
+    "--batch-size",
+    "8",
+    "--learning-rate",
+    "2e-3",
+    "--no-progress",
+    "--log-interval",
+    "2",
+    "--seed",
+    "1",
+]
 SOLVED = 195.0  # CartPole's classic "solved" mean return over 100 episodes (CartPole-v0's reward_threshold)
 
 
@@ -68,11 +84,17 @@ def test_with_popart_both_scales_are_solved_and_each_sigma_tracks_its_own_return
     assert 300 < ratio < 3000, row
     # frames are counted per task and add up to the run's
     assert row["tasks/CartPole-v1/frames"] + row["tasks/CartPoleX1000-v1/frames"] == row["charts/env_frames"]
-    assert min(row["tasks/CartPole-v1/frames"], row["tasks/CartPoleX1000-v1/frames"]) > 0.3 * row["charts/env_frames"]
+    assert (
+        min(row["tasks/CartPole-v1/frames"], row["tasks/CartPoleX1000-v1/frames"])
+        > 0.3 * row["charts/env_frames"]
+    )
 
 
 def test_without_popart_the_small_scale_task_lags(tmp_path, popart_run):
-    out = run(["launch_impala", *RECIPE, "--total-frames", "64000", "--no-popart", "--logdir", str(tmp_path)], timeout=240)
+    out = run(
+        ["launch_impala", *RECIPE, "--total-frames", "64000", "--no-popart", "--logdir", str(tmp_path)],
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "no PopArt; rewards unclipped" in out.stderr
     small = _last_row(tmp_path)["tasks/CartPole-v1/mean_return_100"]
@@ -90,27 +112,76 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
     assert ckpt["agent"]["num_tasks"] == 2 and sum(ckpt["task_frames"]) == ckpt["env_frames"]
 
     # another task list cannot resume it: one line, exit 2
-    bad = run(["launch_impala", "--workers", "1", "--env", "CartPoleX1000-v1,CartPole-v1", "--resume", "--logdir", str(logdir)], timeout=120)
+    bad = run(
+        [
+            "launch_impala",
+            "--workers",
+            "1",
+            "--env",
+            "CartPoleX1000-v1,CartPole-v1",
+            "--resume",
+            "--logdir",
+            str(logdir),
+        ],
+        timeout=120,
+    )
     assert bad.returncode == 2
     assert "was trained on CartPole-v1,CartPoleX1000-v1" in bad.stderr and "Traceback" not in bad.stderr
 
     # the same list continues from the checkpoint's frames (per task too), evaluating every task on the way
-    more = run(["launch_impala", *RECIPE, "--total-frames", str(ckpt["env_frames"] + 4000), "--resume", "--logdir", str(logdir),
-                "--eval-every", "2000", "--eval-episodes", "1"], timeout=180)
+    more = run(
+        [
+            "launch_impala",
+            *RECIPE,
+            "--total-frames",
+            str(ckpt["env_frames"] + 4000),
+            "--resume",
+            "--logdir",
+            str(logdir),
+            "--eval-every",
+            "2000",
+            "--eval-episodes",
+            "1",
+        ],
+        timeout=180,
+    )
     assert more.returncode == 0, more.stderr[-2000:]
     after = torch.load(logdir / "checkpoint.pt", weights_only=False)
     assert after["env_frames"] >= ckpt["env_frames"] + 4000 and after["tasks"] == ckpt["tasks"]
     assert all(a > b for a, b in zip(after["task_frames"], ckpt["task_frames"]))
-    evals = [r for r in csv.DictReader(open(logdir / "metrics.csv")) if r.get("eval/CartPoleX1000-v1/mean_return")]
-    assert evals and float(evals[-1]["eval/CartPoleX1000-v1/mean_return"]) > 100 * float(evals[-1]["eval/CartPole-v1/mean_return"]) > 0
+    evals = [
+        r for r in csv.DictReader(open(logdir / "metrics.csv")) if r.get("eval/CartPoleX1000-v1/mean_return")
+    ]
+    assert (
+        evals
+        and float(evals[-1]["eval/CartPoleX1000-v1/mean_return"])
+        > 100 * float(evals[-1]["eval/CartPole-v1/mean_return"])
+        > 0
+    )
 
     # impala-eval plays every task, one result file each; --task picks one
     ev = run(["impala-eval", str(logdir), "--episodes", "3", "--workers", "0"], timeout=120)
     assert ev.returncode == 0, ev.stderr[-2000:]
-    results = {t: json.loads((logdir / f"eval-train-sample-3-{t}.json").read_text()) for t in TASKS.split(",")}
+    results = {
+        t: json.loads((logdir / f"eval-train-sample-3-{t}.json").read_text()) for t in TASKS.split(",")
+    }
     assert results["CartPole-v1"]["env"]["id"] == "CartPole-v1"
     assert results["CartPoleX1000-v1"]["mean"] > 100 * results["CartPole-v1"]["mean"] > 0
-    one = run(["impala-eval", str(logdir), "--episodes", "2", "--workers", "0", "--task", "CartPoleX1000-v1", "--out", str(tmp_path / "x.json")], timeout=120)
+    one = run(
+        [
+            "impala-eval",
+            str(logdir),
+            "--episodes",
+            "2",
+            "--workers",
+            "0",
+            "--task",
+            "CartPoleX1000-v1",
+            "--out",
+            str(tmp_path / "x.json"),
+        ],
+        timeout=120,
+    )
     assert one.returncode == 0 and (tmp_path / "x-CartPoleX1000-v1.json").exists()
     nope = run(["impala-eval", str(logdir), "--task", "Acrobot-v1"], timeout=60)
     assert nope.returncode == 2 and "was trained on CartPole-v1, CartPoleX1000-v1" in nope.stderr
@@ -119,15 +190,22 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
 # ---------------------------------------------------------------------------- start-up errors
 
 
-@pytest.mark.parametrize("env, message", [
-    ("CartPole-v1,PongDeterministic-v4", "task PongDeterministic-v4 has observations (4, 84, 84) uint8, but CartPole-v1 has (4,) float32"),
-    ("CartPole-v1,CartPole-v1", "a task is listed twice"),
-    ("CartPole-v1,,Acrobot-v1", "an empty env id in the list"),
-    ("CartPole-v1,CartPole-v9", "unknown env id 'CartPole-v9'"),
-    ("CartPole-v1,Acrobot-v1 --stop-at-return 100", "--stop-at-return compares one mean return"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            "CartPole-v1,PongDeterministic-v4",
+            "task PongDeterministic-v4 has observations (4, 84, 84) uint8, but CartPole-v1 has (4,) float32",
+        ),
+        ("CartPole-v1,CartPole-v1", "a task is listed twice"),
+        ("CartPole-v1,,Acrobot-v1", "an empty env id in the list"),
+        ("CartPole-v1,CartPole-v9", "unknown env id 'CartPole-v9'"),
+        ("CartPole-v1,Acrobot-v1 --stop-at-return 100", "--stop-at-return compares one mean return"),
+    ],
+)
 def test_a_task_list_that_cannot_share_one_network_is_one_line(env, message, tmp_path, capsys):
-    # in-process (the launcher's real main; the exit-2 contract of the console scripts is walked by test_bad_flags)
+    # in-process (the launcher's real main; the exit-2 contract of the console scripts is walked by
+    # test_bad_flags)
     env, *more = env.split()
     rc = launch_impala.main(["--env", env, *more, "--logdir", str(tmp_path)])
     err = capsys.readouterr().err
@@ -158,8 +236,13 @@ def test_atari_games_with_different_minimal_action_sets_use_the_full_set():
 
 def test_the_server_drops_an_unroll_labelled_with_another_task():
     schema = impala_unroll_schema(4, (3,), "float32", 2, num_tasks=2)
-    server = TrajectoryServer(schema, queue_size=8, on_hello=lambda actor, info: None, task_names=("A-v0", "B-v0"),
-                              validate=lambda arrays: None if 0 <= arrays["task"][0] < 2 else "task out of range")
+    server = TrajectoryServer(
+        schema,
+        queue_size=8,
+        on_hello=lambda actor, info: None,
+        task_names=("A-v0", "B-v0"),
+        validate=lambda arrays: None if 0 <= arrays["task"][0] < 2 else "task out of range",
+    )
     server.start()
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
@@ -212,22 +295,35 @@ def test_each_task_updates_only_its_own_popart_statistics():
     ``task`` wrongly (or ignoring it) would mix them."""
     torch.manual_seed(0)
     T, B = 5, 4
-    cfg = ImpalaConfig(popart=True, popart_beta=0.1, reward_clip=0.0, loss_reduction="mean", optimizer="adam", epochs=1, minibatches=1)
+    cfg = ImpalaConfig(
+        popart=True,
+        popart_beta=0.1,
+        reward_clip=0.0,
+        loss_reduction="mean",
+        optimizer="adam",
+        epochs=1,
+        minibatches=1,
+    )
     model = build_model("mlp", (3,), 2, num_tasks=2, beta=cfg.popart_beta)
     learner = VTraceLearner(model, cfg, torch.device("cpu"), total_frames=10_000, task_names=("A-v0", "B-v0"))
     task = torch.tensor([[0, 1, 0, 1]])
     rewards = torch.zeros(T, B)
     rewards[:, task[0] == 1] = 1000.0
     batch = {
-        "obs": torch.randn(T + 1, B, 3), "first": torch.zeros(T + 1, B, dtype=torch.bool),
-        "actions": torch.zeros(T, B, dtype=torch.long), "rewards": rewards, "dones": torch.zeros(T, B, dtype=torch.bool),
-        "behaviour_logits": torch.zeros(T, B, 2), "task": task,
+        "obs": torch.randn(T + 1, B, 3),
+        "first": torch.zeros(T + 1, B, dtype=torch.bool),
+        "actions": torch.zeros(T, B, dtype=torch.long),
+        "rewards": rewards,
+        "dones": torch.zeros(T, B, dtype=torch.bool),
+        "behaviour_logits": torch.zeros(T, B, 2),
+        "task": task,
     }
     metrics = learner.step(batch, frames_done=0)
     mu_a, mu_b = metrics["popart/mu/A-v0"], metrics["popart/mu/B-v0"]
     assert abs(mu_a) < 1.0 and mu_b > 100.0, metrics
     assert metrics["popart/sigma/B-v0"] > 100 * metrics["popart/sigma/A-v0"], metrics
-    # the reference: ART on each task's own V-trace targets (task 0 earns nothing, so its targets are its values ~ 0)
+    # the reference: ART on each task's own V-trace targets (task 0 earns nothing, so its targets are its
+    # values ~ 0)
     state = learner.model.baseline.state
     assert float(state.mu[1]) == pytest.approx(mu_b) and float(state.mu[0]) == pytest.approx(mu_a)
 
@@ -241,17 +337,33 @@ def test_human_normalized_scores_use_the_standard_references():
     # median/mean over tasks, as the runtime logs them
     from learner.log_rows import task_rows
 
-    names = ("PongDeterministic-v4", "BreakoutDeterministic-v4", "SpaceInvadersDeterministic-v4", "CartPole-v1")
-    row = task_rows(names, [10, 20, 30, 40], {"PongDeterministic-v4": -3.05, "BreakoutDeterministic-v4": 30.5,
-                                              "SpaceInvadersDeterministic-v4": 148.0 + 2 * (1668.7 - 148.0), "CartPole-v1": 9.0})
+    names = (
+        "PongDeterministic-v4",
+        "BreakoutDeterministic-v4",
+        "SpaceInvadersDeterministic-v4",
+        "CartPole-v1",
+    )
+    row = task_rows(
+        names,
+        [10, 20, 30, 40],
+        {
+            "PongDeterministic-v4": -3.05,
+            "BreakoutDeterministic-v4": 30.5,
+            "SpaceInvadersDeterministic-v4": 148.0 + 2 * (1668.7 - 148.0),
+            "CartPole-v1": 9.0,
+        },
+    )
     assert row["tasks/PongDeterministic-v4/human_normalized"] == pytest.approx(0.5)
-    assert row["tasks/median_human_normalized"] == pytest.approx(1.0)  # of 0.5, 1.0, 2.0 (CartPole has no reference)
+    assert row["tasks/median_human_normalized"] == pytest.approx(
+        1.0
+    )  # of 0.5, 1.0, 2.0 (CartPole has no reference)
     assert row["tasks/mean_human_normalized"] == pytest.approx(3.5 / 3)
     assert "tasks/CartPole-v1/human_normalized" not in row and row["tasks/CartPole-v1/frames"] == 40.0
 
 
 def test_multi_task_defaults_yield_to_flags_and_presets(tmp_path):
     """PopArt on and rewards unclipped for several tasks, unless a flag or a preset says otherwise."""
+
     def resolved(*argv):
         _, impala = launch_impala.resolve(launch_impala.parse_args(list(argv)))
         return impala.popart, impala.reward_clip

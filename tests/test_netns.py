@@ -49,7 +49,10 @@ def _netns_capable() -> tuple[bool, str]:
     name = f"impala-probe-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if made.returncode != 0:
-        return False, f"cannot create a network namespace (needs CAP_NET_ADMIN, e.g. root): {made.stderr.strip()}"
+        return (
+            False,
+            f"cannot create a network namespace (needs CAP_NET_ADMIN, e.g. root): {made.stderr.strip()}",
+        )
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return True, ""
 
@@ -110,8 +113,23 @@ class Net:
                 ip("netns", "add", ns)
                 self.made.append(ns)
                 ip("-n", ns, "link", "set", "lo", "up")
-            for i, (ns, link, learner_link) in enumerate(zip(self.hosts, self.host_links, self.learner_links)):
-                ip("link", "add", learner_link, "netns", self.learner, "type", "veth", "peer", "name", link, "netns", ns)
+            for i, (ns, link, learner_link) in enumerate(
+                zip(self.hosts, self.host_links, self.learner_links)
+            ):
+                ip(
+                    "link",
+                    "add",
+                    learner_link,
+                    "netns",
+                    self.learner,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    link,
+                    "netns",
+                    ns,
+                )
                 ip("-n", self.learner, "addr", "add", f"10.77.{i}.1/24", "dev", learner_link)
                 ip("-n", ns, "addr", "add", f"10.77.{i}.2/24", "dev", link)
                 ip("-n", self.learner, "link", "set", learner_link, "up")
@@ -127,8 +145,15 @@ class Net:
         exe = argv[0] if os.path.isabs(argv[0]) else str(BIN / argv[0])
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(log, "w") as out:
-            p = subprocess.Popen(["ip", "netns", "exec", ns, exe, *argv[1:]], stdout=out, stderr=subprocess.STDOUT,
-                                 text=True, start_new_session=True, env=full_env, cwd=ROOT)
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", ns, exe, *argv[1:]],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+                env=full_env,
+                cwd=ROOT,
+            )
         self.procs.append(p)
         return p
 
@@ -183,7 +208,12 @@ def connections(ns: str) -> set[tuple[str, str]] | None:
     """Established TCP connections in ``ns`` as (local, peer) address:port pairs; None without ``ss``."""
     if shutil.which("ss") is None:
         return None
-    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return {tuple(line.split()[-2:]) for line in out.stdout.splitlines() if line.strip()}
 
 
@@ -191,12 +221,21 @@ def authorize_hosts(learner_keys: Path, host_keys: list[Path]) -> None:
     """The CURVE dance of README/Security: each host makes its own client keypair; its public key
     goes into the learner's authorized/ and the learner's server.key goes to the host. The hosts
     make their keypairs (all at once) while the learner starts up and makes its own."""
-    makers = [subprocess.Popen([str(BIN / "impala-actors"), "--curve", str(keys), "--make-keys"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True) for keys in host_keys]
+    makers = [
+        subprocess.Popen(
+            [str(BIN / "impala-actors"), "--curve", str(keys), "--make-keys"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for keys in host_keys
+    ]
     for maker in makers:
         _, err = maker.communicate(timeout=60)
         assert maker.returncode == 0, err
-    assert wait_for(lambda: (learner_keys / "server.key").exists() and (learner_keys / "authorized").is_dir(), 120), "the learner made no keys"
+    assert wait_for(
+        lambda: (learner_keys / "server.key").exists() and (learner_keys / "authorized").is_dir(), 120
+    ), "the learner made no keys"
     for i, keys in enumerate(host_keys):
         shutil.copy(keys / "client.key", learner_keys / "authorized" / f"host{i}.key")
         shutil.copy(learner_keys / "server.key", keys / "server.key")
@@ -232,8 +271,10 @@ for cls in (vtrace_learner.ImpalaTrainer, ppo_learner.PPOTrainer):
         for name in sorted(msg.arrays):
             h.update(name.encode())
             h.update(np.ascontiguousarray(msg.arrays[name]).tobytes())
-        out.write(json.dumps({"t": time.time(), "actor": msg.actor, "version": msg.version, "learner_version": version,
-                              "env": msg.info.get("env"), "run_id": msg.info.get("run_id"), "sha1": h.hexdigest()}) + "\n")
+        out.write(json.dumps({"t": time.time(), "actor": msg.actor, "version": msg.version, "learner_version":
+        version,
+                              "env": msg.info.get("env"), "run_id": msg.info.get("run_id"), "sha1":
+                              h.hexdigest()}) + "\n")
         return _orig(self, msg, version)
     cls.ingest = hooked
 sys.exit({"impala": launch_impala, "ppo": launch_ppo}[sys.argv[1]].main(sys.argv[2:]))
@@ -249,9 +290,26 @@ def ingested(path: Path) -> list[dict]:
 
 # --------------------------------------------------------------------------- IMPALA: one run, three cases
 
-IMPALA_LEARNER = ["--env", "CartPole-v1", "--workers", "0", "--unroll-length", "20", "--batch-size", "8", "--torch-threads", "1",
-                  "--total-frames", "100000000", "--no-progress", "--log-interval", "1"]
-IMPALA_SECONDS = 60  # the phases end ~28 s after the learner starts at load 3 on 2 cores, 42-50 s at load 5-7 (printed)
+IMPALA_LEARNER = [
+    "--env",
+    "CartPole-v1",
+    "--workers",
+    "0",
+    "--unroll-length",
+    "20",
+    "--batch-size",
+    "8",
+    "--torch-threads",
+    "1",
+    "--total-frames",
+    "100000000",
+    "--no-progress",
+    "--log-interval",
+    "1",
+]
+IMPALA_SECONDS = (
+    60  # the phases end ~28 s after the learner starts at load 3 on 2 cores, 42-50 s at load 5-7 (printed)
+)
 PARTITION_S = 15.0
 
 
@@ -267,15 +325,46 @@ def impala_run(make_net_module, tmp_path_factory):
     t = {"start": time.time()}
     learner = net.start(
         net.learner,
-        [sys.executable, "-c", INGEST_HOOK, "impala", *IMPALA_LEARNER, "--bind", Net.LEARNER_IP, "--port", str(PORT),
-         "--curve", str(learner_keys), "--logdir", str(logdir), "--max-seconds", str(IMPALA_SECONDS)],
-        tmp / "learner.log", env={"INGEST_LOG": str(hook_log)},
+        [
+            sys.executable,
+            "-c",
+            INGEST_HOOK,
+            "impala",
+            *IMPALA_LEARNER,
+            "--bind",
+            Net.LEARNER_IP,
+            "--port",
+            str(PORT),
+            "--curve",
+            str(learner_keys),
+            "--logdir",
+            str(logdir),
+            "--max-seconds",
+            str(IMPALA_SECONDS),
+        ],
+        tmp / "learner.log",
+        env={"INGEST_LOG": str(hook_log)},
     )
     host_keys = [tmp / f"host{i}-keys" for i in range(2)]
     authorize_hosts(learner_keys, host_keys)
     actors = [
-        net.start(host, ["impala-actors", "--learner", f"tcp://{Net.LEARNER_IP}:{PORT}", "--curve", str(keys), "--workers", "1",
-                         "--first-id", str(1000 * (i + 1)), "--seed", str(1000 * 1000 * (i + 1))], tmp / f"host{i}.log")
+        net.start(
+            host,
+            [
+                "impala-actors",
+                "--learner",
+                f"tcp://{Net.LEARNER_IP}:{PORT}",
+                "--curve",
+                str(keys),
+                "--workers",
+                "1",
+                "--first-id",
+                str(1000 * (i + 1)),
+                "--seed",
+                str(1000 * 1000 * (i + 1)),
+            ],
+            tmp / f"host{i}.log",
+        )
         for i, (host, keys) in enumerate(zip(net.hosts, host_keys))
     ]
 
@@ -283,8 +372,12 @@ def impala_run(make_net_module, tmp_path_factory):
         return sum(1 for r in ingested(hook_log) if r["actor"] == actor and r["t"] > after) >= min_count
 
     # Phase 1: both hosts train (and have trained on weights they received: version >= 1).
-    assert wait_for(lambda: all(any(r["actor"] == a and r["version"] >= 1 for r in ingested(hook_log)) for a in (1000, 2000)), 120), \
-        (tmp / "learner.log").read_text()[-3000:] + (tmp / "host0.log").read_text()[-2000:]
+    assert wait_for(
+        lambda: all(
+            any(r["actor"] == a and r["version"] >= 1 for r in ingested(hook_log)) for a in (1000, 2000)
+        ),
+        120,
+    ), (tmp / "learner.log").read_text()[-3000:] + (tmp / "host0.log").read_text()[-2000:]
     time.sleep(1)
     conns_before = [connections(h) for h in net.hosts]
     # Phase 2: partition both hosts from the learner for 15 s.
@@ -297,24 +390,41 @@ def impala_run(make_net_module, tmp_path_factory):
     t["up"] = time.time()
     for i in range(2):
         net.link(i, up=True)
-    assert wait_for(lambda: seen(1000, t["up"], 8) and seen(2000, t["up"], 8), 90), "no unrolls after the link came back"
-    t["resumed"] = {a: min(r["t"] for r in ingested(hook_log) if r["actor"] == a and r["t"] > t["up"]) for a in (1000, 2000)}
+    assert wait_for(lambda: seen(1000, t["up"], 8) and seen(2000, t["up"], 8), 90), (
+        "no unrolls after the link came back"
+    )
+    t["resumed"] = {
+        a: min(r["t"] for r in ingested(hook_log) if r["actor"] == a and r["t"] > t["up"])
+        for a in (1000, 2000)
+    }
     conns_after = [connections(h) for h in net.hosts]
     time.sleep(1)
     # Phase 3: host 1 dies outright.
     t["kill"] = time.time()
     kill_netns(net.hosts[1])
-    assert wait_for(lambda: seen(1000, t["kill"] + 1.0, 8), 60), "host 0's actors stopped after host 1 was killed"
+    assert wait_for(lambda: seen(1000, t["kill"] + 1.0, 8), 60), (
+        "host 0's actors stopped after host 1 was killed"
+    )
     t["phases_done"] = time.time()
-    print(f"netns IMPALA: phases done {t['phases_done'] - t['start']:.1f} s after the learner started (--max-seconds {IMPALA_SECONDS})")
+    print(
+        f"netns IMPALA: phases done {t['phases_done'] - t['start']:.1f} s after the learner started "
+        f"(--max-seconds {IMPALA_SECONDS})"
+    )
     learner_rc = learner.wait(timeout=IMPALA_SECONDS + 60)
     return {
-        "tmp": tmp, "net": net, "t": t, "rows": ingested(hook_log), "learner_rc": learner_rc, "logdir": logdir,
-        "learner_log": (tmp / "learner.log").read_text(), "host_logs": [(tmp / f"host{i}.log").read_text() for i in range(2)],
+        "tmp": tmp,
+        "net": net,
+        "t": t,
+        "rows": ingested(hook_log),
+        "learner_rc": learner_rc,
+        "logdir": logdir,
+        "learner_log": (tmp / "learner.log").read_text(),
+        "host_logs": [(tmp / f"host{i}.log").read_text() for i in range(2)],
         "learner_alive_during_partition": learner_alive_during_partition,
         "actors_alive_during_partition": actors_alive_during_partition,
         "actors_alive_after": [a.poll() is None for a in actors],
-        "conns_before": conns_before, "conns_after": conns_after,
+        "conns_before": conns_before,
+        "conns_after": conns_after,
     }
 
 
@@ -340,7 +450,9 @@ def test_impala_trains_with_actors_on_other_hosts_over_curve(impala_run):
     assert all(x["version"] <= x["learner_version"] for x in rows)
     metrics = metrics_rows(r["logdir"])
     assert metrics[-1]["charts/env_frames"] > metrics[0]["charts/env_frames"]
-    assert all(row["transport/dropped"] == 0 for row in metrics), [row["transport/dropped"] for row in metrics]
+    assert all(row["transport/dropped"] == 0 for row in metrics), [
+        row["transport/dropped"] for row in metrics
+    ]
     for i in range(2):
         assert "running 1 actors for CartPole-v1" in r["host_logs"][i], r["host_logs"][i][-2000:]
 
@@ -357,11 +469,17 @@ def test_partition_of_15s_then_training_resumes_in_the_same_run(impala_run):
     assert during == [], during[:5]
     before = [x for x in rows if x["t"] <= t["down"]]
     after = [x for x in rows if x["t"] >= t["up"]]
-    assert after and min(x["learner_version"] for x in after) >= max(x["learner_version"] for x in before), "the learner restarted"
-    assert max(x["learner_version"] for x in after) > max(x["learner_version"] for x in before) + 20, "updates did not resume"
+    assert after and min(x["learner_version"] for x in after) >= max(x["learner_version"] for x in before), (
+        "the learner restarted"
+    )
+    assert max(x["learner_version"] for x in after) > max(x["learner_version"] for x in before) + 20, (
+        "updates did not resume"
+    )
     resumed = {a: s - t["up"] for a, s in t["resumed"].items()}
-    print(f"training resumed {resumed} s after the links came back (down {t['up'] - t['down']:.1f} s); "
-          f"host connections before/after: {r['conns_before']} / {r['conns_after']}")
+    print(
+        f"training resumed {resumed} s after the links came back (down {t['up'] - t['down']:.1f} s); "
+        f"host connections before/after: {r['conns_before']} / {r['conns_after']}"
+    )
     assert max(resumed.values()) < 40, resumed
     assert len({x["run_id"] for x in rows}) == 1, "an unroll of another run was ingested"
     assert len({x["sha1"] for x in rows}) == len(rows), "an unroll was ingested twice"
@@ -391,7 +509,9 @@ def test_killed_actor_host_leaves_the_learner_running(impala_run):
 # --------------------------------------------------------------------------- PPO
 
 
-PPO_STEPS = 5 * 256  # five updates of --buffer-size 256, all from the remote host (--max-seconds is only a safety net)
+PPO_STEPS = (
+    5 * 256
+)  # five updates of --buffer-size 256, all from the remote host (--max-seconds is only a safety net)
 
 
 def test_ppo_trains_with_actors_on_another_host_over_curve(make_net, tmp_path):
@@ -403,15 +523,58 @@ def test_ppo_trains_with_actors_on_another_host_over_curve(make_net, tmp_path):
     learner_keys, actor_keys = tmp_path / "learner-keys", tmp_path / "actor-keys"
     learner = net.start(
         net.learner,
-        ["launch_ppo", "--env", "Pendulum-v1", "--semantics", "sb3", "--workers", "0", "--envs-per-worker", "2",
-         "--unroll-length", "64", "--buffer-size", "256", "--batch-size", "64", "--num-epoch", "2",
-         "--bind", Net.LEARNER_IP, "--port", str(PORT), "--curve", str(learner_keys), "--logdir", str(tmp_path / "run"),
-         "--total-steps", str(PPO_STEPS), "--max-seconds", "120", "--no-progress", "--torch-threads", "1"],
+        [
+            "launch_ppo",
+            "--env",
+            "Pendulum-v1",
+            "--semantics",
+            "sb3",
+            "--workers",
+            "0",
+            "--envs-per-worker",
+            "2",
+            "--unroll-length",
+            "64",
+            "--buffer-size",
+            "256",
+            "--batch-size",
+            "64",
+            "--num-epoch",
+            "2",
+            "--bind",
+            Net.LEARNER_IP,
+            "--port",
+            str(PORT),
+            "--curve",
+            str(learner_keys),
+            "--logdir",
+            str(tmp_path / "run"),
+            "--total-steps",
+            str(PPO_STEPS),
+            "--max-seconds",
+            "120",
+            "--no-progress",
+            "--torch-threads",
+            "1",
+        ],
         tmp_path / "learner.log",
     )
     authorize_hosts(learner_keys, [actor_keys])
-    actors = net.start(net.hosts[0], ["impala-actors", "--learner", f"tcp://{Net.LEARNER_IP}:{PORT}", "--curve", str(actor_keys),
-                                      "--workers", "1", "--learner-timeout", "8"], tmp_path / "host.log")
+    actors = net.start(
+        net.hosts[0],
+        [
+            "impala-actors",
+            "--learner",
+            f"tcp://{Net.LEARNER_IP}:{PORT}",
+            "--curve",
+            str(actor_keys),
+            "--workers",
+            "1",
+            "--learner-timeout",
+            "8",
+        ],
+        tmp_path / "host.log",
+    )
     assert learner.wait(timeout=150) == 0, (tmp_path / "learner.log").read_text()[-3000:]
     actors.wait(timeout=60)
     log, host_log = (tmp_path / "learner.log").read_text(), (tmp_path / "host.log").read_text()
@@ -421,5 +584,7 @@ def test_ppo_trains_with_actors_on_another_host_over_curve(make_net, tmp_path):
     updates = int(re.search(r"(\d+) updates", line).group(1))
     assert updates >= 3 and steps >= 256 * updates, line
     assert set(dropped_of(line)) <= {"stale"}, line
-    assert "running 1 actors for Pendulum-v1" in host_log and "the learner is gone" in host_log, host_log[-2000:]
+    assert "running 1 actors for Pendulum-v1" in host_log and "the learner is gone" in host_log, host_log[
+        -2000:
+    ]
     assert actors.returncode == 0

@@ -54,7 +54,9 @@ def test_pop_preserves_unnormalized_outputs_across_scale_shift():
         before = (h @ weight.double().T + bias.double()) * state.sigma + state.mu
         weight, bias = popart.rescale_linear(weight, bias, state, new)
         after = (h @ weight.double().T + bias.double()) * new.sigma + new.mu
-        np.testing.assert_allclose(after.numpy(), before.numpy(), rtol=1e-5, atol=1e-5 * before.abs().max().item())
+        np.testing.assert_allclose(
+            after.numpy(), before.numpy(), rtol=1e-5, atol=1e-5 * before.abs().max().item()
+        )
         state = new
     assert state.sigma.min() > 100  # the statistics did follow the shift
 
@@ -135,9 +137,20 @@ def _loss_inputs(T=7, B=5, A=4, seed=0):
 
 def test_popart_loss_matches_paper_formulas():
     behaviour, target, actions, discounts, rewards, n_values, n_boot = _loss_inputs()
-    state = popart.PopArtState(mu=torch.tensor([20.0]), nu=torch.tensor([400.0 + 9.0]), sigma=torch.tensor([3.0]))
+    state = popart.PopArtState(
+        mu=torch.tensor([20.0]), nu=torch.tensor([400.0 + 9.0]), sigma=torch.tensor([3.0])
+    )
     out = impala_losses.popart_impala_loss(
-        behaviour, target, actions, discounts, rewards, n_values, n_boot, state, baseline_cost=0.25, entropy_cost=0.1
+        behaviour,
+        target,
+        actions,
+        discounts,
+        rewards,
+        n_values,
+        n_boot,
+        state,
+        baseline_cost=0.25,
+        entropy_cost=0.1,
     )
     mu, sigma = 20.0, 3.0
     values = sigma * n_values.detach() + mu
@@ -163,7 +176,14 @@ def test_identity_popart_loss_equals_plain_impala_loss():
     behaviour, target, actions, discounts, rewards, n_values, n_boot = _loss_inputs(seed=4)
     plain = impala_losses.impala_loss(behaviour, target, actions, discounts, rewards, n_values, n_boot)
     pa = impala_losses.popart_impala_loss(
-        behaviour, target, actions, discounts, rewards, n_values, n_boot, popart.init_state(1, dtype=torch.float32)
+        behaviour,
+        target,
+        actions,
+        discounts,
+        rewards,
+        n_values,
+        n_boot,
+        popart.init_state(1, dtype=torch.float32),
     )
     for name in ("total", "pg_loss", "baseline_loss", "entropy"):
         torch.testing.assert_close(getattr(pa, name), getattr(plain, name))
@@ -179,11 +199,20 @@ def test_popart_loss_with_task_ids():
         mu=torch.tensor([0.0, 100.0]), nu=torch.tensor([1.0, 1e4 + 100.0]), sigma=torch.tensor([1.0, 10.0])
     )
     tasks = torch.tensor([0, 1, 1, 0]).expand(7, 4)
-    out = impala_losses.popart_impala_loss(behaviour, target, actions, discounts, rewards, n_values, n_boot, state, tasks)
+    out = impala_losses.popart_impala_loss(
+        behaviour, target, actions, discounts, rewards, n_values, n_boot, state, tasks
+    )
     for b in range(4):
         single = impala_losses.popart_impala_loss(
-            behaviour[:, b : b + 1], target[:, b : b + 1], actions[:, b : b + 1], discounts[:, b : b + 1],
-            rewards[:, b : b + 1], n_values[:, b : b + 1], n_boot[b : b + 1], state, int(tasks[0, b]),
+            behaviour[:, b : b + 1],
+            target[:, b : b + 1],
+            actions[:, b : b + 1],
+            discounts[:, b : b + 1],
+            rewards[:, b : b + 1],
+            n_values[:, b : b + 1],
+            n_boot[b : b + 1],
+            state,
+            int(tasks[0, b]),
         )
         torch.testing.assert_close(out.vtrace.vs[:, b : b + 1], single.vtrace.vs)
         torch.testing.assert_close(out.pg_advantages[:, b : b + 1], single.pg_advantages)

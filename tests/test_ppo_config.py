@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from impala.run.config import FlagParser
-from impala.run.ppo_config import ConfigError, PPOConfig, config_from_args, config_to_argparse, from_mlagents_yaml
+from impala.run.ppo_config import (
+    ConfigError,
+    PPOConfig,
+    config_from_args,
+    config_to_argparse,
+    from_mlagents_yaml,
+)
 
 CRAWLER = Path(__file__).resolve().parents[1] / "configs" / "Crawler.yaml"
 
@@ -18,7 +24,10 @@ CRAWLER = Path(__file__).resolve().parents[1] / "configs" / "Crawler.yaml"
 EXPECTED = {
     "advantage_norm": ("buffer", "minibatch"),  # 1
     "ratio": ("per_dim", "summed"),  # 2
-    "value_loss": ("mlagents", "mse"),  # 3 (ML-Agents as 0.28 runs it; the intended clip is "mlagents_intended")
+    "value_loss": (
+        "mlagents",
+        "mse",
+    ),  # 3 (ML-Agents as 0.28 runs it; the intended clip is "mlagents_intended")
     "clip_range_vf": (None, None),  # 3 (SB3 default None)
     "entropy_reduce": ("mean", "sum"),  # 4
     "vf_coef": (0.5, 0.5),  # 5
@@ -54,8 +63,22 @@ def test_presets_follow_semantics_table(name):
 
 def test_preset_hyperparameters_are_library_defaults():
     ml, sb = PPOConfig.preset("mlagents"), PPOConfig.preset("sb3")
-    assert (ml.batch_size, ml.buffer_size, ml.num_epoch, ml.beta, ml.hidden_units, ml.num_layers) == (1024, 10240, 3, 5e-3, 128, 2)
-    assert (sb.batch_size, sb.buffer_size, sb.num_epoch, sb.beta, sb.hidden_units, sb.num_layers) == (64, 2048, 10, 0.0, 64, 2)
+    assert (ml.batch_size, ml.buffer_size, ml.num_epoch, ml.beta, ml.hidden_units, ml.num_layers) == (
+        1024,
+        10240,
+        3,
+        5e-3,
+        128,
+        2,
+    )
+    assert (sb.batch_size, sb.buffer_size, sb.num_epoch, sb.beta, sb.hidden_units, sb.num_layers) == (
+        64,
+        2048,
+        10,
+        0.0,
+        64,
+        2,
+    )
     assert PPOConfig() == ml
 
 
@@ -121,7 +144,8 @@ def test_crawler_yaml(tmp_path):
         cfg = from_mlagents_yaml(str(CRAWLER))
     # ML-Agents' own Crawler.yaml has the keys the shipped one leaves out: each still warns once
     ml = CRAWLER.read_text().replace(
-        "    time_horizon: 1000\n", "    time_horizon: 1000\n    summary_freq: 30000\n")
+        "    time_horizon: 1000\n", "    time_horizon: 1000\n    summary_freq: 30000\n"
+    )
     ml = ml.replace("        gamma: 0.995\n", "        gamma: 0.995\n        strength: 1.0\n")
     (tmp_path / "ml.yaml").write_text(ml)
     with pytest.warns(UserWarning) as rec:
@@ -129,7 +153,12 @@ def test_crawler_yaml(tmp_path):
     warned = [str(w.message) for w in rec]
     assert len(warned) == 2, warned
     assert "behaviors.Crawler.summary_freq" in warned[0] and "extrinsic.strength" in warned[1], warned
-    assert (cfg.batch_size, cfg.buffer_size, cfg.learning_rate, cfg.lr_schedule) == (2048, 20480, 3e-4, "linear")
+    assert (cfg.batch_size, cfg.buffer_size, cfg.learning_rate, cfg.lr_schedule) == (
+        2048,
+        20480,
+        3e-4,
+        "linear",
+    )
     assert (cfg.beta, cfg.epsilon, cfg.lambd, cfg.num_epoch) == (0.005, 0.2, 0.95, 3)
     assert (cfg.obs_norm, cfg.hidden_units, cfg.num_layers) == ("mlagents", 512, 3)
     assert (cfg.gamma, cfg.time_horizon, cfg.max_steps) == (0.995, 1000, 10_000_000)
@@ -154,15 +183,28 @@ def test_an_lr_schedule_override_is_followed_as_if_the_yaml_said_it():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = from_mlagents_yaml(str(CRAWLER), semantics="mlagents", lr_schedule="constant")
-        assert (cfg.lr_schedule, cfg.epsilon_schedule, cfg.beta_schedule) == ("constant", "constant", "constant")
-        cfg = from_mlagents_yaml(str(CRAWLER), semantics="mlagents", lr_schedule="constant", epsilon_schedule="linear")
-        assert (cfg.lr_schedule, cfg.epsilon_schedule, cfg.beta_schedule) == ("constant", "linear", "constant")
+        assert (cfg.lr_schedule, cfg.epsilon_schedule, cfg.beta_schedule) == (
+            "constant",
+            "constant",
+            "constant",
+        )
+        cfg = from_mlagents_yaml(
+            str(CRAWLER), semantics="mlagents", lr_schedule="constant", epsilon_schedule="linear"
+        )
+        assert (cfg.lr_schedule, cfg.epsilon_schedule, cfg.beta_schedule) == (
+            "constant",
+            "linear",
+            "constant",
+        )
 
 
 def test_sb3_semantics_keep_a_schedule_the_yaml_names(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(CRAWLER.read_text().replace("learning_rate_schedule: linear",
-                                                "learning_rate_schedule: linear\n      epsilon_schedule: linear"))
+    path.write_text(
+        CRAWLER.read_text().replace(
+            "learning_rate_schedule: linear", "learning_rate_schedule: linear\n      epsilon_schedule: linear"
+        )
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = from_mlagents_yaml(str(path), "Crawler", semantics="sb3")
@@ -192,14 +234,38 @@ behaviors:
 @pytest.mark.parametrize(
     "hp, net, message",
     [
-        ("lernin_rate: 0.001", "normalize: true", "behaviors.Walker.hyperparameters.lernin_rate: unknown key"),
-        ("learning_rate: fast", "normalize: true", "behaviors.Walker.hyperparameters.learning_rate: expected a number"),
-        ("batch_size: 12.5", "normalize: true", "behaviors.Walker.hyperparameters.batch_size: expected an integer"),
-        ("learning_rate_schedule: cosine", "normalize: true", "behaviors.Walker.hyperparameters.learning_rate_schedule"),
+        (
+            "lernin_rate: 0.001",
+            "normalize: true",
+            "behaviors.Walker.hyperparameters.lernin_rate: unknown key",
+        ),
+        (
+            "learning_rate: fast",
+            "normalize: true",
+            "behaviors.Walker.hyperparameters.learning_rate: expected a number",
+        ),
+        (
+            "batch_size: 12.5",
+            "normalize: true",
+            "behaviors.Walker.hyperparameters.batch_size: expected an integer",
+        ),
+        (
+            "learning_rate_schedule: cosine",
+            "normalize: true",
+            "behaviors.Walker.hyperparameters.learning_rate_schedule",
+        ),
         ("beta: 0.01", "normalise: true", "behaviors.Walker.network_settings.normalise: unknown key"),
         ("beta: 0.01", "normalize: 3", "behaviors.Walker.network_settings.normalize: expected true or false"),
-        ("beta: 0.01", "memory: {sequence_length: 64, memory_size: 128}", "behaviors.Walker.network_settings.memory"),
-        ("batch_size: 20000", "normalize: true", "behaviors.Walker.hyperparameters.batch_size: 20000 is larger than buffer_size"),
+        (
+            "beta: 0.01",
+            "memory: {sequence_length: 64, memory_size: 128}",
+            "behaviors.Walker.network_settings.memory",
+        ),
+        (
+            "batch_size: 20000",
+            "normalize: true",
+            "behaviors.Walker.hyperparameters.batch_size: 20000 is larger than buffer_size",
+        ),
         ("lambd: 1.5", "normalize: true", "behaviors.Walker.hyperparameters.lambd: must be in [0, 1]"),
         ("beta: 0.01", "hidden_units: 0", "behaviors.Walker.network_settings.hidden_units: must be >= 1"),
     ],
@@ -218,7 +284,10 @@ def test_yaml_structure_errors(tmp_path):
     p = _write(tmp_path, "behaviors:\n  W:\n    trainer_type: ppo\n    hyperparameters: 3\n")
     with pytest.raises(ConfigError, match=r"behaviors\.W\.hyperparameters: expected a mapping"):
         from_mlagents_yaml(p)
-    p = _write(tmp_path, "behaviors:\n  W:\n    trainer_type: ppo\n    reward_signals:\n      curiosity: {gamma: 0.99}\n")
+    p = _write(
+        tmp_path,
+        "behaviors:\n  W:\n    trainer_type: ppo\n    reward_signals:\n      curiosity: {gamma: 0.99}\n",
+    )
     with pytest.raises(ConfigError, match=r"behaviors\.W\.reward_signals\.curiosity"):
         from_mlagents_yaml(p)
     p = _write(tmp_path, "behaviours:\n  W: {}\n")
@@ -232,7 +301,10 @@ def test_yaml_structure_errors(tmp_path):
 
 
 def test_yaml_defaults_and_ignored_keys(tmp_path):
-    p = _write(tmp_path, "behaviors:\n  W:\n    trainer_type: ppo\n    threaded: true\n    checkpoint_interval: 500\n")
+    p = _write(
+        tmp_path,
+        "behaviors:\n  W:\n    trainer_type: ppo\n    threaded: true\n    checkpoint_interval: 500\n",
+    )
     with pytest.warns(UserWarning, match=r"behaviors\.W\.(threaded|checkpoint_interval)"):
         cfg = from_mlagents_yaml(p)
     assert cfg.obs_norm == "none"  # ML-Agents: normalize defaults to false
@@ -255,16 +327,43 @@ def test_argparse_overrides():
     parser = config_to_argparse(FlagParser(prog="t"))
     cfg = config_from_args(parser.parse_args([]))
     assert cfg == PPOConfig.preset("mlagents")
-    args = parser.parse_args(["--semantics", "sb3", "--ratio", "per_dim", "--max-grad-norm", "none",
-                              "--no-reward-norm", "--batch-size", "128", "--target-kl", "0.02"])
+    args = parser.parse_args(
+        [
+            "--semantics",
+            "sb3",
+            "--ratio",
+            "per_dim",
+            "--max-grad-norm",
+            "none",
+            "--no-reward-norm",
+            "--batch-size",
+            "128",
+            "--target-kl",
+            "0.02",
+        ]
+    )
     cfg = config_from_args(args)
-    assert (cfg.ratio, cfg.max_grad_norm, cfg.reward_norm, cfg.batch_size, cfg.target_kl) == ("per_dim", None, False, 128, 0.02)
+    assert (cfg.ratio, cfg.max_grad_norm, cfg.reward_norm, cfg.batch_size, cfg.target_kl) == (
+        "per_dim",
+        None,
+        False,
+        128,
+        0.02,
+    )
     assert cfg.entropy_reduce == "sum"
     with pytest.raises(SystemExit):
         parser.parse_args(["--ratio", "sum"])
     # #15 is a switch like the others, both ways.
-    assert config_from_args(parser.parse_args(["--trajectory-handling", "rollout"])).trajectory_handling == "rollout"
-    assert config_from_args(parser.parse_args(["--semantics", "sb3", "--trajectory-handling", "mlagents"])).trajectory_handling == "mlagents"
+    assert (
+        config_from_args(parser.parse_args(["--trajectory-handling", "rollout"])).trajectory_handling
+        == "rollout"
+    )
+    assert (
+        config_from_args(
+            parser.parse_args(["--semantics", "sb3", "--trajectory-handling", "mlagents"])
+        ).trajectory_handling
+        == "mlagents"
+    )
 
 
 def test_argparse_trainer_config_and_launcher_overrides():
@@ -276,4 +375,6 @@ def test_argparse_trainer_config_and_launcher_overrides():
         cfg = config_from_args(args, seed=args.seed)
         default_file = config_from_args(parser.parse_args([]), default_trainer_config=str(CRAWLER))
     assert (cfg.beta, cfg.batch_size, cfg.seed) == (2.5e-4, 2048, 3)
-    assert default_file.batch_size == 2048  # a launcher's default file, used when --trainer-config is not given
+    assert (
+        default_file.batch_size == 2048
+    )  # a launcher's default file, used when --trainer-config is not given

@@ -30,17 +30,36 @@ def make_piece(T, rng, policy=None, terminated_at=(), truncated_at=(), source=0,
     trunc[list(truncated_at)] = True
     next_obs = np.concatenate([obs[1:], rng.normal(size=(1, OBS)).astype(np.float32)])
     ended = term | trunc
-    next_obs[ended] = rng.normal(size=(int(ended.sum()), OBS)).astype(np.float32)  # final obs of ended episodes
-    return TrajectoryPiece(obs, actions, logp, rng.normal(size=T).astype(np.float32), term, trunc, next_obs,
-                           values if with_values else None, source)
+    next_obs[ended] = rng.normal(size=(int(ended.sum()), OBS)).astype(
+        np.float32
+    )  # final obs of ended episodes
+    return TrajectoryPiece(
+        obs,
+        actions,
+        logp,
+        rng.normal(size=T).astype(np.float32),
+        term,
+        trunc,
+        next_obs,
+        values if with_values else None,
+        source,
+    )
 
 
 def small(semantics, **kw):
     """Tiny networks. The tests below hand over pieces that are trajectories already (independent random
     pieces, not the continuation of one stream), so each is processed as it comes: 'rollout' (#15). The
-    'mlagents' trajectory cutting has its own tests at the end of this file and in test_mlagents_trajectories."""
-    base = dict(batch_size=4, buffer_size=10, num_epoch=2, hidden_units=16, num_layers=2, max_steps=1000,
-                trajectory_handling="rollout")
+    'mlagents' trajectory cutting has its own tests at the end of this file and in
+    test_mlagents_trajectories."""
+    base = dict(
+        batch_size=4,
+        buffer_size=10,
+        num_epoch=2,
+        hidden_units=16,
+        num_layers=2,
+        max_steps=1000,
+        trajectory_handling="rollout",
+    )
     base.update(kw)
     return PPOConfig.preset(semantics, **base)
 
@@ -51,10 +70,21 @@ def test_tiny_update_runs_and_metrics_finite(semantics):
     learner = PPOLearner(small(semantics), OBS, ACT, -np.ones(ACT), np.ones(ACT))
     before = [p.detach().clone() for p in learner.policy.parameters()]
     while not learner.ready():
-        assert learner.ingest(make_piece(4, rng, learner.policy, terminated_at=[3] if rng.random() < 0.5 else []))
+        assert learner.ingest(
+            make_piece(4, rng, learner.policy, terminated_at=[3] if rng.random() < 0.5 else [])
+        )
     m = learner.update()
-    for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance",
-              "learning_rate", "epsilon", "beta"):
+    for k in (
+        "policy_loss",
+        "value_loss",
+        "entropy",
+        "approx_kl",
+        "clip_fraction",
+        "explained_variance",
+        "learning_rate",
+        "epsilon",
+        "beta",
+    ):
         assert k in m and math.isfinite(m[k]), k
     assert learner.buffer.num_steps == 0
     assert any(not torch.equal(a, b) for a, b in zip(before, learner.policy.parameters()))
@@ -188,8 +218,19 @@ def test_value_loss_choices_in_the_update():
     pieces = [make_piece(6, rng, terminated_at=[5]) for _ in range(2)]
     after = {}
     for loss in ("mlagents", "mse", "mlagents_intended"):
-        learner = PPOLearner(small("mlagents", value_loss=loss, buffer_size=12, batch_size=12, num_epoch=3,
-                                   learning_rate=0.05, lr_schedule="constant"), OBS, ACT)
+        learner = PPOLearner(
+            small(
+                "mlagents",
+                value_loss=loss,
+                buffer_size=12,
+                batch_size=12,
+                num_epoch=3,
+                learning_rate=0.05,
+                lr_schedule="constant",
+            ),
+            OBS,
+            ACT,
+        )
         for p in pieces:
             learner.ingest(p)
         learner.update()
@@ -223,7 +264,9 @@ def test_env_action():
     cfg_ml, cfg_sb = small("mlagents"), small("sb3")
     a = np.array([[-4.0, 0.5, 9.0]], np.float32)
     np.testing.assert_allclose(PPOLearner(cfg_ml, OBS, ACT).env_action(a), np.clip(a, -3, 3) / 3)
-    np.testing.assert_allclose(PPOLearner(cfg_sb, OBS, ACT, [-2, -1, 0], [2, 1, 1]).env_action(a), [[-2, 0.5, 1]])
+    np.testing.assert_allclose(
+        PPOLearner(cfg_sb, OBS, ACT, [-2, -1, 0], [2, 1, 1]).env_action(a), [[-2, 0.5, 1]]
+    )
 
 
 @pytest.mark.parametrize("semantics", ["mlagents", "sb3"])
@@ -240,7 +283,11 @@ def test_state_dict_round_trip(semantics):
     b.load_state_dict(state)
     for k, v in a.policy.state_dict().items():
         assert torch.equal(v, b.policy.state_dict()[k]), k
-    assert (b.total_steps, b.update_count, b.rejected_batches) == (a.total_steps, a.update_count, a.rejected_batches)
+    assert (b.total_steps, b.update_count, b.rejected_batches) == (
+        a.total_steps,
+        a.update_count,
+        a.rejected_batches,
+    )
     # Same data after the restore -> identical next update (optimizer moments, normalizers, RNG all restored).
     for learner in (a, b):
         for p in pieces[2:]:
@@ -276,15 +323,26 @@ def agent_stream(n: int, rng, source, p_end=0.12) -> TrajectoryPiece:
     trunc = ends & ~term
     next_obs = obs[1:].copy()
     next_obs[ends] = rng.normal(size=(int(ends.sum()), OBS)).astype(np.float32)
-    return TrajectoryPiece(obs[:n], rng.normal(size=(n, ACT)).astype(np.float32),
-                           rng.normal(size=(n, ACT)).astype(np.float32) - 1, rng.normal(size=n).astype(np.float32),
-                           term, trunc, next_obs, None, source)
+    return TrajectoryPiece(
+        obs[:n],
+        rng.normal(size=(n, ACT)).astype(np.float32),
+        rng.normal(size=(n, ACT)).astype(np.float32) - 1,
+        rng.normal(size=n).astype(np.float32),
+        term,
+        trunc,
+        next_obs,
+        None,
+        source,
+    )
 
 
 def split_stream(stream: TrajectoryPiece, rng, max_len=9) -> list[TrajectoryPiece]:
     cuts = np.cumsum(rng.integers(1, max_len + 1, size=len(stream.rewards)))
     bounds = [0, *[int(c) for c in cuts if c < len(stream.rewards)], len(stream.rewards)]
-    return [TrajectoryPiece(*(x[a:b] for x in stream[:7]), None, stream.source) for a, b in zip(bounds, bounds[1:])]
+    return [
+        TrajectoryPiece(*(x[a:b] for x in stream[:7]), None, stream.source)
+        for a, b in zip(bounds, bounds[1:])
+    ]
 
 
 def interleave(per_source: list[list[TrajectoryPiece]], rng) -> list[TrajectoryPiece]:
@@ -323,7 +381,10 @@ def test_agent_trajectories_cut_where_mlagents_agent_processor_does(time_horizon
     if time_horizon == 7:
         # The point of "own start": some trajectory starts after an episode end and is cut 7 steps later,
         # off any fixed grid of 7.
-        assert any(a % 7 and b - a == 7 for a, b in mlagents_processor_cuts(streams[0].terminated | streams[0].truncated, 7)[0])
+        assert any(
+            a % 7 and b - a == 7
+            for a, b in mlagents_processor_cuts(streams[0].terminated | streams[0].truncated, 7)[0]
+        )
 
 
 def test_agent_trajectories_discard_a_stream_that_does_not_continue():
@@ -346,21 +407,28 @@ def mlagents_learner(**kw) -> PPOLearner:
 
 def test_unfinished_trajectory_straddles_an_update_with_action_time_log_probs():
     """ML-Agents keeps an agent's unfinished trajectory through an update: it is processed when complete, with
-    the normalizer and critic of that moment, and trains in the next update with the log-probs from action time.
-    Its steps count for the schedules when it is processed (RLTrainer._process_trajectory -> _increment_step)."""
+    the normalizer and critic of that moment, and trains in the next update with the log-probs from action
+    time.
+    Its steps count for the schedules when it is processed (RLTrainer._process_trajectory ->
+    _increment_step)."""
     rng = np.random.default_rng(12)
     learner = mlagents_learner(time_horizon=8, buffer_size=10, batch_size=4, max_steps=100)
     a = agent_stream(8, rng, source="a", p_end=0.0)
     b = agent_stream(11, rng, source="b", p_end=0.0)
     b.terminated[-1] = True
-    first, rest = TrajectoryPiece(*(x[:5] for x in a[:7]), None, "a"), TrajectoryPiece(*(x[5:] for x in a[:7]), None, "a")
+    first, rest = (
+        TrajectoryPiece(*(x[:5] for x in a[:7]), None, "a"),
+        TrajectoryPiece(*(x[5:] for x in a[:7]), None, "a"),
+    )
     assert learner.ingest(first)
     assert learner.buffer.num_steps == 0 and learner.total_steps == 0  # waiting, not counted yet
     assert learner.ingest(b)
     assert learner.ready() and learner.buffer.num_steps == 11 and learner.total_steps == 11
     m = learner.update()
     assert m["learning_rate"] == pytest.approx(ppo.polynomial_decay(3e-4, 1e-10, 11, 100))
-    assert m["pending_steps"] == 5.0 and learner.buffer.num_steps == 0  # the buffer is cleared, the 5 steps wait
+    assert (
+        m["pending_steps"] == 5.0 and learner.buffer.num_steps == 0
+    )  # the buffer is cleared, the 5 steps wait
 
     ref = copy.deepcopy(learner.policy)  # the weights after the update: the ones that process `a`
     assert learner.ingest(rest)  # steps 5..7: time_horizon 8 reached -> processed now
@@ -372,17 +440,23 @@ def test_unfinished_trajectory_straddles_an_update_with_action_time_log_probs():
     with torch.no_grad():
         v = ref.value(torch.as_tensor(a.obs)).double()
         v_next = ref.value(torch.as_tensor(a.next_obs[-1:])).double()[0]  # cut at time_horizon: bootstrap
-    want = ppo.mlagents_gae(torch.as_tensor(a.rewards, dtype=torch.float64), v, v_next, gamma=0.99, lambd=0.95)
+    want = ppo.mlagents_gae(
+        torch.as_tensor(a.rewards, dtype=torch.float64), v, v_next, gamma=0.99, lambd=0.95
+    )
     np.testing.assert_allclose(got["values"].numpy(), v.numpy(), atol=1e-6)
     np.testing.assert_allclose(got["advantages"].numpy(), want.advantages.numpy(), atol=1e-5)
     np.testing.assert_allclose(got["returns"].numpy(), want.returns.numpy(), atol=1e-5)
 
 
 def test_rollout_handling_processes_each_piece_when_it_arrives():
-    """The SB3 preset's 'rollout': the same first five steps are processed (and counted) at once, cut there."""
+    """The SB3 preset's 'rollout': the same first five steps are processed (and counted) at once, cut
+    there."""
     rng = np.random.default_rng(12)
     learner = PPOLearner(small("sb3"), OBS, ACT)
-    assert learner.config.trajectory_handling == "rollout" and PPOConfig.preset("sb3").trajectory_handling == "rollout"
+    assert (
+        learner.config.trajectory_handling == "rollout"
+        and PPOConfig.preset("sb3").trajectory_handling == "rollout"
+    )
     a = agent_stream(8, rng, source="a", p_end=0.0)
     assert learner.ingest(TrajectoryPiece(*(x[:5] for x in a[:7]), None, "a"))
     assert learner.buffer.num_steps == 5 and learner.total_steps == 5 and learner.trajectories is None
@@ -396,7 +470,11 @@ def test_nan_piece_breaks_its_stream_under_mlagents_handling():
     bad = TrajectoryPiece(*(x[6:].copy() for x in s[:7]), None, 7)
     bad.rewards[2] = np.nan
     assert not learner.ingest(bad)
-    assert learner.rejected_batches == 1 and learner.trajectories.broken == 1 and learner.trajectories.pending_steps == 0
+    assert (
+        learner.rejected_batches == 1
+        and learner.trajectories.broken == 1
+        and learner.trajectories.pending_steps == 0
+    )
     assert learner.total_steps == 0 and int(learner.policy.actor_norm.steps) == 1
 
 

@@ -25,9 +25,15 @@ N_STEPS = 256
 
 
 def run_pendulum(
-    total_steps: int, seed: int = 0, n_steps: int = N_STEPS, log_every: int = 0, eval_episodes: int = 20, **overrides
+    total_steps: int,
+    seed: int = 0,
+    n_steps: int = N_STEPS,
+    log_every: int = 0,
+    eval_episodes: int = 20,
+    **overrides,
 ) -> tuple[list[float], float, float]:
-    """Train; return (training episode returns in completion order, mean deterministic eval return, seconds)."""
+    """Train; return (training episode returns in completion order, mean deterministic eval return,
+    seconds)."""
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # a 64x64 MLP: threads only add overhead, and CI shares its cores
     cfg = PPOConfig.preset(
@@ -55,7 +61,19 @@ def run_pendulum(
     t0 = time.perf_counter()
     steps = 0
     while steps < total_steps:
-        cols = {k: [] for k in ("obs", "actions", "log_probs", "rewards", "terminated", "truncated", "next_obs", "values")}
+        cols = {
+            k: []
+            for k in (
+                "obs",
+                "actions",
+                "log_probs",
+                "rewards",
+                "terminated",
+                "truncated",
+                "next_obs",
+                "values",
+            )
+        }
         for _ in range(cfg.time_horizon):
             out = learner.policy.act(torch.as_tensor(obs), generator=gen)
             a_env = learner.env_action(out.action.numpy())
@@ -87,7 +105,11 @@ def run_pendulum(
         m = learner.update()
         assert all(np.isfinite(m[k]) for k in ("policy_loss", "value_loss", "approx_kl"))
         if log_every and learner.update_count % log_every == 0:
-            print(f"{steps:7d} steps {time.perf_counter() - t0:6.1f}s return(last 20) {np.mean(returns[-20:]):8.1f}", flush=True)
+            print(
+                f"{steps:7d} steps {time.perf_counter() - t0:6.1f}s return(last 20) "
+                f"{np.mean(returns[-20:]):8.1f}",
+                flush=True,
+            )
     seconds = time.perf_counter() - t0
     eval_env = gym.make("Pendulum-v1")
     eval_returns = []
@@ -96,7 +118,9 @@ def run_pendulum(
         done, total = False, 0.0
         while not done:
             with torch.no_grad():
-                a = learner.policy.act(torch.as_tensor(o[None], dtype=torch.float32), deterministic=True).action
+                a = learner.policy.act(
+                    torch.as_tensor(o[None], dtype=torch.float32), deterministic=True
+                ).action
             o, r, term, trunc, _ = eval_env.step(learner.env_action(a.numpy())[0])
             total += r
             done = term or trunc
@@ -107,6 +131,11 @@ def run_pendulum(
 def test_pendulum_learns():
     returns, eval_return, seconds = run_pendulum(total_steps=100_000)
     train_last = float(np.mean(returns[-40:]))
-    print(f"Pendulum-v1 after 100k steps in {seconds:.1f}s: deterministic eval (20 episodes) {eval_return:.1f}, "
-          f"training episodes (last 40) {train_last:.1f}, first 40 {np.mean(returns[:40]):.1f}")
-    assert eval_return > -400, f"deterministic eval return {eval_return:.1f} <= -400 (training: {train_last:.1f})"
+    print(
+        f"Pendulum-v1 after 100k steps in {seconds:.1f}s: deterministic eval (20 episodes) "
+        f"{eval_return:.1f}, "
+        f"training episodes (last 40) {train_last:.1f}, first 40 {np.mean(returns[:40]):.1f}"
+    )
+    assert eval_return > -400, (
+        f"deterministic eval return {eval_return:.1f} <= -400 (training: {train_last:.1f})"
+    )

@@ -128,7 +128,15 @@ def test_sb3_gae_matches_reference(B):
     r, v = RNG.normal(size=(T, B)), RNG.normal(size=(T, B))
     starts = RNG.random((T, B)) < 0.1
     last_v, last_done = RNG.normal(size=B), RNG.random(B) < 0.5
-    out = ppo.sb3_gae(t64(r), t64(v), torch.as_tensor(starts), t64(last_v), torch.as_tensor(last_done), gamma=0.99, gae_lambda=0.9)
+    out = ppo.sb3_gae(
+        t64(r),
+        t64(v),
+        torch.as_tensor(starts),
+        t64(last_v),
+        torch.as_tensor(last_done),
+        gamma=0.99,
+        gae_lambda=0.9,
+    )
     adv, ret = ref_sb3_gae(r, v, starts, last_v, last_done, 0.99, 0.9)
     np.testing.assert_allclose(out.advantages.numpy(), adv, atol=TOL)
     np.testing.assert_allclose(out.returns.numpy(), ret, atol=TOL)
@@ -139,7 +147,15 @@ def test_sb3_gae_matches_installed_rollout_buffer():
     from stable_baselines3.common.buffers import RolloutBuffer
 
     T, B = 32, 2
-    buf = RolloutBuffer(T, spaces.Box(-1, 1, (3,)), spaces.Box(-1, 1, (1,)), device="cpu", gamma=0.97, gae_lambda=0.9, n_envs=B)
+    buf = RolloutBuffer(
+        T,
+        spaces.Box(-1, 1, (3,)),
+        spaces.Box(-1, 1, (1,)),
+        device="cpu",
+        gamma=0.97,
+        gae_lambda=0.9,
+        n_envs=B,
+    )
     r = RNG.normal(size=(T, B)).astype(np.float32)
     v = RNG.normal(size=(T, B)).astype(np.float32)
     starts = (RNG.random((T, B)) < 0.15).astype(np.float32)
@@ -147,7 +163,9 @@ def test_sb3_gae_matches_installed_rollout_buffer():
     last_v = RNG.normal(size=B).astype(np.float32)
     dones = np.array([True, False])
     buf.compute_returns_and_advantage(torch.as_tensor(last_v), dones)
-    out = ppo.sb3_gae(t64(r), t64(v), t64(starts).bool(), t64(last_v), torch.as_tensor(dones), gamma=0.97, gae_lambda=0.9)
+    out = ppo.sb3_gae(
+        t64(r), t64(v), t64(starts).bool(), t64(last_v), torch.as_tensor(dones), gamma=0.97, gae_lambda=0.9
+    )
     np.testing.assert_allclose(out.advantages.numpy(), buf.advantages, atol=1e-5)
     np.testing.assert_allclose(out.returns.numpy(), buf.returns, atol=1e-5)
 
@@ -159,10 +177,20 @@ def test_truncation_bootstrap_forms_agree():
     ml = ppo.mlagents_gae(t64(r), t64(v), v_term, gamma=gamma, lambd=lam)
     trunc = torch.zeros(T, dtype=torch.bool)
     trunc[-1] = True
-    r_b = ppo.sb3_bootstrap_truncated(t64(r), trunc, torch.full((T,), v_term, dtype=torch.float64), gamma=gamma)
+    r_b = ppo.sb3_bootstrap_truncated(
+        t64(r), trunc, torch.full((T,), v_term, dtype=torch.float64), gamma=gamma
+    )
     np.testing.assert_allclose(r_b.numpy()[:-1], r[:-1], atol=TOL)
     np.testing.assert_allclose(r_b.numpy()[-1], r[-1] + gamma * v_term, atol=TOL)
-    sb = ppo.sb3_gae(r_b[:, None], t64(v)[:, None], torch.zeros(T, 1, dtype=torch.bool), t64([123.0]), torch.tensor([True]), gamma=gamma, gae_lambda=lam)
+    sb = ppo.sb3_gae(
+        r_b[:, None],
+        t64(v)[:, None],
+        torch.zeros(T, 1, dtype=torch.bool),
+        t64([123.0]),
+        torch.tensor([True]),
+        gamma=gamma,
+        gae_lambda=lam,
+    )
     np.testing.assert_allclose(sb.advantages[:, 0].numpy(), ml.advantages.numpy(), atol=TOL)
 
 
@@ -171,7 +199,15 @@ def test_gae_split_at_episode_boundary_changes_nothing():
     r, v = RNG.normal(size=10), RNG.normal(size=10)
     starts = np.zeros(10, bool)
     starts[4] = True  # step 3 terminated
-    sb = ppo.sb3_gae(t64(r)[:, None], t64(v)[:, None], torch.as_tensor(starts)[:, None], t64([0.7]), torch.tensor([False]), gamma=0.9, gae_lambda=0.8)
+    sb = ppo.sb3_gae(
+        t64(r)[:, None],
+        t64(v)[:, None],
+        torch.as_tensor(starts)[:, None],
+        t64([0.7]),
+        torch.tensor([False]),
+        gamma=0.9,
+        gae_lambda=0.8,
+    )
     a1 = ppo.mlagents_gae(t64(r[:4]), t64(v[:4]), 0.0, gamma=0.9, lambd=0.8).advantages
     a2 = ppo.mlagents_gae(t64(r[4:]), t64(v[4:]), 0.7, gamma=0.9, lambd=0.8).advantages
     np.testing.assert_allclose(sb.advantages[:, 0].numpy(), np.concatenate([a1, a2]), atol=TOL)
@@ -191,7 +227,9 @@ def test_advantage_normalization_forms():
     # SB3 leaves a 1-sample minibatch alone.
     np.testing.assert_allclose(ppo.normalize_advantages_sb3(t64([3.5])).numpy(), [3.5])
     # The two forms differ by the population/unbiased std.
-    assert not np.allclose(ppo.normalize_advantages_mlagents(t64(a)).numpy(), ppo.normalize_advantages_sb3(t64(a)).numpy())
+    assert not np.allclose(
+        ppo.normalize_advantages_mlagents(t64(a)).numpy(), ppo.normalize_advantages_sb3(t64(a)).numpy()
+    )
 
 
 # ------------------------------------------------------------------- Gaussians
@@ -201,9 +239,19 @@ def test_gaussian_log_prob_and_entropy_both_forms():
     B, A = 16, 5
     x, mu = RNG.normal(size=(B, A)), RNG.normal(size=(B, A))
     ls = RNG.normal(scale=0.5, size=A)
-    np.testing.assert_allclose(ppo.gaussian_log_prob_mlagents(t64(x), t64(mu), t64(ls)).numpy(), ref_log_prob_mlagents(x, mu, ls), atol=TOL)
-    np.testing.assert_allclose(ppo.gaussian_log_prob_exact(t64(x), t64(mu), t64(ls)).numpy(), ref_log_prob_normal(x, mu, ls), atol=TOL)
-    np.testing.assert_allclose(ppo.gaussian_entropy_mlagents(t64(ls)).numpy(), ref_entropy_mlagents(ls), atol=TOL)
+    np.testing.assert_allclose(
+        ppo.gaussian_log_prob_mlagents(t64(x), t64(mu), t64(ls)).numpy(),
+        ref_log_prob_mlagents(x, mu, ls),
+        atol=TOL,
+    )
+    np.testing.assert_allclose(
+        ppo.gaussian_log_prob_exact(t64(x), t64(mu), t64(ls)).numpy(),
+        ref_log_prob_normal(x, mu, ls),
+        atol=TOL,
+    )
+    np.testing.assert_allclose(
+        ppo.gaussian_entropy_mlagents(t64(ls)).numpy(), ref_entropy_mlagents(ls), atol=TOL
+    )
     np.testing.assert_allclose(ppo.gaussian_entropy_exact(t64(ls)).numpy(), ref_entropy_normal(ls), atol=TOL)
     # The ML-Agents padding matters for small sigma only.
     tiny = t64([-8.0])
@@ -289,7 +337,9 @@ def test_value_losses_match_reference():
     )
     np.testing.assert_allclose(float(ppo.value_loss_mse(t64(v), t64(R))), np.mean((R - v) ** 2), atol=TOL)
     np.testing.assert_allclose(
-        float(ppo.value_loss_sb3_clipped(t64(v), t64(v_old), t64(R), clip_range_vf=eps)), np.mean((R - vc) ** 2), atol=TOL
+        float(ppo.value_loss_sb3_clipped(t64(v), t64(v_old), t64(R), clip_range_vf=eps)),
+        np.mean((R - vc) ** 2),
+        atol=TOL,
     )
 
 
@@ -338,15 +388,27 @@ def test_schedules():
         return (init - floor) * (1 - min(step, max_step) / max_step) + floor
 
     for step in (0, 1, 2_500_000, 9_999_999, 10_000_000, 20_000_000):
-        for init, floor in ((3e-4, ppo.MLAGENTS_LR_FLOOR), (0.2, ppo.MLAGENTS_EPSILON_FLOOR), (0.005, ppo.MLAGENTS_BETA_FLOOR)):
-            assert abs(ppo.polynomial_decay(init, floor, step, 10_000_000) - ref_poly(init, floor, step, 10_000_000)) < 1e-12
+        for init, floor in (
+            (3e-4, ppo.MLAGENTS_LR_FLOOR),
+            (0.2, ppo.MLAGENTS_EPSILON_FLOOR),
+            (0.005, ppo.MLAGENTS_BETA_FLOOR),
+        ):
+            assert (
+                abs(
+                    ppo.polynomial_decay(init, floor, step, 10_000_000)
+                    - ref_poly(init, floor, step, 10_000_000)
+                )
+                < 1e-12
+            )
             assert ppo.scheduled_value("constant", init, floor, step, 10_000_000) == init
     assert ppo.polynomial_decay(0.2, 0.1, 10**9, 10**7) == pytest.approx(0.1)
     # SB3: progress_remaining; floor 0 linear == init * progress.
     for step in (0, 300, 1000):
         prog = ppo.progress_remaining(step, 1000)
         assert prog == pytest.approx(1 - step / 1000)
-        assert ppo.scheduled_value("linear", 1e-3, 0.0, step, 1000) == pytest.approx(ppo.sb3_linear_schedule(1e-3, prog))
+        assert ppo.scheduled_value("linear", 1e-3, 0.0, step, 1000) == pytest.approx(
+            ppo.sb3_linear_schedule(1e-3, prog)
+        )
 
 
 # ------------------------------------------------------------------ diagnostics
@@ -396,7 +458,9 @@ def test_running_mean_std_matches_sb3():
     assert ours.count == pytest.approx(theirs.count)
     x = RNG.normal(3.0, 50.0, size=(5, 4))
     np.testing.assert_allclose(
-        vecnormalize_obs(x, ours.mean, ours.var), np.clip((x - theirs.mean) / np.sqrt(theirs.var + 1e-8), -10, 10), atol=TOL
+        vecnormalize_obs(x, ours.mean, ours.var),
+        np.clip((x - theirs.mean) / np.sqrt(theirs.var + 1e-8), -10, 10),
+        atol=TOL,
     )
 
 
@@ -423,7 +487,12 @@ def test_reward_normalizer_matches_vecnormalize():
             self.t += 1
             return np.zeros(1, np.float32), r, d, False, {}
 
-    venv = VecNormalize(DummyVecEnv([lambda k=k: Scripted(k) for k in range(K)]), norm_obs=False, norm_reward=True, gamma=gamma)
+    venv = VecNormalize(
+        DummyVecEnv([lambda k=k: Scripted(k) for k in range(K)]),
+        norm_obs=False,
+        norm_reward=True,
+        gamma=gamma,
+    )
     venv.reset()
     ours = RewardNormalizer(gamma)
     for t in range(T):
@@ -504,17 +573,43 @@ def test_one_update_matches_sb3_train_step():
 
     N = 16
     env = gym.make("Pendulum-v1")
-    model = PPO("MlpPolicy", env, n_steps=N, batch_size=N, n_epochs=1, ent_coef=0.01, vf_coef=0.5,
-                max_grad_norm=0.5, learning_rate=3e-4, clip_range=0.2, gamma=0.9, gae_lambda=0.95, seed=0, device="cpu")
+    model = PPO(
+        "MlpPolicy",
+        env,
+        n_steps=N,
+        batch_size=N,
+        n_epochs=1,
+        ent_coef=0.01,
+        vf_coef=0.5,
+        max_grad_norm=0.5,
+        learning_rate=3e-4,
+        clip_range=0.2,
+        gamma=0.9,
+        gae_lambda=0.95,
+        seed=0,
+        device="cpu",
+    )
     model.set_logger(configure(None, []))
-    cfg = PPOConfig.preset("sb3", buffer_size=N, batch_size=N, num_epoch=1, beta=0.01, obs_norm="none",
-                           reward_norm=False, time_horizon=N, gamma=0.9)
+    cfg = PPOConfig.preset(
+        "sb3",
+        buffer_size=N,
+        batch_size=N,
+        num_epoch=1,
+        beta=0.01,
+        obs_norm="none",
+        reward_norm=False,
+        time_horizon=N,
+        gamma=0.9,
+    )
     learner = PPOLearner(cfg, 3, 1, env.action_space.low, env.action_space.high)
     sd = model.policy.state_dict()
     mapping = {
-        "actor_body.0": "mlp_extractor.policy_net.0", "actor_body.2": "mlp_extractor.policy_net.2",
-        "critic_body.0": "mlp_extractor.value_net.0", "critic_body.2": "mlp_extractor.value_net.2",
-        "mu_head": "action_net", "value_head": "value_net",
+        "actor_body.0": "mlp_extractor.policy_net.0",
+        "actor_body.2": "mlp_extractor.policy_net.2",
+        "critic_body.0": "mlp_extractor.value_net.0",
+        "critic_body.2": "mlp_extractor.value_net.2",
+        "mu_head": "action_net",
+        "value_head": "value_net",
     }
     ours = {f"{k}.{p}": sd[f"{v}.{p}"].clone() for k, v in mapping.items() for p in ("weight", "bias")}
     ours["log_sigma"] = sd["log_std"].clone()
@@ -534,14 +629,23 @@ def test_one_update_matches_sb3_train_step():
     buf = model.rollout_buffer
     buf.reset()
     for t in range(N):
-        buf.add(obs[t : t + 1], out.action[t : t + 1].numpy(), rewards[t : t + 1], starts[t : t + 1],
-                out.value[t : t + 1], out.log_prob[t : t + 1].sum(-1))
+        buf.add(
+            obs[t : t + 1],
+            out.action[t : t + 1].numpy(),
+            rewards[t : t + 1],
+            starts[t : t + 1],
+            out.value[t : t + 1],
+            out.log_prob[t : t + 1].sum(-1),
+        )
     last_v = torch.tensor([0.4])
     buf.compute_returns_and_advantage(last_v, np.array([False]))
     # Feed our buffer the same processed data (one piece, T = N, B = 1).
     learner.buffer.add(
-        obs=torch.as_tensor(obs), actions=out.action.float(), log_probs=out.log_prob.float(),
-        advantages=torch.as_tensor(buf.advantages[:, 0]), returns=torch.as_tensor(buf.returns[:, 0]),
+        obs=torch.as_tensor(obs),
+        actions=out.action.float(),
+        log_probs=out.log_prob.float(),
+        advantages=torch.as_tensor(buf.advantages[:, 0]),
+        returns=torch.as_tensor(buf.returns[:, 0]),
         values=out.value.float(),
     )
     model.train()
@@ -550,9 +654,14 @@ def test_one_update_matches_sb3_train_step():
     for k, v in mapping.items():
         for p in ("weight", "bias"):
             np.testing.assert_allclose(
-                learner.policy.state_dict()[f"{k}.{p}"].numpy(), sd_after[f"{v}.{p}"].numpy(), atol=1e-6, err_msg=k
+                learner.policy.state_dict()[f"{k}.{p}"].numpy(),
+                sd_after[f"{v}.{p}"].numpy(),
+                atol=1e-6,
+                err_msg=k,
             )
-    np.testing.assert_allclose(learner.policy.log_sigma.detach().numpy(), sd_after["log_std"].numpy(), atol=1e-6)
+    np.testing.assert_allclose(
+        learner.policy.log_sigma.detach().numpy(), sd_after["log_std"].numpy(), atol=1e-6
+    )
     logged = model.logger.name_to_value
     assert metrics["policy_loss"] == pytest.approx(logged["train/policy_gradient_loss"], abs=1e-5)
     assert metrics["value_loss"] == pytest.approx(logged["train/value_loss"], abs=1e-4)

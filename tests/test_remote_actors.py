@@ -14,26 +14,63 @@ from learner.server import TrajectoryServer
 from procs import free_port_pair, kill_group, run, start, wait_for
 
 CARTPOLE = ["--env", "CartPole-v1", "--unroll-length", "20", "--batch-size", "8", "--no-progress"]
-FRAMES = 6000  # the remote actors' run: 37 updates of 8 unrolls (about 8 s of a 2-core box once they have joined)
+FRAMES = (
+    6000  # the remote actors' run: 37 updates of 8 unrolls (about 8 s of a 2-core box once they have joined)
+)
 
 
 def _learner_then_actors(tmp_path, learner_extra, actor_extra):
     port = free_port_pair()
     # The "other machine" is this one: a learner taking every core (its default with --workers 0)
     # would time-slice its threads against the actors' (about 30x slower on 2 loaded cores).
-    learner = start(["launch_impala", "--workers", "0", *CARTPOLE, "--total-frames", str(FRAMES), "--port", str(port),
-                     "--logdir", str(tmp_path / "run"), "--max-seconds", "120", "--torch-threads", "1", *learner_extra])
+    learner = start(
+        [
+            "launch_impala",
+            "--workers",
+            "0",
+            *CARTPOLE,
+            "--total-frames",
+            str(FRAMES),
+            "--port",
+            str(port),
+            "--logdir",
+            str(tmp_path / "run"),
+            "--max-seconds",
+            "120",
+            "--torch-threads",
+            "1",
+            *learner_extra,
+        ]
+    )
     try:
         if "--curve" in learner_extra:
             keys = learner_extra[learner_extra.index("--curve") + 1]
             # prepare_server writes server.key before it makes authorized/: wait for both
-            assert wait_for(lambda: os.path.exists(os.path.join(keys, "server.key")) and os.path.isdir(os.path.join(keys, "authorized")), 60)
+            assert wait_for(
+                lambda: (
+                    os.path.exists(os.path.join(keys, "server.key"))
+                    and os.path.isdir(os.path.join(keys, "authorized"))
+                ),
+                60,
+            )
             client_dir = actor_extra[actor_extra.index("--curve") + 1]
             public = make_client_keys(client_dir)
             shutil.copy(os.path.join(keys, "server.key"), client_dir)
             shutil.copy(public, os.path.join(keys, "authorized", "remote.key"))
         # No --max-seconds: the actors must notice by themselves when the learner is done.
-        actors = run(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "2", "--learner-timeout", "8", *actor_extra], timeout=180)
+        actors = run(
+            [
+                "impala-actors",
+                "--learner",
+                f"tcp://127.0.0.1:{port}",
+                "--workers",
+                "2",
+                "--learner-timeout",
+                "8",
+                *actor_extra,
+            ],
+            timeout=180,
+        )
         assert "the learner is gone" in actors.stderr
         out, _ = learner.communicate(timeout=60)
     finally:
@@ -50,7 +87,9 @@ def test_remote_actors_learn_the_run_from_the_learner(tmp_path):
 
 
 def test_remote_actors_with_curve_keys(tmp_path):
-    rc, out, actors = _learner_then_actors(tmp_path, ["--curve", str(tmp_path / "learner-keys")], ["--curve", str(tmp_path / "actor-keys")])
+    rc, out, actors = _learner_then_actors(
+        tmp_path, ["--curve", str(tmp_path / "learner-keys")], ["--curve", str(tmp_path / "actor-keys")]
+    )
     assert rc == 0, out[-3000:] + actors.stderr[-2000:]
     assert int(re.search(r"done: (\d+) env frames", out).group(1)) >= FRAMES
 
@@ -64,6 +103,7 @@ def test_curve_server_refuses_clients_without_an_authorized_key(tmp_path):
     ctx = zmq.Context.instance()
     socks = []
     try:
+
         def hello_from(actor, keys):
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
@@ -72,7 +112,9 @@ def test_curve_server_refuses_clients_without_an_authorized_key(tmp_path):
             s.connect(server.trajectory_endpoint)
             socks.append(s)
             try:
-                s.send_multipart([bytes(f) for f in wire.encode("hello", actor=actor, version=-1)], flags=zmq.NOBLOCK)
+                s.send_multipart(
+                    [bytes(f) for f in wire.encode("hello", actor=actor, version=-1)], flags=zmq.NOBLOCK
+                )
             except zmq.Again:
                 pass  # never connected: the handshake was refused
 
@@ -80,7 +122,12 @@ def test_curve_server_refuses_clients_without_an_authorized_key(tmp_path):
         make_client_keys(stranger_dir)
         shutil.copy(os.path.join(keys_dir, "server.key"), stranger_dir)
         hello_from(1, None)  # no CURVE at all
-        hello_from(2, ClientKeys(os.path.join(stranger_dir, "server.key"), os.path.join(stranger_dir, "client.key_secret")))  # not authorized
+        hello_from(
+            2,
+            ClientKeys(
+                os.path.join(stranger_dir, "server.key"), os.path.join(stranger_dir, "client.key_secret")
+            ),
+        )  # not authorized
         hello_from(3, local)  # the learner's own local-actor key
         assert wait_for(lambda: 3 in server.accepted, 10)
         time.sleep(1.0)
@@ -140,9 +187,28 @@ def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
     public = make_client_keys(str(client))
     shutil.copy(os.path.join(keys, "server.key"), client)
     shutil.copy(public, os.path.join(keys, "authorized", "remote.key"))
-    learner = start(["launch_ppo", "--env", "Pendulum-v1", "--workers", "1", "--envs-per-worker", "2", "--curve", str(keys),
-                     "--port", str(port), "--logdir", str(tmp_path / "run"), "--max-seconds", "120", "--no-progress",
-                     "--torch-threads", "1"])
+    learner = start(
+        [
+            "launch_ppo",
+            "--env",
+            "Pendulum-v1",
+            "--workers",
+            "1",
+            "--envs-per-worker",
+            "2",
+            "--curve",
+            str(keys),
+            "--port",
+            str(port),
+            "--logdir",
+            str(tmp_path / "run"),
+            "--max-seconds",
+            "120",
+            "--no-progress",
+            "--torch-threads",
+            "1",
+        ]
+    )
     lines: list[str] = []
 
     def read() -> None:
@@ -152,13 +218,28 @@ def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        actors = start(["impala-actors", "--learner", f"tcp://127.0.0.1:{port}", "--workers", "1", "--curve", str(client),
-                        "--learner-timeout", "8"])
+        actors = start(
+            [
+                "impala-actors",
+                "--learner",
+                f"tcp://127.0.0.1:{port}",
+                "--workers",
+                "1",
+                "--curve",
+                str(client),
+                "--learner-timeout",
+                "8",
+            ]
+        )
         try:
-            assert wait_for(lambda: any("actor 1000 joined" in line for line in lines), 120), "".join(lines)[-3000:]
+            assert wait_for(lambda: any("actor 1000 joined" in line for line in lines), 120), "".join(lines)[
+                -3000:
+            ]
             time.sleep(3.0)  # the remote actor plays alongside the local one for a while
             learner.send_signal(signal.SIGTERM)
-            actors_out, _ = actors.communicate(timeout=120)  # no --max-seconds: they notice by themselves that the learner is gone
+            actors_out, _ = actors.communicate(
+                timeout=120
+            )  # no --max-seconds: they notice by themselves that the learner is gone
         finally:
             kill_group(actors)
         learner.wait(timeout=60)
@@ -168,7 +249,11 @@ def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
     out = "".join(lines)
     assert learner.returncode == 0, out[-3000:]
     assert "actor 0 joined" in out and "actor 1000 joined (2 envs;" in out, out[-3000:]
-    assert actors.returncode == 0 and "running 1 actors for Pendulum-v1" in actors_out and "the learner is gone" in actors_out, actors_out[-2000:]
+    assert (
+        actors.returncode == 0
+        and "running 1 actors for Pendulum-v1" in actors_out
+        and "the learner is gone" in actors_out
+    ), actors_out[-2000:]
     assert int(re.search(r"done: (\d+) agent steps", out).group(1)) > 0
 
 
@@ -184,15 +269,33 @@ def test_secret_keys_are_private_and_loose_ones_are_refused(tmp_path, capsys):
     assert stat.S_IMODE(os.stat(keys).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(keys / "authorized").st_mode) == 0o700
     os.chmod(keys / "server.key_secret", 0o644)
-    out = run(["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--curve", str(keys), "--logdir", str(tmp_path / "run")],
-              timeout=120)
+    out = run(
+        [
+            "launch_impala",
+            "--env",
+            "CartPole-v1",
+            "--workers",
+            "1",
+            "--curve",
+            str(keys),
+            "--logdir",
+            str(tmp_path / "run"),
+        ],
+        timeout=120,
+    )
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert f"secret key {keys / 'server.key_secret'} is readable by others (mode 0644); run: chmod 600" in lines[-1]
+    assert (
+        f"secret key {keys / 'server.key_secret'} is readable by others (mode 0644); run: chmod 600"
+        in lines[-1]
+    )
     # the actor side too (its main in this process: the other tests run impala-actors for real)
     client = tmp_path / "actor-keys"
     make_client_keys(str(client))
     shutil.copy(keys / "server.key", client)
     os.chmod(client / "client.key_secret", 0o640)
-    rc, err = actors_main(["--learner", "tcp://127.0.0.1:5555", "--curve", str(client)]), capsys.readouterr().err
+    rc, err = (
+        actors_main(["--learner", "tcp://127.0.0.1:5555", "--curve", str(client)]),
+        capsys.readouterr().err,
+    )
     assert rc == 2 and "readable by others (mode 0640)" in err and len(err.strip().splitlines()) == 1, err

@@ -17,7 +17,16 @@ from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import probe_env
 from impala.run.checkpoint import CheckpointError, load_checkpoint, prepare_run_folder
-from impala.run.config import ConfigError, FlagParser, RunConfig, add_flags, apply_preset, capped, given_flags, read_yaml
+from impala.run.config import (
+    ConfigError,
+    FlagParser,
+    RunConfig,
+    add_flags,
+    apply_preset,
+    capped,
+    given_flags,
+    read_yaml,
+)
 from impala.transport.messages import ImpalaAgentSpec, RunInfo
 from learner import checkpointer as ckpt_module
 from learner.budget import Budget
@@ -101,7 +110,11 @@ def _checkpointer(tmp_path, cartpole, *, resuming=False, progress=None, trainer=
     config = RunConfig(env="CartPole-v1", logdir=str(tmp_path), total_frames=1000)
     run_info = RunInfo("r", cartpole.spec, ImpalaAgentSpec(model="mlp", use_lstm=False), 8, 1)
     trainer = trainer or _Trainer(torch.ones(3))
-    return config, trainer, Checkpointer(config, trainer, run_info, {"lr": 1}, progress or Progress(), resuming=resuming)
+    return (
+        config,
+        trainer,
+        Checkpointer(config, trainer, run_info, {"lr": 1}, progress or Progress(), resuming=resuming),
+    )
 
 
 def test_checkpointer_writes_resume_restores_and_time_stays_monotone(tmp_path, cartpole):
@@ -109,7 +122,9 @@ def test_checkpointer_writes_resume_restores_and_time_stays_monotone(tmp_path, c
     cp.progress.env_frames, cp.progress.agent_steps, cp.progress.version = 640, 640, 3
     assert cp.final(finished=False) == config.checkpoint_path
     saved = load_checkpoint(config.checkpoint_path)
-    assert (saved["env_frames"], saved["version"], saved["config"]) == (640, 3, {"lr": 1}) and saved["elapsed_s"] >= 0
+    assert (saved["env_frames"], saved["version"], saved["config"]) == (640, 3, {"lr": 1}) and saved[
+        "elapsed_s"
+    ] >= 0
     fresh = _Trainer(torch.zeros(3))
     progress = resume(fresh, dataclasses_replace(config, resume=True), [cartpole])
     assert (progress.env_frames, progress.agent_steps, progress.version) == (640, 640, 3)
@@ -128,7 +143,9 @@ def test_nothing_trained_writes_no_checkpoint_and_says_so(tmp_path, cartpole):
     assert not os.path.exists(tmp_path / "checkpoint.pt")
 
 
-def test_a_directory_at_the_checkpoint_path_is_one_warning_and_the_next_write_retries(tmp_path, cartpole, caplog):
+def test_a_directory_at_the_checkpoint_path_is_one_warning_and_the_next_write_retries(
+    tmp_path, cartpole, caplog
+):
     config, _, cp = _checkpointer(tmp_path, cartpole)
     os.makedirs(config.checkpoint_path)
     cp.progress.version = 1
@@ -153,7 +170,9 @@ def test_non_finite_weights_keep_the_previous_checkpoint(tmp_path, cartpole, cap
 def test_a_full_disk_is_survived_and_said_loudly_after_a_while(tmp_path, cartpole, caplog, monkeypatch):
     mount = tmp_path / "tiny"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
         pytest.skip("mounting a tmpfs needs root")
     try:
         big = _Trainer(torch.ones(200_000))  # 800 KB: cannot fit in 64 KiB
@@ -179,7 +198,9 @@ def test_a_finished_run_is_marked_and_resuming_it_does_nothing_unless_the_budget
     assert (tmp_path / FINISHED_MARKER).exists()
     with pytest.raises(RunFinished, match="finished at 1,000 env frames"):
         resume(_Trainer(torch.zeros(3)), dataclasses_replace(config, resume=True), [cartpole])
-    more = resume(_Trainer(torch.zeros(3)), dataclasses_replace(config, resume=True, total_frames=2000), [cartpole])
+    more = resume(
+        _Trainer(torch.zeros(3)), dataclasses_replace(config, resume=True, total_frames=2000), [cartpole]
+    )
     assert more.env_frames == 1000
     _checkpointer(tmp_path, cartpole, resuming=False)  # a new run in the same folder is not finished
     assert not (tmp_path / FINISHED_MARKER).exists()
@@ -193,19 +214,36 @@ def test_log_rows_measure_fps_lag_and_tasks():
     rows.lags += [1, 3]
     progress = Progress(env_frames=400, agent_steps=100, version=7, task_frames=[300, 100])
     time.sleep(0.01)
-    row = rows.row(progress, {"losses/total": 1.5}, {"transport/queue": 2}, {"PongDeterministic-v4": -21.0}, 1)
+    row = rows.row(
+        progress, {"losses/total": 1.5}, {"transport/queue": 2}, {"PongDeterministic-v4": -21.0}, 1
+    )
     assert row["losses/total"] == 1.5 and row["transport/queue"] == 2 and row["charts/policy_lag"] == 2.0
     assert 0 < row["charts/fps"] <= 400 / 0.01 and row["charts/policy_version"] == 7
-    assert row["tasks/PongDeterministic-v4/frames"] == 300 and row["tasks/PongDeterministic-v4/human_normalized"] < 0.01
+    assert (
+        row["tasks/PongDeterministic-v4/frames"] == 300
+        and row["tasks/PongDeterministic-v4/human_normalized"] < 0.01
+    )
     assert rows.lags == [] and rows.due()
 
 
 def test_actor_configs_deal_tasks_and_seeds_by_id(cartpole):
     acrobot = probe_env(EnvSpec("Acrobot-v1"), seed=0)
-    run = RunInfo("r", cartpole.spec, ImpalaAgentSpec(model="mlp", use_lstm=False, num_tasks=2), 20, 3,
-                  (cartpole.spec, acrobot.spec))
-    configs = actor_configs(run, range(1000, 1003), trajectory_endpoint="tcp://a", params_endpoint="tcp://b", seed=7,
-                            local_token="t")
+    run = RunInfo(
+        "r",
+        cartpole.spec,
+        ImpalaAgentSpec(model="mlp", use_lstm=False, num_tasks=2),
+        20,
+        3,
+        (cartpole.spec, acrobot.spec),
+    )
+    configs = actor_configs(
+        run,
+        range(1000, 1003),
+        trajectory_endpoint="tcp://a",
+        params_endpoint="tcp://b",
+        seed=7,
+        local_token="t",
+    )
     assert [c.actor_id for c in configs] == [1000, 1001, 1002]
     assert [c.seed for c in configs] == [7 + 1000 * i for i in (1000, 1001, 1002)]
     assert [c.task for c in configs] == [0, 1, 0] and configs[1].env == acrobot.spec
@@ -260,13 +298,16 @@ def test_bad_flag_is_one_capped_line(capsys):
 # --------------------------------------------------------------------------- strict YAML
 
 
-@pytest.mark.parametrize("text, error", [
-    ("model: deep\nlr: 1\nmodel: shallow\n", "key 'model' appears twice (lines 1 and 3)"),
-    ("a: &x [1, 2]\nb: *x\n", "anchors and aliases are not accepted"),
-    ("a: &a [x,x,x]\nb: &b [*a,*a,*a]\nc: [*b,*b,*b]\n", "anchors and aliases are not accepted"),
-    ("[" * 20_000, "nested"),
-    ("key: [unclosed\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("model: deep\nlr: 1\nmodel: shallow\n", "key 'model' appears twice (lines 1 and 3)"),
+        ("a: &x [1, 2]\nb: *x\n", "anchors and aliases are not accepted"),
+        ("a: &a [x,x,x]\nb: &b [*a,*a,*a]\nc: [*b,*b,*b]\n", "anchors and aliases are not accepted"),
+        ("[" * 20_000, "nested"),
+        ("key: [unclosed\n", "not valid YAML"),
+    ],
+)
 def test_read_yaml_refuses_with_one_line(tmp_path, text, error):
     path = tmp_path / "c.yaml"
     path.write_text(text)
@@ -323,11 +364,17 @@ def test_best_pt_holds_the_evaluated_weights_not_later_ones(tmp_path, cartpole):
 
 def test_run_folder_names_and_refusals(tmp_path):
     auto = RunConfig(env="CartPole-v1", runs_dir=str(tmp_path)).with_run_folder("CartPole-v1")
-    assert os.path.dirname(auto.logdir) == str(tmp_path) and os.path.basename(auto.logdir).startswith("CartPole-v1-20")
+    assert os.path.dirname(auto.logdir) == str(tmp_path) and os.path.basename(auto.logdir).startswith(
+        "CartPole-v1-20"
+    )
     named = RunConfig(env="CartPole-v1", runs_dir=str(tmp_path), run_id="mine").with_run_folder("x")
     assert named.logdir == str(tmp_path / "mine")
-    for bad, error in ((dict(run_id="../up"), "--run-id must be a plain name"), (dict(run_id="a", logdir="b"), "not both"),
-                       (dict(resume=True), "--resume needs the run"), (dict(resume=True, force=True, run_id="a"), "give one")):
+    for bad, error in (
+        (dict(run_id="../up"), "--run-id must be a plain name"),
+        (dict(run_id="a", logdir="b"), "not both"),
+        (dict(resume=True), "--resume needs the run"),
+        (dict(resume=True, force=True, run_id="a"), "give one"),
+    ):
         with pytest.raises(ConfigError, match=error):
             RunConfig(env="CartPole-v1", **bad)
 
@@ -339,7 +386,10 @@ def test_a_folder_holding_a_run_is_refused_unless_resume_or_force(tmp_path):
     (folder / "checkpoint.pt").write_bytes(b"x")
     (folder / "events.out.tfevents.1.host").write_bytes(b"x")
     (folder / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match=r"holds a run \(checkpoint.pt, events.out.tfevents.1.host, metrics.csv\): pass --resume"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a run \(checkpoint.pt, events.out.tfevents.1.host, metrics.csv\): pass --resume",
+    ):
         prepare_run_folder(str(folder), resume=False, force=False)
     prepare_run_folder(str(folder), resume=True, force=False)  # continuing it: untouched
     assert (folder / "metrics.csv").exists()

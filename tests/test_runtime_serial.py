@@ -14,8 +14,17 @@ from learner.vtrace_learner import ImpalaTrainer
 @pytest.mark.parametrize("use_lstm", [False, True])
 def test_in_process_run_trains_with_and_without_lstm(tmp_path, use_lstm):
     cfg = ImpalaConfig(batch_size=4, use_lstm=use_lstm)
-    run_config = RunConfig(env="CartPole-v1", workers=1, envs_per_worker=3, unroll_length=10, total_frames=2400,
-                           logdir=str(tmp_path), progress=False, in_process=True, device="cpu")
+    run_config = RunConfig(
+        env="CartPole-v1",
+        workers=1,
+        envs_per_worker=3,
+        unroll_length=10,
+        total_frames=2400,
+        logdir=str(tmp_path),
+        progress=False,
+        in_process=True,
+        device="cpu",
+    )
     env = probe_env(EnvSpec(run_config.env))
     trainer = ImpalaTrainer(cfg, run_config, env)
     assert ("core_state" in trainer.schema.names) == use_lstm
@@ -35,7 +44,9 @@ def test_staging_buffers_match_a_fresh_stack_and_are_reused(tmp_path):
     from learner.vtrace_learner import VTraceLearner
 
     schema = impala_unroll_schema(5, (4,), "float32", 2, core_state_size=3)
-    learner = VTraceLearner(build_model("mlp", (4,), 2), ImpalaConfig(), __import__("torch").device("cpu"), total_frames=1000)
+    learner = VTraceLearner(
+        build_model("mlp", (4,), 2), ImpalaConfig(), __import__("torch").device("cpu"), total_frames=1000
+    )
     rng = np.random.default_rng(0)
     for _ in range(2):  # the second batch overwrites the first batch's buffers
         unrolls = []
@@ -62,9 +73,37 @@ def test_same_seed_same_first_updates_in_process(tmp_path):
         logdir = tmp_path / name
         # The first update: 4 unrolls x 8 steps, all acted with the initial weights; one actor thread with two
         # envs sends them in a fixed order. (Later updates depend on when an actor picks up new weights.)
-        assert main(["--env", "CartPole-v1", "--workers", "1", "--in-process", "--envs-per-worker", "2", "--unroll-length", "8",
-                     "--batch-size", "4", "--minibatches", "2", "--epochs", "2", "--total-frames", "32",
-                     "--seed", str(seed), "--logdir", str(logdir), "--no-progress", "--device", "cpu"]) == 0
+        assert (
+            main(
+                [
+                    "--env",
+                    "CartPole-v1",
+                    "--workers",
+                    "1",
+                    "--in-process",
+                    "--envs-per-worker",
+                    "2",
+                    "--unroll-length",
+                    "8",
+                    "--batch-size",
+                    "4",
+                    "--minibatches",
+                    "2",
+                    "--epochs",
+                    "2",
+                    "--total-frames",
+                    "32",
+                    "--seed",
+                    str(seed),
+                    "--logdir",
+                    str(logdir),
+                    "--no-progress",
+                    "--device",
+                    "cpu",
+                ]
+            )
+            == 0
+        )
         return load_checkpoint(str(logdir / "checkpoint.pt"))["trainer"]["model"]
 
     a, b, c = weights(3, "a"), weights(3, "b"), weights(4, "c")
@@ -81,18 +120,52 @@ def test_eval_every_logs_eval_rows_while_training_goes_on(tmp_path):
     from learner.launch_impala import main
 
     every, total = 5000, 20000
-    assert main(["--env", "CartPole-v1", "--workers", "1", "--unroll-length", "20", "--batch-size", "8", "--learning-rate", "2e-3",
-                 "--total-frames", str(total), "--eval-every", str(every), "--eval-episodes", "2", "--log-interval", "1",
-                 "--no-progress", "--logdir", str(tmp_path), "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "--env",
+                "CartPole-v1",
+                "--workers",
+                "1",
+                "--unroll-length",
+                "20",
+                "--batch-size",
+                "8",
+                "--learning-rate",
+                "2e-3",
+                "--total-frames",
+                str(total),
+                "--eval-every",
+                str(every),
+                "--eval-episodes",
+                "2",
+                "--log-interval",
+                "1",
+                "--no-progress",
+                "--logdir",
+                str(tmp_path),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     evals = [(i, r) for i, r in enumerate(rows) if r.get("eval/mean_return")]
     assert len(evals) >= 2, [r for r in rows if any(k.startswith("eval/") and r[k] for k in r)]
     steps = [int(float(r["eval/at_frames"])) for _, r in evals]
-    # a snapshot at the first update past each multiple of --eval-every (later if the previous evaluation still ran)
+    # a snapshot at the first update past each multiple of --eval-every (later if the previous evaluation
+    # still ran)
     assert steps[0] >= every and all(b // every > a // every for a, b in zip(steps, steps[1:])), steps
     for i, row in evals:
-        assert 9 <= float(row["eval/min_return"]) <= float(row["eval/mean_return"]) <= float(row["eval/max_return"]) <= 500
+        assert (
+            9
+            <= float(row["eval/min_return"])
+            <= float(row["eval/mean_return"])
+            <= float(row["eval/max_return"])
+            <= 500
+        )
         # training went on while the episodes played: the row lands at a later step than its snapshot
         # (except an evaluation the run waited for at its end)
         assert int(row["step"]) > float(row["eval/at_frames"]) or int(row["step"]) == total
@@ -115,7 +188,8 @@ def test_a_dead_evaluation_process_does_not_hold_the_launcher_at_exit(tmp_path):
         "if __name__ == '__main__':\n"
         "    # an agent spec the evaluation process cannot read: it dies before taking the job\n"
         "    ev = PeriodicEval(RunConfig(env='CartPole-v1', eval_every=1, device='cpu'),\n"
-        "                      SimpleNamespace(task_envs=[EnvSpec('CartPole-v1')], agent=SimpleNamespace(to_dict=dict)))\n"
+        "                      SimpleNamespace(task_envs=[EnvSpec('CartPole-v1')], "
+        "agent=SimpleNamespace(to_dict=dict)))\n"
         "    ev.maybe_start(1, {'w': np.zeros(1_000_000, np.float32)})\n"
         "    ev.proc.join(60)\n"
         "    assert ev.proc.exitcode not in (None, 0), ev.proc.exitcode\n"

@@ -33,7 +33,9 @@ def _episode(ret=3.0):
 
 @pytest.fixture
 def server():
-    srv = TrajectoryServer(SCHEMA, queue_size=8, on_hello=lambda actor, info: None if info.get("ok", True) else "bad fingerprint")
+    srv = TrajectoryServer(
+        SCHEMA, queue_size=8, on_hello=lambda actor, info: None if info.get("ok", True) else "bad fingerprint"
+    )
     srv.start()
     yield srv
     srv.close()
@@ -126,12 +128,22 @@ def test_unrolls_from_another_run_or_unverified_local_ids_are_dropped(server, pu
     stamp = {"run_id": "current"}
     _send(push, wire.encode("unroll", actor=9, version=0, arrays=_unroll(), info={"run_id": "a-killed-run"}))
     _send(push, wire.encode("unroll", actor=9, version=0, arrays=_unroll()))  # no run id at all
-    _send(push, wire.encode("unroll", actor=0, version=0, arrays=_unroll(), info=stamp))  # a local id, no token
-    _send(push, wire.encode("unroll", actor=0, version=0, arrays=_unroll(), info={**stamp, "local_token": "guess"}))
-    assert _wait(lambda: server.dropped["other_run"] == 2 and server.dropped["unverified_local"] == 2), dict(server.dropped)
+    _send(
+        push, wire.encode("unroll", actor=0, version=0, arrays=_unroll(), info=stamp)
+    )  # a local id, no token
+    _send(
+        push,
+        wire.encode("unroll", actor=0, version=0, arrays=_unroll(), info={**stamp, "local_token": "guess"}),
+    )
+    assert _wait(lambda: server.dropped["other_run"] == 2 and server.dropped["unverified_local"] == 2), dict(
+        server.dropped
+    )
     assert server.queue.qsize() == 0
     _send(push, wire.encode("unroll", actor=9, version=0, arrays=_unroll(), info=stamp))
-    _send(push, wire.encode("unroll", actor=0, version=0, arrays=_unroll(), info={**stamp, "local_token": "t0ken"}))
+    _send(
+        push,
+        wire.encode("unroll", actor=0, version=0, arrays=_unroll(), info={**stamp, "local_token": "t0ken"}),
+    )
     got = [server.get(timeout=5), server.get(timeout=5)]
     assert sorted(m.actor for m in got if m is not None) == [0, 9]
 
@@ -201,7 +213,9 @@ def test_binds_loopback_by_default(server):
 def test_hostile_messages_never_kill_the_receiver(push):
     """Inputs that once raised non-WireError exceptions inside the receive thread."""
     schema = SCHEMA
-    srv = TrajectoryServer(schema, queue_size=8, validate=lambda a: "actions out of range" if a["actions"].max() >= 2 else None)
+    srv = TrajectoryServer(
+        schema, queue_size=8, validate=lambda a: "actions out of range" if a["actions"].max() >= 2 else None
+    )
     srv.start()
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.PUSH)
@@ -232,7 +246,9 @@ def test_hostile_messages_never_kill_the_receiver(push):
 
 
 def test_hello_keeps_only_small_typed_fields(server, push):
-    _send(push, wire.encode("hello", actor=9, version=-1, info={"pid": 12, "num_envs": 4, "junk": "x" * 50000}))
+    _send(
+        push, wire.encode("hello", actor=9, version=-1, info={"pid": 12, "num_envs": 4, "junk": "x" * 50000})
+    )
     assert _wait(lambda: 9 in server.accepted)
     assert server.accepted[9] == {"pid": 12, "num_envs": 4}  # no fingerprint: none was valid
 
@@ -278,9 +294,16 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
     srv = TrajectoryServer(schema, queue_size=64)
     srv.start()
     stop = threading.Event()
-    config = ActorConfig(actor_id=3, env=EnvSpec("CartPole-v1"), num_envs=1, unroll_length=4,
-                         trajectory_endpoint=srv.trajectory_endpoint, params_endpoint=srv.params_endpoint,
-                         agent=ImpalaAgentSpec("mlp"), learner_timeout_s=30)
+    config = ActorConfig(
+        actor_id=3,
+        env=EnvSpec("CartPole-v1"),
+        num_envs=1,
+        unroll_length=4,
+        trajectory_endpoint=srv.trajectory_endpoint,
+        params_endpoint=srv.params_endpoint,
+        agent=ImpalaAgentSpec("mlp"),
+        learner_timeout_s=30,
+    )
     actor = threading.Thread(target=run_actor, args=(config,), kwargs={"stop_event": stop}, daemon=True)
     try:
         params = state_dict_arrays(build_model("mlp", (4,), 2))
@@ -293,7 +316,9 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
         deadline = time.monotonic() + 30
         while 3 not in srv.accepted and time.monotonic() < deadline:
             srv.publish(0, params)  # weights go out after every update; they now list actor 3
-            for _ in range(64):  # drain what is queued (bounded: once accepted, the actor sends without pause)
+            for _ in range(
+                64
+            ):  # drain what is queued (bounded: once accepted, the actor sends without pause)
                 if srv.get(timeout=0.05) is None:
                     break
         assert 3 in srv.accepted, dict(srv.dropped)

@@ -64,8 +64,7 @@ def unity(monkeypatch):
         players = fu.install_in_process(monkeypatch, cfg, connect_timeout=10)
         base_port = free_port() - worker_id
         try:
-            env = UnityVecEnv("FakeUnity", worker_id=worker_id, base_port=base_port,
-                              timeout_wait=10, **kw)
+            env = UnityVecEnv("FakeUnity", worker_id=worker_id, base_port=base_port, timeout_wait=10, **kw)
         finally:
             all_players.extend(players)
         envs.append(env)
@@ -87,8 +86,7 @@ def expected_obs(cfg, slots):
 
 
 def test_several_agents_obs_actions_side_channel(unity):
-    cfg = FakeUnityConfig(agents=[AgentScript() for _ in range(3)], obs_sizes=(5, 3),
-                          action_size=2)
+    cfg = FakeUnityConfig(agents=[AgentScript() for _ in range(3)], obs_sizes=(5, 3), action_size=2)
     env, player = unity(cfg, worker_id=1, seed=7)
     assert (env.num_envs, env.obs_dim, env.action_dim) == (3, 8, 2)
     assert env.obs_specs == [(5,), (3,)]
@@ -130,8 +128,13 @@ def test_several_agents_obs_actions_side_channel(unity):
 
 
 def test_terminated_and_interrupted_episodes(unity):
-    cfg = FakeUnityConfig(agents=[AgentScript(3, "terminate", terminal_reward=5.0),
-                                  AgentScript(4, "interrupt"), AgentScript(None)])
+    cfg = FakeUnityConfig(
+        agents=[
+            AgentScript(3, "terminate", terminal_reward=5.0),
+            AgentScript(4, "interrupt"),
+            AgentScript(None),
+        ]
+    )
     env, player = unity(cfg, worker_id=2)
     env.reset()
     acts = np.array([[0.1, -0.2], [0.3, 0.0], [-0.5, 0.5]], np.float32)
@@ -174,12 +177,14 @@ def test_terminated_and_interrupted_episodes(unity):
 
 def test_agents_absent_from_decision_steps(unity):
     """Agents missing from DecisionSteps: a late respawn, and a terminal row sent alone."""
-    cfg = FakeUnityConfig(agents=[
-        AgentScript(6, "terminate", terminal_reward=5.0, lone_terminal=True),  # ends mid-period
-        AgentScript(3, "interrupt", respawn_delay=2),  # next episode asks 2 exchanges later
-        AgentScript(None),
-        AgentScript(3, "terminate", terminal_reward=1.0),  # same time as agent 1, respawns at once
-    ])
+    cfg = FakeUnityConfig(
+        agents=[
+            AgentScript(6, "terminate", terminal_reward=5.0, lone_terminal=True),  # ends mid-period
+            AgentScript(3, "interrupt", respawn_delay=2),  # next episode asks 2 exchanges later
+            AgentScript(None),
+            AgentScript(3, "terminate", terminal_reward=1.0),  # same time as agent 1, respawns at once
+        ]
+    )
     env, player = unity(cfg, worker_id=3)
     env.reset()
     acts = np.array([[0.5, 0.5], [-0.5, 0.25], [0.2, -0.1], [0.0, 0.9]], np.float32)
@@ -240,8 +245,9 @@ def test_crawler_like_two_specs(unity):
     np.testing.assert_allclose(obs, expected_obs(cfg, [(i, 0, 0) for i in range(5)]))
     acts = np.random.default_rng(1).normal(size=(5, 20)).astype(np.float32)
     res = env.step(acts)
-    np.testing.assert_allclose(res.reward, [fu.step_reward(cfg, i, 0, 0, acts[i]) for i in range(5)],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        res.reward, [fu.step_reward(cfg, i, 0, 0, acts[i]) for i in range(5)], rtol=1e-5
+    )
 
 
 def test_fast_client_steps_like_mlagents_environment(unity):
@@ -253,8 +259,12 @@ def test_fast_client_steps_like_mlagents_environment(unity):
     from impala.envs.unity_client import FastUnityEnvironment
 
     base = fu.preset("crawler")
-    cfg = FakeUnityConfig(agents=[base.agents[i % 5] for i in range(10)], obs_sizes=base.obs_sizes,
-                          action_size=base.action_size, behavior_name=base.behavior_name)
+    cfg = FakeUnityConfig(
+        agents=[base.agents[i % 5] for i in range(10)],
+        obs_sizes=base.obs_sizes,
+        action_size=base.action_size,
+        behavior_name=base.behavior_name,
+    )
     fast, p_fast = unity(cfg, worker_id=13)
     slow, p_slow = unity(cfg, worker_id=14, fast_client=False)
     assert isinstance(fast._env, FastUnityEnvironment)
@@ -292,8 +302,11 @@ def test_close_sends_quit_and_releases_port(unity):
 
 def test_several_behaviors(unity):
     cfg = FakeUnityConfig(extra_behaviors=("Other?team=0",))
-    with pytest.raises(UnityEnvError, match=r"several behaviors \['FakeBehavior\?team=0', "
-                                            r"'Other\?team=0'\].*behavior_name"):
+    with pytest.raises(
+        UnityEnvError,
+        match=r"several behaviors \['FakeBehavior\?team=0', "
+        r"'Other\?team=0'\].*behavior_name",
+    ):
         unity(cfg, worker_id=6)
     env, _ = unity(cfg, worker_id=7, behavior_name="FakeBehavior")  # "?team=0" may be left out
     assert env.behavior_name == "FakeBehavior?team=0"
@@ -303,11 +316,17 @@ def test_several_behaviors(unity):
         unity(cfg, worker_id=8, behavior_name="Nope")
 
 
-@pytest.mark.parametrize("action_size,pattern", [
-    (0, r"behavior 'FakeBehavior\?team=0' has discrete action branches \(3,\); "
-        r"only continuous actions are supported"),
-    (2, r"mixed continuous/discrete actions with discrete action branches \(3,\)"),
-])
+@pytest.mark.parametrize(
+    "action_size,pattern",
+    [
+        (
+            0,
+            r"behavior 'FakeBehavior\?team=0' has discrete action branches \(3,\); "
+            r"only continuous actions are supported",
+        ),
+        (2, r"mixed continuous/discrete actions with discrete action branches \(3,\)"),
+    ],
+)
 def test_discrete_actions_refused(unity, action_size, pattern):
     cfg = FakeUnityConfig(action_size=action_size, discrete_branches=(3,))
     with pytest.raises(UnityEnvError, match=pattern):
@@ -316,8 +335,11 @@ def test_discrete_actions_refused(unity, action_size, pattern):
 
 def test_visual_observation_refused(unity):
     cfg = FakeUnityConfig(visual_shape=(8, 8, 3))
-    with pytest.raises(UnityEnvError, match=r"visual observation \(spec 2 'CameraSensor', "
-                                            r"shape \(8, 8, 3\)\)"):
+    with pytest.raises(
+        UnityEnvError,
+        match=r"visual observation \(spec 2 'CameraSensor', "
+        r"shape \(8, 8, 3\)\)",
+    ):
         unity(cfg, worker_id=12)
 
 

@@ -58,7 +58,8 @@ ROOT = HERE.parent
 # -- the fast path is in use -------------------------------------------------------------------
 def test_compiled_protobuf_serves_the_shipped_descriptors():
     assert mlagents_proto.implementation() == "upb", (
-        "protobuf is not running its compiled upb runtime; scripts/setup.sh installs protobuf>=5")
+        "protobuf is not running its compiled upb runtime; scripts/setup.sh installs protobuf>=5"
+    )
     assert mlagents_proto.installed()
     mods = mlagents_proto.served_modules()
     assert len(mods) >= 15, mods
@@ -83,6 +84,7 @@ def test_every_shipped_module_loads_through_the_hook():
         mod = importlib.import_module(f"{co.__name__}.{n}")
         assert mod.__mlagents_proto_served__
     from mlagents_envs.communicator_objects.command_pb2 import QUIT, RESET, STEP
+
     assert (STEP, RESET, QUIT) == (0, 1, 2)
 
 
@@ -91,8 +93,9 @@ def test_without_the_hook_current_protobuf_refuses_mlagents_files():
     code = "import mlagents_envs.environment"
     bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert bare.returncode != 0 and "Descriptors cannot be created directly" in bare.stderr
-    hooked = subprocess.run([sys.executable, "-c", "import impala.envs.unity; " + code],
-                            capture_output=True, text=True, cwd=ROOT)
+    hooked = subprocess.run(
+        [sys.executable, "-c", "import impala.envs.unity; " + code], capture_output=True, text=True, cwd=ROOT
+    )
     assert hooked.returncode == 0, hooked.stderr
 
 
@@ -169,19 +172,34 @@ def spec(*shapes, continuous=20, discrete=()) -> tuple:
 def behavior_spec(desc: tuple) -> BehaviorSpec:
     shapes, continuous, discrete = desc
     return BehaviorSpec(
-        [ObservationSpec(shape=s, dimension_property=(DimensionProperty.UNSPECIFIED,) * len(s),
-                         observation_type=ObservationType.DEFAULT, name=f"obs{i}")
-         for i, s in enumerate(shapes)],
-        ActionSpec(continuous, discrete))
+        [
+            ObservationSpec(
+                shape=s,
+                dimension_property=(DimensionProperty.UNSPECIFIED,) * len(s),
+                observation_type=ObservationType.DEFAULT,
+                name=f"obs{i}",
+            )
+            for i, s in enumerate(shapes)
+        ],
+        ActionSpec(continuous, discrete),
+    )
 
 
 def _crawler_agents(rng, n=10, sizes=(126, 32), done=(), max_step=(), start_id=100):
     agents = []
     for i in range(n):
         obs = [obs_bytes((k,), rng.normal(size=k)) for k in sizes]
-        agents.append(agent_bytes(start_id + i, float(rng.normal()), obs, done=i in done,
-                                  max_step_reached=i in max_step, group_id=i % 3,
-                                  group_reward=float(rng.normal())))
+        agents.append(
+            agent_bytes(
+                start_id + i,
+                float(rng.normal()),
+                obs,
+                done=i in done,
+                max_step_reached=i in max_step,
+                group_id=i % 3,
+                group_reward=float(rng.normal()),
+            )
+        )
     return agents
 
 
@@ -195,41 +213,79 @@ def decode_cases() -> list[tuple[str, bytes, dict]]:
         cases.append((name, output_bytes(behaviors), specs))
 
     add("crawler", {"C?team=0": _crawler_agents(rng)}, {"C?team=0": crawler})
-    add("crawler_terminal_rows", {"C?team=0": _crawler_agents(rng, done=(1, 4, 7), max_step=(4,))},
-        {"C?team=0": crawler})
-    add("all_terminal", {"C?team=0": _crawler_agents(rng, n=3, done=(0, 1, 2))},
-        {"C?team=0": crawler})
+    add(
+        "crawler_terminal_rows",
+        {"C?team=0": _crawler_agents(rng, done=(1, 4, 7), max_step=(4,))},
+        {"C?team=0": crawler},
+    )
+    add("all_terminal", {"C?team=0": _crawler_agents(rng, n=3, done=(0, 1, 2))}, {"C?team=0": crawler})
     add("no_agents", {"C?team=0": []}, {"C?team=0": crawler})
-    add("behavior_missing_from_message", {"C?team=0": _crawler_agents(rng, n=2)},
-        {"C?team=0": crawler, "Other?team=0": spec((3,), continuous=2)})
-    add("several_behaviors", {"A": _crawler_agents(rng, n=2, sizes=(5,)),
-                              "B": _crawler_agents(rng, n=3, sizes=(31, 1))},
-        {"A": spec((5,), continuous=2), "B": spec((31,), (1,), continuous=1)})
-    add("rank2_and_big", {"R": [agent_bytes(i, 0.5, [obs_bytes((4, 3), rng.normal(size=12)),
-                                                      obs_bytes((5000,), rng.normal(size=5000))])
-                                for i in range(3)]},
-        {"R": spec((4, 3), (5000,))})
-    add("empty_spec", {"Z": [agent_bytes(i, 1.0, [obs_bytes((0,), []), obs_bytes((2,), [1, 2])])
-                             for i in range(2)]}, {"Z": spec((0,), (2,))})
-    add("special_floats", {"S": [agent_bytes(0, -0.0, [obs_bytes((6,), [-0.0, 1e-45, 3.4e38, -3.4e38,
-                                                                         1.5e-38, 1.0])])]},
-        {"S": spec((6,))})
+    add(
+        "behavior_missing_from_message",
+        {"C?team=0": _crawler_agents(rng, n=2)},
+        {"C?team=0": crawler, "Other?team=0": spec((3,), continuous=2)},
+    )
+    add(
+        "several_behaviors",
+        {"A": _crawler_agents(rng, n=2, sizes=(5,)), "B": _crawler_agents(rng, n=3, sizes=(31, 1))},
+        {"A": spec((5,), continuous=2), "B": spec((31,), (1,), continuous=1)},
+    )
+    add(
+        "rank2_and_big",
+        {
+            "R": [
+                agent_bytes(
+                    i,
+                    0.5,
+                    [obs_bytes((4, 3), rng.normal(size=12)), obs_bytes((5000,), rng.normal(size=5000))],
+                )
+                for i in range(3)
+            ]
+        },
+        {"R": spec((4, 3), (5000,))},
+    )
+    add(
+        "empty_spec",
+        {"Z": [agent_bytes(i, 1.0, [obs_bytes((0,), []), obs_bytes((2,), [1, 2])]) for i in range(2)]},
+        {"Z": spec((0,), (2,))},
+    )
+    add(
+        "special_floats",
+        {"S": [agent_bytes(0, -0.0, [obs_bytes((6,), [-0.0, 1e-45, 3.4e38, -3.4e38, 1.5e-38, 1.0])])]},
+        {"S": spec((6,))},
+    )
     unpacked = _crawler_agents(rng, n=4)
-    unpacked[2] = agent_bytes(102, 0.25, [obs_bytes((126,), rng.normal(size=126), encoding="fixed32"),
-                                          obs_bytes((32,), rng.normal(size=32))])
+    unpacked[2] = agent_bytes(
+        102,
+        0.25,
+        [obs_bytes((126,), rng.normal(size=126), encoding="fixed32"), obs_bytes((32,), rng.normal(size=32))],
+    )
     add("unpacked_floats_on_the_wire", {"C?team=0": unpacked}, {"C?team=0": crawler})
     unknown = _crawler_agents(rng, n=3)
-    unknown[1] = agent_bytes(101, 0.5, [obs_bytes((126,), rng.normal(size=126),
-                                                  extra=_field(9, 0) + _varint(5)),
-                                        obs_bytes((32,), rng.normal(size=32))])
+    unknown[1] = agent_bytes(
+        101,
+        0.5,
+        [
+            obs_bytes((126,), rng.normal(size=126), extra=_field(9, 0) + _varint(5)),
+            obs_bytes((32,), rng.normal(size=32)),
+        ],
+    )
     add("unknown_field_in_float_data", {"C?team=0": unknown}, {"C?team=0": crawler})
     # visual (rank 3, uncompressed) and discrete behaviours: mlagents' own code path
-    add("visual_uncompressed", {"V": [agent_bytes(i, 1.0, [obs_bytes((2, 2, 3), rng.normal(size=12)),
-                                                           obs_bytes((3,), [1, 2, 3])])
-                                      for i in range(2)]},
-        {"V": spec((2, 2, 3), (3,), continuous=0, discrete=(2,))})
-    masks = [agent_bytes(i, 0.0, [obs_bytes((3,), [i, 0, 1])], action_mask=[i == 0, False, True, False, True])
-             for i in range(3)]
+    add(
+        "visual_uncompressed",
+        {
+            "V": [
+                agent_bytes(i, 1.0, [obs_bytes((2, 2, 3), rng.normal(size=12)), obs_bytes((3,), [1, 2, 3])])
+                for i in range(2)
+            ]
+        },
+        {"V": spec((2, 2, 3), (3,), continuous=0, discrete=(2,))},
+    )
+    masks = [
+        agent_bytes(i, 0.0, [obs_bytes((3,), [i, 0, 1])], action_mask=[i == 0, False, True, False, True])
+        for i in range(3)
+    ]
     add("discrete_with_masks", {"D": masks}, {"D": spec((3,), continuous=0, discrete=(2, 3))})
 
     # -- bad input ---
@@ -238,41 +294,70 @@ def decode_cases() -> list[tuple[str, bytes, dict]]:
         agents[1] = agent_bytes(101, 0.5, agent_obs)
         return {"C?team=0": agents}
 
-    add("nan_observation", bad_obs([obs_bytes((126,), [np.nan] * 126), obs_bytes((32,), np.zeros(32))]),
-        {"C?team=0": crawler})
-    add("inf_in_second_spec", bad_obs([obs_bytes((126,), np.zeros(126)), obs_bytes((32,), [np.inf] * 32)]),
-        {"C?team=0": crawler})
-    add("huge_finite_values_overflow_the_mean", bad_obs([obs_bytes((126,), [3e38] * 126),
-                                                         obs_bytes((32,), np.zeros(32))]),
-        {"C?team=0": crawler})
+    add(
+        "nan_observation",
+        bad_obs([obs_bytes((126,), [np.nan] * 126), obs_bytes((32,), np.zeros(32))]),
+        {"C?team=0": crawler},
+    )
+    add(
+        "inf_in_second_spec",
+        bad_obs([obs_bytes((126,), np.zeros(126)), obs_bytes((32,), [np.inf] * 32)]),
+        {"C?team=0": crawler},
+    )
+    add(
+        "huge_finite_values_overflow_the_mean",
+        bad_obs([obs_bytes((126,), [3e38] * 126), obs_bytes((32,), np.zeros(32))]),
+        {"C?team=0": crawler},
+    )
     nan_terminal = _crawler_agents(rng, n=3, done=(2,))
-    nan_terminal[2] = agent_bytes(102, 0.5, [obs_bytes((126,), np.zeros(126)),
-                                             obs_bytes((32,), [np.nan] * 32)], done=True)
+    nan_terminal[2] = agent_bytes(
+        102, 0.5, [obs_bytes((126,), np.zeros(126)), obs_bytes((32,), [np.nan] * 32)], done=True
+    )
     add("nan_terminal_observation", {"C?team=0": nan_terminal}, {"C?team=0": crawler})
     nan_reward = _crawler_agents(rng, n=3)
-    nan_reward[0] = agent_bytes(100, float("nan"), [obs_bytes((126,), np.zeros(126)),
-                                                    obs_bytes((32,), np.zeros(32))])
+    nan_reward[0] = agent_bytes(
+        100, float("nan"), [obs_bytes((126,), np.zeros(126)), obs_bytes((32,), np.zeros(32))]
+    )
     add("nan_reward", {"C?team=0": nan_reward}, {"C?team=0": crawler})
     inf_group = _crawler_agents(rng, n=2)
-    inf_group[1] = agent_bytes(101, 0.0, [obs_bytes((126,), np.zeros(126)),
-                                          obs_bytes((32,), np.zeros(32))], group_reward=float("inf"))
+    inf_group[1] = agent_bytes(
+        101,
+        0.0,
+        [obs_bytes((126,), np.zeros(126)), obs_bytes((32,), np.zeros(32))],
+        group_reward=float("inf"),
+    )
     add("inf_group_reward", {"C?team=0": inf_group}, {"C?team=0": crawler})
-    add("one_agent_short", bad_obs([obs_bytes((126,), np.zeros(100)), obs_bytes((32,), np.zeros(32))]),
-        {"C?team=0": crawler})
-    add("one_agent_short_shape_says_so", bad_obs([obs_bytes((100,), np.zeros(100)),
-                                                  obs_bytes((32,), np.zeros(32))]),
-        {"C?team=0": crawler})
-    add("all_agents_wrong_size", {"C?team=0": _crawler_agents(rng, n=3, sizes=(120, 32))},
-        {"C?team=0": crawler})
-    wrong = [agent_bytes(i, 0.0, [obs_bytes((126,), np.zeros(120)), obs_bytes((32,), np.zeros(32))])
-             for i in range(3)]
+    add(
+        "one_agent_short",
+        bad_obs([obs_bytes((126,), np.zeros(100)), obs_bytes((32,), np.zeros(32))]),
+        {"C?team=0": crawler},
+    )
+    add(
+        "one_agent_short_shape_says_so",
+        bad_obs([obs_bytes((100,), np.zeros(100)), obs_bytes((32,), np.zeros(32))]),
+        {"C?team=0": crawler},
+    )
+    add(
+        "all_agents_wrong_size",
+        {"C?team=0": _crawler_agents(rng, n=3, sizes=(120, 32))},
+        {"C?team=0": crawler},
+    )
+    wrong = [
+        agent_bytes(i, 0.0, [obs_bytes((126,), np.zeros(120)), obs_bytes((32,), np.zeros(32))])
+        for i in range(3)
+    ]
     add("all_agents_wrong_size_shape_unchanged", {"C?team=0": wrong}, {"C?team=0": crawler})
-    add("missing_second_observation", bad_obs([obs_bytes((126,), np.zeros(126))]),
-        {"C?team=0": crawler})
-    add("compressed_instead_of_floats", bad_obs([obs_bytes((126,), compressed_data=b"\x89PNG",
-                                                           compression_type=PNG),
-                                                 obs_bytes((32,), np.zeros(32))]),
-        {"C?team=0": crawler})
+    add("missing_second_observation", bad_obs([obs_bytes((126,), np.zeros(126))]), {"C?team=0": crawler})
+    add(
+        "compressed_instead_of_floats",
+        bad_obs(
+            [
+                obs_bytes((126,), compressed_data=b"\x89PNG", compression_type=PNG),
+                obs_bytes((32,), np.zeros(32)),
+            ]
+        ),
+        {"C?team=0": crawler},
+    )
     good = output_bytes({"C?team=0": _crawler_agents(rng, n=2)})
     cases.append(("truncated_bytes", good[:-7], {"C?team=0": crawler}))
     cases.append(("garbage_bytes", b"\xff\xff\xff\xff\x0f" + good, {"C?team=0": crawler}))
@@ -293,11 +378,17 @@ def decode_all(cases, use_mlagents: bool) -> dict[str, object]:
                 infos = out.rl_output.agentInfos[b].value if b in out.rl_output.agentInfos else []
                 dec, term = fn(infos, behavior_spec(desc))
                 res[b] = {
-                    "dec_obs": dec.obs, "dec_reward": dec.reward, "dec_id": dec.agent_id,
-                    "dec_mask": dec.action_mask, "dec_group_id": list(dec.group_id),
+                    "dec_obs": dec.obs,
+                    "dec_reward": dec.reward,
+                    "dec_id": dec.agent_id,
+                    "dec_mask": dec.action_mask,
+                    "dec_group_id": list(dec.group_id),
                     "dec_group_reward": dec.group_reward,
-                    "term_obs": term.obs, "term_reward": term.reward, "term_id": term.agent_id,
-                    "term_interrupted": term.interrupted, "term_group_id": list(term.group_id),
+                    "term_obs": term.obs,
+                    "term_reward": term.reward,
+                    "term_id": term.agent_id,
+                    "term_interrupted": term.interrupted,
+                    "term_group_id": list(term.group_id),
                     "term_group_reward": term.group_reward,
                 }
             results[name] = res
@@ -343,10 +434,13 @@ def reference(tmp_path_factory):
     cases = decode_cases()
     (tmp / "cases.pkl").write_bytes(pickle.dumps(cases))
     env = dict(os.environ, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_unity_protobuf as t; "
-            f"t._reference_main({str(tmp / 'cases.pkl')!r}, {str(tmp / 'ref.pkl')!r})")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_unity_protobuf as t; "
+        f"t._reference_main({str(tmp / 'cases.pkl')!r}, {str(tmp / 'ref.pkl')!r})"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return cases, pickle.loads((tmp / "ref.pkl").read_bytes())
 
@@ -361,16 +455,20 @@ def test_decoding_equals_pure_python_mlagents(reference):
     # the cases do what their names say
     errors = {n: r[1] for n, r in ref.items() if isinstance(r, tuple)}
     assert errors == {
-        "nan_observation": "RuntimeError", "inf_in_second_spec": "RuntimeError",
+        "nan_observation": "RuntimeError",
+        "inf_in_second_spec": "RuntimeError",
         "huge_finite_values_overflow_the_mean": "RuntimeError",
-        "nan_terminal_observation": "RuntimeError", "nan_reward": "RuntimeError",
-        "inf_group_reward": "RuntimeError", "one_agent_short": "ValueError",
+        "nan_terminal_observation": "RuntimeError",
+        "nan_reward": "RuntimeError",
+        "inf_group_reward": "RuntimeError",
+        "one_agent_short": "ValueError",
         "one_agent_short_shape_says_so": "UnityObservationException",
         "all_agents_wrong_size": "UnityObservationException",
         "all_agents_wrong_size_shape_unchanged": "ValueError",
         "missing_second_observation": "IndexError",
         "compressed_instead_of_floats": "ValueError",
-        "truncated_bytes": "DecodeError", "garbage_bytes": "DecodeError",
+        "truncated_bytes": "DecodeError",
+        "garbage_bytes": "DecodeError",
     }
     crawler = ref["crawler_terminal_rows"]["C?team=0"]
     assert len(crawler["dec_id"]) == 7 and crawler["term_interrupted"].tolist() == [False, True, False]
@@ -390,8 +488,10 @@ def test_decoding_equals_mlagents_on_upb(reference):
 def test_observations_are_the_values_sent():
     rng = np.random.default_rng(3)
     vals = rng.normal(size=(10, 158)).astype(np.float32)
-    agents = [agent_bytes(i, 0.0, [obs_bytes((126,), vals[i, :126]), obs_bytes((32,), vals[i, 126:])])
-              for i in range(10)]
+    agents = [
+        agent_bytes(i, 0.0, [obs_bytes((126,), vals[i, :126]), obs_bytes((32,), vals[i, 126:])])
+        for i in range(10)
+    ]
     out = UnityOutputProto.FromString(output_bytes({"C": agents}))
     dec, term = steps_from_proto(out.rl_output.agentInfos["C"].value, behavior_spec(spec((126,), (32,))))
     np.testing.assert_array_equal(np.concatenate(dec.obs, axis=1), vals)
@@ -409,10 +509,20 @@ def test_observations_are_the_values_sent():
 def _bare_env(cls, state: dict[str, int]):
     """An environment object with only what _generate_step_input reads (no connection)."""
     env = object.__new__(cls)
-    env._env_state = {b: (DecisionSteps([np.zeros((n, 1), np.float32)], np.zeros(n, np.float32),
-                                        np.arange(n, dtype=np.int32), None, [0] * n,
-                                        np.zeros(n, np.float32)), None)
-                      for b, n in state.items()}
+    env._env_state = {
+        b: (
+            DecisionSteps(
+                [np.zeros((n, 1), np.float32)],
+                np.zeros(n, np.float32),
+                np.arange(n, dtype=np.int32),
+                None,
+                [0] * n,
+                np.zeros(n, np.float32),
+            ),
+            None,
+        )
+        for b, n in state.items()
+    }
     channel = EngineConfigurationChannel()
     channel.set_configuration_parameters(time_scale=20.0, target_frame_rate=-1)
     env._side_channel_manager = SideChannelManager([channel])
@@ -428,8 +538,10 @@ def test_step_input_bytes_equal_mlagents():
     actions = {
         "Crawler?team=0": ActionTuple(continuous=cont),
         "Disc": ActionTuple(discrete=np.array([[0, 2], [1, 0], [2, 1]], np.int32)),
-        "Hybrid": ActionTuple(continuous=rng.normal(size=(4, 3)).astype(np.float32),
-                              discrete=np.array([[4], [0], [1], [2]], np.int32)),
+        "Hybrid": ActionTuple(
+            continuous=rng.normal(size=(4, 3)).astype(np.float32),
+            discrete=np.array([[4], [0], [1], [2]], np.int32),
+        ),
         "Nobody": ActionTuple(continuous=np.zeros((0, 2), np.float32)),
         "OnlyCont": ActionTuple(continuous=np.ones((2, 1), np.float32)),
     }
@@ -441,10 +553,11 @@ def test_step_input_bytes_equal_mlagents():
 
     # a step where nobody asked for a decision
     empty = {"Nobody": ActionTuple(continuous=np.zeros((0, 2), np.float32))}
-    assert (FastUnityEnvironment._generate_step_input(_bare_env(FastUnityEnvironment, {"Nobody": 0}), empty)
-            .SerializeToString(deterministic=True)
-            == UnityEnvironment._generate_step_input(_bare_env(UnityEnvironment, {"Nobody": 0}), empty)
-            .SerializeToString(deterministic=True))
+    assert FastUnityEnvironment._generate_step_input(
+        _bare_env(FastUnityEnvironment, {"Nobody": 0}), empty
+    ).SerializeToString(deterministic=True) == UnityEnvironment._generate_step_input(
+        _bare_env(UnityEnvironment, {"Nobody": 0}), empty
+    ).SerializeToString(deterministic=True)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -466,10 +579,16 @@ def test_fast_path_taken_on_good_input_and_mlagents_code_on_the_rest(monkeypatch
         if calls:
             fell_back.add(current)
     assert fell_back == {
-        "unknown_field_in_float_data", "visual_uncompressed", "discrete_with_masks",
-        "one_agent_short", "one_agent_short_shape_says_so", "all_agents_wrong_size",
-        "all_agents_wrong_size_shape_unchanged", "missing_second_observation",
-        "compressed_instead_of_floats"}
+        "unknown_field_in_float_data",
+        "visual_uncompressed",
+        "discrete_with_masks",
+        "one_agent_short",
+        "one_agent_short_shape_says_so",
+        "all_agents_wrong_size",
+        "all_agents_wrong_size_shape_unchanged",
+        "missing_second_observation",
+        "compressed_instead_of_floats",
+    }
 
 
 # -- the communicator's in-process channel ------------------------------------------------------
@@ -540,7 +659,7 @@ sys.path.insert(0, {str(HERE)!r})
 import numpy as np
 import fake_unity as fu
 from impala.envs.unity import UnityVecEnv
-build = fu.write_fake_build({str(tmp_path / 'FakeCrawler.x86_64')!r}, preset="crawler")
+build = fu.write_fake_build({str(tmp_path / "FakeCrawler.x86_64")!r}, preset="crawler")
 with socket.socket() as s:
     s.bind(("localhost", 0)); port = s.getsockname()[1]
 env = UnityVecEnv(str(build), base_port=port, timeout_wait=30)
@@ -550,6 +669,5 @@ for _ in range(5):
 env.close()
 print("closed")
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0 and "closed" in res.stdout, res.stderr[-2000:]

@@ -11,7 +11,9 @@ from impala.algos import vtrace
 def naive_vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho=1.0, clip_pg_rho=1.0):
     """Eq. (1) as a double sum, element by element, in float64. Independent of the
     recursion in the implementation on purpose."""
-    log_rhos, discounts, rewards, values = (np.asarray(a, np.float64) for a in (log_rhos, discounts, rewards, values))
+    log_rhos, discounts, rewards, values = (
+        np.asarray(a, np.float64) for a in (log_rhos, discounts, rewards, values)
+    )
     bootstrap_value = np.asarray(bootstrap_value, np.float64)
     T = values.shape[0]
     rhos = np.exp(log_rhos)
@@ -45,7 +47,7 @@ def random_inputs(shape, seed=0, dtype=torch.float64):
     T = shape[0]
     # log_rhos in [-2.5, 2.5] so rho ranges over ~[0.08, 12]: both sides of 1 (c and rho_bar)
     # and of the pg clip used below.
-    log_rhos = (torch.rand(shape, generator=g, dtype=dtype) * 5 - 2.5)
+    log_rhos = torch.rand(shape, generator=g, dtype=dtype) * 5 - 2.5
     log_rhos.view(-1)[0], log_rhos.view(-1)[-1] = 2.4, -2.4  # always both sides of every clip
     discounts = torch.full(shape, 0.9, dtype=dtype)
     discounts[torch.rand(shape, generator=g) < 0.1] = 0.0  # episode ends inside the unroll
@@ -112,8 +114,13 @@ def test_on_policy_equals_discounted_return_with_bootstrap():
     T, B = 9, 4
     _, discounts, rewards, values, bootstrap = random_inputs((T, B), seed=5)
     out = vtrace.from_importance_weights(
-        torch.zeros(T, B, dtype=torch.float64), discounts, rewards, values, bootstrap,
-        clip_rho_threshold=None, clip_pg_rho_threshold=None,
+        torch.zeros(T, B, dtype=torch.float64),
+        discounts,
+        rewards,
+        values,
+        bootstrap,
+        clip_rho_threshold=None,
+        clip_pg_rho_threshold=None,
     )
     # rho = c = 1: v_s is the (T-s)-step return bootstrapped from V(x_T); values cancel.
     expected = torch.empty(T, B, dtype=torch.float64)
@@ -174,7 +181,9 @@ def test_targets_stop_gradient_but_log_probs_keep_it():
     assert values.grad is None  # nothing flowed into the critic through the targets
 
     log_rhos = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
-    r = vtrace.from_importance_weights(log_rhos, discounts[:5, :2], rewards[:5, :2], values[:5, :2], bootstrap[:2])
+    r = vtrace.from_importance_weights(
+        log_rhos, discounts[:5, :2], rewards[:5, :2], values[:5, :2], bootstrap[:2]
+    )
     assert not r.vs.requires_grad and not r.pg_advantages.requires_grad
 
 
@@ -183,8 +192,15 @@ def test_action_log_probs_trailing_dims():
     actions = torch.randint(0, 6, (3, 2, 4))
     out = vtrace.action_log_probs(logits, actions)
     assert out.shape == (3, 2, 4)
-    torch.testing.assert_close(out, torch.log_softmax(logits, -1)[
-        torch.arange(3)[:, None, None], torch.arange(2)[None, :, None], torch.arange(4)[None, None], actions])
+    torch.testing.assert_close(
+        out,
+        torch.log_softmax(logits, -1)[
+            torch.arange(3)[:, None, None],
+            torch.arange(2)[None, :, None],
+            torch.arange(4)[None, None],
+            actions,
+        ],
+    )
 
 
 @pytest.mark.parametrize(
@@ -199,8 +215,11 @@ def test_action_log_probs_trailing_dims():
 )
 def test_bad_shapes_name_the_argument(arg, bad, message):
     kwargs = dict(
-        log_rhos=torch.zeros(5, 3), discounts=torch.zeros(5, 3), rewards=torch.zeros(5, 3),
-        values=torch.zeros(5, 3), bootstrap_value=torch.zeros(3),
+        log_rhos=torch.zeros(5, 3),
+        discounts=torch.zeros(5, 3),
+        rewards=torch.zeros(5, 3),
+        values=torch.zeros(5, 3),
+        bootstrap_value=torch.zeros(3),
     )
     kwargs[arg] = bad
     with pytest.raises(ValueError, match=arg) as e:
@@ -212,8 +231,11 @@ def test_bad_shapes_name_the_argument(arg, bad, message):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_inputs_name_the_argument(arg, bad):
     kwargs = dict(
-        log_rhos=torch.zeros(5, 3), discounts=torch.ones(5, 3), rewards=torch.zeros(5, 3),
-        values=torch.zeros(5, 3), bootstrap_value=torch.zeros(3),
+        log_rhos=torch.zeros(5, 3),
+        discounts=torch.ones(5, 3),
+        rewards=torch.zeros(5, 3),
+        values=torch.zeros(5, 3),
+        bootstrap_value=torch.zeros(3),
     )
     kwargs[arg] = kwargs[arg].clone()
     kwargs[arg].view(-1)[1] = bad
@@ -242,12 +264,16 @@ def test_from_logits_bad_inputs():
     with pytest.raises(ValueError, match="target_policy_logits contains NaN"):
         vtrace.from_logits(behaviour, nan_logits, actions, discounts, rewards, values, bootstrap)
     with pytest.raises(ValueError, match="clip_rho_threshold"):
-        vtrace.from_logits(behaviour, target, actions, discounts, rewards, values, bootstrap, clip_rho_threshold=0.0)
+        vtrace.from_logits(
+            behaviour, target, actions, discounts, rewards, values, bootstrap, clip_rho_threshold=0.0
+        )
 
 
 def test_lambda_on_policy_equals_gae_and_lambda_returns():
-    """With rho = 1, V-trace(lambda) is GAE(lambda) (Schulman et al. 2016): A_s = sum_k (gamma lambda)^k delta_{s+k},
-    and v_s = V(x_s) + A_s... computed here as the forward sum of TD errors, independently of the recursion."""
+    """With rho = 1, V-trace(lambda) is GAE(lambda) (Schulman et al. 2016): A_s = sum_k (gamma lambda)^k
+    delta_{s+k},
+    and v_s = V(x_s) + A_s... computed here as the forward sum of TD errors, independently of the
+    recursion."""
     T, B, lam, gamma = 9, 3, 0.9, 0.97
     g = torch.Generator().manual_seed(5)
     rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
@@ -255,7 +281,9 @@ def test_lambda_on_policy_equals_gae_and_lambda_returns():
     bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
     discounts = torch.full((T, B), gamma, dtype=torch.float64)
     discounts[4, 1] = 0.0  # an episode ends inside the unroll
-    out = vtrace.from_importance_weights(torch.zeros(T, B, dtype=torch.float64), discounts, rewards, values, bootstrap, lambda_=lam)
+    out = vtrace.from_importance_weights(
+        torch.zeros(T, B, dtype=torch.float64), discounts, rewards, values, bootstrap, lambda_=lam
+    )
     v_next = torch.cat([values[1:], bootstrap[None]])
     delta = (rewards + discounts * v_next - values).numpy()
     d = discounts.numpy()
@@ -287,6 +315,8 @@ def test_lambda_off_policy_matches_the_double_sum_with_lambda_traces():
     np.testing.assert_allclose(got.vs.numpy(), vs, rtol=1e-10, atol=1e-12)
     vs_next = np.concatenate([vs[1:], b[None]])
     q = r + d * (lam * vs_next + (1 - lam) * v_next)
-    np.testing.assert_allclose(got.pg_advantages.numpy(), np.minimum(1.0, rho) * (q - v), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        got.pg_advantages.numpy(), np.minimum(1.0, rho) * (q - v), rtol=1e-10, atol=1e-12
+    )
     with pytest.raises(ValueError, match="lambda_"):
         vtrace.from_importance_weights(log_rhos, discounts, rewards, values, bootstrap, lambda_=1.5)

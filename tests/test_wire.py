@@ -42,7 +42,11 @@ def test_round_trip_is_exact_and_zero_copy():
 
 def test_packed_round_trip():
     rng = np.random.default_rng(1)
-    arrays = {"w": rng.normal(size=(3, 5)).astype(np.float32), "b": np.arange(3, dtype=np.int64), "flag": np.array([True])}
+    arrays = {
+        "w": rng.normal(size=(3, 5)).astype(np.float32),
+        "b": np.arange(3, dtype=np.int64),
+        "flag": np.array([True]),
+    }
     frame = wire.encode_packed("params", actor=0, version=11, arrays=arrays, info={"run": {"x": 1}})
     msg = wire.decode_packed(frame, expect_kind="params")
     assert msg.version == 11 and msg.info["run"] == {"x": 1}
@@ -93,7 +97,14 @@ def test_wrong_schema_dtype_shape_and_version_are_rejected():
 
 def test_sizes_are_checked_before_allocation():
     # A header claiming a 2**40-element array, with a tiny frame: rejected by arithmetic, nothing allocated.
-    header = {"schema": 1, "kind": "unroll", "actor": 0, "version": 0, "arrays": [["obs", "uint8", [1 << 20, 1 << 20]]], "info": {}}
+    header = {
+        "schema": 1,
+        "kind": "unroll",
+        "actor": 0,
+        "version": 0,
+        "arrays": [["obs", "uint8", [1 << 20, 1 << 20]]],
+        "info": {},
+    }
     with pytest.raises(wire.WireError, match="exceeds"):
         wire.decode([json.dumps(header).encode(), b"x"], max_bytes=1 << 30)
     header["arrays"] = [["obs", "object", [1]]]

@@ -22,7 +22,10 @@ def _valid_frames(seed: int = 0) -> list[bytes]:
     for name, value in arrays.items():
         if value.dtype.kind == "f":
             value[...] = rng.standard_normal(value.shape)
-    return [bytes(f) for f in wire.encode("unroll", actor=3, version=1, arrays=arrays, info=wire.episode_info([1.0], [5]))]
+    return [
+        bytes(f)
+        for f in wire.encode("unroll", actor=3, version=1, arrays=arrays, info=wire.episode_info([1.0], [5]))
+    ]
 
 
 def _decodes_or_wire_error(fn, *args, **kwargs):
@@ -77,13 +80,19 @@ def test_mutated_valid_messages(data):
 
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["schema", "kind", "actor", "version", "arrays", "info", "x"]), JSONISH, max_size=7))
+@given(
+    st.dictionaries(
+        st.sampled_from(["schema", "kind", "actor", "version", "arrays", "info", "x"]), JSONISH, max_size=7
+    )
+)
 def test_forged_headers(fields):
     frames = _valid_frames()
     header = json.loads(frames[0])
@@ -103,9 +112,14 @@ def test_forged_headers(fields):
 def test_round_trip(seed):
     frames = _valid_frames(seed)
     msg = wire.decode(frames, schema=SCHEMA)
-    again = wire.decode(wire.encode("unroll", actor=msg.actor, version=msg.version, arrays=msg.arrays, info=msg.info), schema=SCHEMA)
+    again = wire.decode(
+        wire.encode("unroll", actor=msg.actor, version=msg.version, arrays=msg.arrays, info=msg.info),
+        schema=SCHEMA,
+    )
     for name in msg.arrays:
         np.testing.assert_array_equal(msg.arrays[name], again.arrays[name])
-    packed = wire.decode_packed(wire.encode_packed("unroll", actor=3, version=1, arrays=msg.arrays, info=msg.info), schema=SCHEMA)
+    packed = wire.decode_packed(
+        wire.encode_packed("unroll", actor=3, version=1, arrays=msg.arrays, info=msg.info), schema=SCHEMA
+    )
     for name in msg.arrays:
         np.testing.assert_array_equal(msg.arrays[name], packed.arrays[name])

@@ -38,7 +38,6 @@ __all__ = [
 ]
 
 
-
 class ImpalaLoss(NamedTuple):
     """Scalar losses and the V-trace quantities behind them.
 
@@ -74,7 +73,9 @@ def _reduce(x: torch.Tensor, reduction: str) -> torch.Tensor:
     raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def policy_gradient_loss(action_log_probs: torch.Tensor, advantages: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def policy_gradient_loss(
+    action_log_probs: torch.Tensor, advantages: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
     """``-reduce(log pi(a_t|x_t) * A_t)``; advantages are constants (detached).
 
     Args:
@@ -110,7 +111,11 @@ def entropy(logits: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
 
 
 def _td_advantages(
-    vs: torch.Tensor, rewards: torch.Tensor, discounts: torch.Tensor, values: torch.Tensor, bootstrap_value: torch.Tensor,
+    vs: torch.Tensor,
+    rewards: torch.Tensor,
+    discounts: torch.Tensor,
+    values: torch.Tensor,
+    bootstrap_value: torch.Tensor,
     lambda_: float = 1.0,
 ) -> torch.Tensor:
     """``r_s + gamma_s (lambda v_{s+1} + (1 - lambda) V(x_{s+1})) - V(x_s)``: V-trace's policy-gradient
@@ -154,7 +159,9 @@ def normalized(advantages: torch.Tensor, allreduce: Allreduce | None = None) -> 
             return advantages - advantages.mean()
         return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     x = advantages.double()
-    n, s, sq = allreduce(torch.stack([torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device), x.sum(), (x * x).sum()]))
+    n, s, sq = allreduce(
+        torch.stack([torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device), x.sum(), (x * x).sum()])
+    )
     mean = s / n
     if n < 2:
         return (x - mean).to(advantages.dtype)
@@ -181,7 +188,9 @@ def _assemble(
     batch with ``allreduce``)."""
     adv = normalized(pg_advantages.detach(), allreduce) if normalize_advantages else pg_advantages
     if pg_clip:
-        pg = clipped_surrogate_loss(v.target_action_log_probs, v.behaviour_action_log_probs, adv, pg_clip, reduction)
+        pg = clipped_surrogate_loss(
+            v.target_action_log_probs, v.behaviour_action_log_probs, adv, pg_clip, reduction
+        )
     else:
         pg = policy_gradient_loss(v.target_action_log_probs, adv, reduction)
     bl = baseline_loss(value_targets, values, reduction)
@@ -231,13 +240,34 @@ def impala_loss(
       :class:`ImpalaLoss`.
     """
     v = vtrace.from_logits(
-        behaviour_policy_logits, target_policy_logits, actions, discounts, rewards,
-        values, bootstrap_value, clip_rho_threshold, clip_pg_rho_threshold, lambda_,
+        behaviour_policy_logits,
+        target_policy_logits,
+        actions,
+        discounts,
+        rewards,
+        values,
+        bootstrap_value,
+        clip_rho_threshold,
+        clip_pg_rho_threshold,
+        lambda_,
     )
-    pg_advantages = _td_advantages(v.vs, rewards, discounts, values, bootstrap_value, lambda_) if pg_clip else v.pg_advantages
+    pg_advantages = (
+        _td_advantages(v.vs, rewards, discounts, values, bootstrap_value, lambda_)
+        if pg_clip
+        else v.pg_advantages
+    )
     return _assemble(
-        v, target_policy_logits, pg_advantages, v.vs, values, baseline_cost, entropy_cost, reduction,
-        pg_clip, normalize_advantages, allreduce,
+        v,
+        target_policy_logits,
+        pg_advantages,
+        v.vs,
+        values,
+        baseline_cost,
+        entropy_cost,
+        reduction,
+        pg_clip,
+        normalize_advantages,
+        allreduce,
     )
 
 
@@ -297,13 +327,34 @@ def popart_impala_loss(
     values = unnormalize(state, normalized_values.detach(), task_ids)
     bootstrap_value = unnormalize(state, normalized_bootstrap_value.detach(), boot_task)
     v = vtrace.from_logits(
-        behaviour_policy_logits, target_policy_logits, actions, discounts, rewards,
-        values, bootstrap_value, clip_rho_threshold, clip_pg_rho_threshold, lambda_,
+        behaviour_policy_logits,
+        target_policy_logits,
+        actions,
+        discounts,
+        rewards,
+        values,
+        bootstrap_value,
+        clip_rho_threshold,
+        clip_pg_rho_threshold,
+        lambda_,
     )
-    raw = _td_advantages(v.vs, rewards, discounts, values, bootstrap_value, lambda_) if pg_clip else v.pg_advantages
+    raw = (
+        _td_advantages(v.vs, rewards, discounts, values, bootstrap_value, lambda_)
+        if pg_clip
+        else v.pg_advantages
+    )
     pg_advantages = raw / task_stat(state.sigma, task_ids, raw)
     value_targets = normalize(state, v.vs, task_ids)
     return _assemble(
-        v, target_policy_logits, pg_advantages, value_targets, normalized_values, baseline_cost, entropy_cost, reduction,
-        pg_clip, normalize_advantages, allreduce,
+        v,
+        target_policy_logits,
+        pg_advantages,
+        value_targets,
+        normalized_values,
+        baseline_cost,
+        entropy_cost,
+        reduction,
+        pg_clip,
+        normalize_advantages,
+        allreduce,
     )

@@ -108,7 +108,12 @@ class MLAgentsNormalizer(nn.Module):
 
 
 def rms_merge(
-    mean: np.ndarray, var: np.ndarray, count: float, batch_mean: np.ndarray, batch_var: np.ndarray, batch_count: float
+    mean: np.ndarray,
+    var: np.ndarray,
+    count: float,
+    batch_mean: np.ndarray,
+    batch_var: np.ndarray,
+    batch_count: float,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Chan et al.'s parallel merge of (mean, population var, count) moments.
 

@@ -191,10 +191,13 @@ def rescale_linear(
     """
     if weight.dim() != 2 or weight.shape[0] != old_state.mu.shape[0]:
         raise ValueError(
-            f"weight has shape {tuple(weight.shape)} but must be [num_tasks={old_state.mu.shape[0]}, in_features]"
+            f"weight has shape {tuple(weight.shape)} but must be [num_tasks={old_state.mu.shape[0]}, "
+            "in_features]"
         )
     if bias.shape != old_state.mu.shape:
-        raise ValueError(f"bias has shape {tuple(bias.shape)} but must be [num_tasks={old_state.mu.shape[0]}]")
+        raise ValueError(
+            f"bias has shape {tuple(bias.shape)} but must be [num_tasks={old_state.mu.shape[0]}]"
+        )
     dt = old_state.mu.dtype  # computed in the (float64) state dtype, then cast back
     ratio = old_state.sigma / new_state.sigma
     new_weight = weight.to(dt) * ratio.unsqueeze(-1)
@@ -258,7 +261,9 @@ class PopArtValueHead(nn.Module):
         return n * self.sigma.to(n.dtype) + self.mu.to(n.dtype)
 
     @torch.no_grad()
-    def update(self, targets: torch.Tensor, task_ids: int | torch.Tensor = 0, allreduce: Allreduce | None = None) -> PopArtState:
+    def update(
+        self, targets: torch.Tensor, task_ids: int | torch.Tensor = 0, allreduce: Allreduce | None = None
+    ) -> PopArtState:
         """ART + POP in place: update the statistics from unnormalized ``targets``, then
         rescale the layer so that :meth:`unnormalized` outputs are unchanged.
 
@@ -272,7 +277,13 @@ class PopArtValueHead(nn.Module):
         """
         old = PopArtState(self.mu.clone(), self.nu.clone(), self.sigma.clone())
         new = update_stats(
-            old, targets, task_ids, beta=self.beta, sigma_min=self.sigma_min, sigma_max=self.sigma_max, allreduce=allreduce
+            old,
+            targets,
+            task_ids,
+            beta=self.beta,
+            sigma_min=self.sigma_min,
+            sigma_max=self.sigma_max,
+            allreduce=allreduce,
         )
         w, b = rescale_linear(self.linear.weight, self.linear.bias, old, new)
         self.linear.weight.copy_(w)

@@ -52,6 +52,7 @@ class PolicyLossOutput(NamedTuple):
 
 class TotalLossOutput(NamedTuple):
     """The total loss of one minibatch and the terms it is made of."""
+
     loss: torch.Tensor
     policy_loss: torch.Tensor
     value_loss: torch.Tensor
@@ -61,7 +62,9 @@ class TotalLossOutput(NamedTuple):
 # --------------------------------------------------------------------------- GAE
 
 
-def discount_cumsum(x_t: torch.Tensor, *, discount: float, bootstrap: float | torch.Tensor = 0.0) -> torch.Tensor:
+def discount_cumsum(
+    x_t: torch.Tensor, *, discount: float, bootstrap: float | torch.Tensor = 0.0
+) -> torch.Tensor:
     """``y_t = x_t + discount * y_{t+1}`` with ``y_T = bootstrap``.
 
     Args:
@@ -208,7 +211,11 @@ def gaussian_log_prob_mlagents(x: torch.Tensor, mu: torch.Tensor, log_sigma: tor
     """
     sigma = torch.exp(log_sigma)
     var = sigma**2
-    return -((x - mu) ** 2) / (2 * var + MLAGENTS_DIST_EPS) - torch.log(sigma + MLAGENTS_DIST_EPS) - _LOG_SQRT_2PI
+    return (
+        -((x - mu) ** 2) / (2 * var + MLAGENTS_DIST_EPS)
+        - torch.log(sigma + MLAGENTS_DIST_EPS)
+        - _LOG_SQRT_2PI
+    )
 
 
 def gaussian_entropy_mlagents(log_sigma: torch.Tensor) -> torch.Tensor:
@@ -371,7 +378,12 @@ def reduce_entropy(entropy: torch.Tensor, *, over_dims: str) -> torch.Tensor:
 
 
 def total_loss_mlagents(
-    policy_loss: torch.Tensor, value_loss: torch.Tensor, entropy: torch.Tensor, *, beta: float, vf_coef: float = 0.5
+    policy_loss: torch.Tensor,
+    value_loss: torch.Tensor,
+    entropy: torch.Tensor,
+    *,
+    beta: float,
+    vf_coef: float = 0.5,
 ) -> TotalLossOutput:
     """ML-Agents total (#5, ``ppo/optimizer_torch.py::update``): ``L_pi + 0.5 L_v - beta mean(H)``."""
     loss = policy_loss + vf_coef * value_loss - beta * entropy
@@ -379,7 +391,12 @@ def total_loss_mlagents(
 
 
 def total_loss_sb3(
-    policy_loss: torch.Tensor, value_loss: torch.Tensor, entropy: torch.Tensor, *, ent_coef: float, vf_coef: float
+    policy_loss: torch.Tensor,
+    value_loss: torch.Tensor,
+    entropy: torch.Tensor,
+    *,
+    ent_coef: float,
+    vf_coef: float,
 ) -> TotalLossOutput:
     """SB3 total (#5): ``L_pi + ent_coef * (-mean(H)) + vf_coef * L_v``.
 

@@ -123,7 +123,14 @@ def from_importance_weights(
         ("log_rhos", "discounts", "rewards", "values", "bootstrap_value"),
     )
     return _vtrace(
-        log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold, clip_pg_rho_threshold, lambda_
+        log_rhos,
+        discounts,
+        rewards,
+        values,
+        bootstrap_value,
+        clip_rho_threshold,
+        clip_pg_rho_threshold,
+        lambda_,
     )
 
 
@@ -200,9 +207,19 @@ def from_logits(
     )
     _check_finite(
         flags,
-        ("log_rhos", "discounts", "rewards", "values", "bootstrap_value", "actions", "behaviour_policy_logits",
-         "target_policy_logits"),
-        extra_reason={"actions": f"actions must lie in [0, {num_actions})", },
+        (
+            "log_rhos",
+            "discounts",
+            "rewards",
+            "values",
+            "bootstrap_value",
+            "actions",
+            "behaviour_policy_logits",
+            "target_policy_logits",
+        ),
+        extra_reason={
+            "actions": f"actions must lie in [0, {num_actions})",
+        },
     )
 
     actions = actions.long()
@@ -216,7 +233,14 @@ def from_logits(
     behaviour_action_log_probs = action_log_probs(behaviour_policy_logits, actions)
     log_rhos = target_action_log_probs - behaviour_action_log_probs
     returns = _vtrace(
-        log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold, clip_pg_rho_threshold, lambda_
+        log_rhos,
+        discounts,
+        rewards,
+        values,
+        bootstrap_value,
+        clip_rho_threshold,
+        clip_pg_rho_threshold,
+        lambda_,
     )
     return VTraceFromLogitsReturns(
         vs=returns.vs,
@@ -284,7 +308,9 @@ def _check_shapes(
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if values.dim() < 2:
-        raise ValueError(f"values must have rank >= 2 (time-major [T, B, ...]), got shape {tuple(values.shape)}")
+        raise ValueError(
+            f"values must have rank >= 2 (time-major [T, B, ...]), got shape {tuple(values.shape)}"
+        )
     if values.shape[0] < 1:
         raise ValueError(f"values has shape {tuple(values.shape)}: the unroll length T must be >= 1")
     for name, x in named:
@@ -310,20 +336,27 @@ def _check_lambda(lambda_: float) -> None:
 
 
 def _check_thresholds(clip_rho_threshold: float | None, clip_pg_rho_threshold: float | None) -> None:
-    for name, v in (("clip_rho_threshold", clip_rho_threshold), ("clip_pg_rho_threshold", clip_pg_rho_threshold)):
+    for name, v in (
+        ("clip_rho_threshold", clip_rho_threshold),
+        ("clip_pg_rho_threshold", clip_pg_rho_threshold),
+    ):
         if v is not None and not v > 0:
             raise ValueError(f"{name} must be > 0 or None (no clipping), got {v}")
 
 
 def _finite_flags(log_rhos: torch.Tensor | None, *others: torch.Tensor) -> torch.Tensor:
     # log_rhos may legitimately be -inf (pi(a) = 0 gives rho = 0); only NaN or +inf is bad.
-    first = torch.ones((), dtype=torch.bool, device=others[0].device) if log_rhos is None else (
-        ~torch.isnan(log_rhos) & (log_rhos != float("inf"))
-    ).all()
+    first = (
+        torch.ones((), dtype=torch.bool, device=others[0].device)
+        if log_rhos is None
+        else (~torch.isnan(log_rhos) & (log_rhos != float("inf"))).all()
+    )
     return torch.stack([first] + [torch.isfinite(x).all() for x in others])
 
 
-def _check_finite(flags: torch.Tensor, names: tuple[str, ...], extra_reason: dict[str, str] | None = None) -> None:
+def _check_finite(
+    flags: torch.Tensor, names: tuple[str, ...], extra_reason: dict[str, str] | None = None
+) -> None:
     ok = flags.tolist()  # the single host sync of the validation
     for name, good in zip(names, ok):
         if not good:

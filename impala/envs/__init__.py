@@ -45,12 +45,14 @@ def check_package_names(names: Any) -> tuple[str, ...]:
     actor, from the learner, and must never be a way to run code other than importing an installed module.
     """
     if not isinstance(names, (list, tuple)) or len(names) > MAX_PACKAGES:
-        raise EnvPackageError(f"env packages must be a list of at most {MAX_PACKAGES} module names, "
-                              f"got {names!r:.200}")
+        raise EnvPackageError(
+            f"env packages must be a list of at most {MAX_PACKAGES} module names, got {names!r:.200}"
+        )
     for name in names:
         if not isinstance(name, str) or len(name) > 200 or not MODULE_NAME.fullmatch(name):
-            raise EnvPackageError(f"env package {name!r:.200} is not a Python module name "
-                                  "(like mypkg or mypkg.envs)")
+            raise EnvPackageError(
+                f"env package {name!r:.200} is not a Python module name (like mypkg or mypkg.envs)"
+            )
     return tuple(names)
 
 
@@ -117,8 +119,13 @@ class EnvSpec:
 
     @classmethod
     def from_dict(cls, d: Any) -> "EnvSpec":
-        """Validate a peer's env description; ``ValueError`` (``UnknownEnvError`` for an unknown id) says what is wrong."""
-        if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not isinstance(d.get("kwargs", {}), dict):
+        """Validate a peer's env description; ``ValueError`` (``UnknownEnvError`` for an unknown id) says
+        what is wrong."""
+        if (
+            not isinstance(d, dict)
+            or not isinstance(d.get("id"), str)
+            or not isinstance(d.get("kwargs", {}), dict)
+        ):
             # reprlib: a bounded repr (a 5,000-deep list would exhaust the recursion limit in repr())
             shape = "{'id': str, 'kwargs': dict, 'preprocess': bool}"
             raise ValueError(f"env spec must be {shape}, got {reprlib.repr(d)}")

@@ -195,8 +195,14 @@ def make_atari(env_id: str, *, seed: int | None = None, preprocess: bool = True,
     noop_max = kwargs.pop("noop_max", 30)
     if not preprocess:
         if "noop_max" in overrides:
-            raise TypeError("noop_max is a setting of the DeepMind preprocessing; this env is built without it")
-        env = gym.make(env_id, max_episode_steps=max_steps, **{k: v for k, v in overrides.items() if k != "max_episode_steps"})
+            raise TypeError(
+                "noop_max is a setting of the DeepMind preprocessing; this env is built without it"
+            )
+        env = gym.make(
+            env_id,
+            max_episode_steps=max_steps,
+            **{k: v for k, v in overrides.items() if k != "max_episode_steps"},
+        )
         return env
     if isinstance(noop_max, bool) or not isinstance(noop_max, int) or noop_max < 0:
         raise ValueError(f"noop_max must be an integer >= 0, got {noop_max!r}")
@@ -221,23 +227,63 @@ def make_atari(env_id: str, *, seed: int | None = None, preprocess: bool = True,
 # al. 2020 (Agent57), Table H.1 - the numbers the PopArt-IMPALA paper's median/mean use.
 # (random, human); keys are the ALE's game names without underscores.
 ATARI_REFERENCE_SCORES: dict[str, tuple[float, float]] = {
-    "alien": (227.8, 7127.7), "amidar": (5.8, 1719.5), "assault": (222.4, 742.0), "asterix": (210.0, 8503.3),
-    "asteroids": (719.1, 47388.7), "atlantis": (12850.0, 29028.1), "bankheist": (14.2, 753.1),
-    "battlezone": (2360.0, 37187.5), "beamrider": (363.9, 16926.5), "berzerk": (123.7, 2630.4),
-    "bowling": (23.1, 160.7), "boxing": (0.1, 12.1), "breakout": (1.7, 30.5), "centipede": (2090.9, 12017.0),
-    "choppercommand": (811.0, 7387.8), "crazyclimber": (10780.5, 35829.4), "defender": (2874.5, 18688.9),
-    "demonattack": (152.1, 1971.0), "doubledunk": (-18.6, -16.4), "enduro": (0.0, 860.5),
-    "fishingderby": (-91.7, -38.7), "freeway": (0.0, 29.6), "frostbite": (65.2, 4334.7), "gopher": (257.6, 2412.5),
-    "gravitar": (173.0, 3351.4), "hero": (1027.0, 30826.4), "icehockey": (-11.2, 0.9), "jamesbond": (29.0, 302.8),
-    "kangaroo": (52.0, 3035.0), "krull": (1598.0, 2665.5), "kungfumaster": (258.5, 22736.3),
-    "montezumarevenge": (0.0, 4753.3), "mspacman": (307.3, 6951.6), "namethisgame": (2292.3, 8049.0),
-    "phoenix": (761.4, 7242.6), "pitfall": (-229.4, 6463.7), "pong": (-20.7, 14.6), "privateeye": (24.9, 69571.3),
-    "qbert": (163.9, 13455.0), "riverraid": (1338.5, 17118.0), "roadrunner": (11.5, 7845.0), "robotank": (2.2, 11.9),
-    "seaquest": (68.4, 42054.7), "skiing": (-17098.1, -4336.9), "solaris": (1236.3, 12326.7),
-    "spaceinvaders": (148.0, 1668.7), "stargunner": (664.0, 10250.0), "surround": (-10.0, 6.5),
-    "tennis": (-23.8, -8.3), "timepilot": (3568.0, 5229.2), "tutankham": (11.4, 167.6), "upndown": (533.4, 11693.2),
-    "venture": (0.0, 1187.5), "videopinball": (0.0, 17667.9), "wizardofwor": (563.5, 4756.5),
-    "yarsrevenge": (3092.9, 54576.9), "zaxxon": (32.5, 9173.3),
+    "alien": (227.8, 7127.7),
+    "amidar": (5.8, 1719.5),
+    "assault": (222.4, 742.0),
+    "asterix": (210.0, 8503.3),
+    "asteroids": (719.1, 47388.7),
+    "atlantis": (12850.0, 29028.1),
+    "bankheist": (14.2, 753.1),
+    "battlezone": (2360.0, 37187.5),
+    "beamrider": (363.9, 16926.5),
+    "berzerk": (123.7, 2630.4),
+    "bowling": (23.1, 160.7),
+    "boxing": (0.1, 12.1),
+    "breakout": (1.7, 30.5),
+    "centipede": (2090.9, 12017.0),
+    "choppercommand": (811.0, 7387.8),
+    "crazyclimber": (10780.5, 35829.4),
+    "defender": (2874.5, 18688.9),
+    "demonattack": (152.1, 1971.0),
+    "doubledunk": (-18.6, -16.4),
+    "enduro": (0.0, 860.5),
+    "fishingderby": (-91.7, -38.7),
+    "freeway": (0.0, 29.6),
+    "frostbite": (65.2, 4334.7),
+    "gopher": (257.6, 2412.5),
+    "gravitar": (173.0, 3351.4),
+    "hero": (1027.0, 30826.4),
+    "icehockey": (-11.2, 0.9),
+    "jamesbond": (29.0, 302.8),
+    "kangaroo": (52.0, 3035.0),
+    "krull": (1598.0, 2665.5),
+    "kungfumaster": (258.5, 22736.3),
+    "montezumarevenge": (0.0, 4753.3),
+    "mspacman": (307.3, 6951.6),
+    "namethisgame": (2292.3, 8049.0),
+    "phoenix": (761.4, 7242.6),
+    "pitfall": (-229.4, 6463.7),
+    "pong": (-20.7, 14.6),
+    "privateeye": (24.9, 69571.3),
+    "qbert": (163.9, 13455.0),
+    "riverraid": (1338.5, 17118.0),
+    "roadrunner": (11.5, 7845.0),
+    "robotank": (2.2, 11.9),
+    "seaquest": (68.4, 42054.7),
+    "skiing": (-17098.1, -4336.9),
+    "solaris": (1236.3, 12326.7),
+    "spaceinvaders": (148.0, 1668.7),
+    "stargunner": (664.0, 10250.0),
+    "surround": (-10.0, 6.5),
+    "tennis": (-23.8, -8.3),
+    "timepilot": (3568.0, 5229.2),
+    "tutankham": (11.4, 167.6),
+    "upndown": (533.4, 11693.2),
+    "venture": (0.0, 1187.5),
+    "videopinball": (0.0, 17667.9),
+    "wizardofwor": (563.5, 4756.5),
+    "yarsrevenge": (3092.9, 54576.9),
+    "zaxxon": (32.5, 9173.3),
 }
 
 

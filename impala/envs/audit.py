@@ -29,13 +29,19 @@ from impala.envs.fingerprint import (
     measure_fingerprint,
 )
 
-ENV_IN_INIT = "actor holds an environment object built in the parent (in __init__); build envs inside run() from an EnvSpec"
+ENV_IN_INIT = (
+    "actor holds an environment object built in the parent (in __init__); build envs inside run() "
+    "from an EnvSpec"
+)
 
 
 def obs_mismatches(expected: tuple[tuple[int, ...], str], fp: EnvFingerprint) -> list[Mismatch]:
     """The observation shape and dtype ``fp`` measured against ``expected`` (shape, dtype)."""
     shape, dtype = expected
-    cause = "the worker's env was not built from the same EnvSpec as the parent's (different wrappers/preprocessing)"
+    cause = (
+        "the worker's env was not built from the same EnvSpec as the parent's (different "
+        "wrappers/preprocessing)"
+    )
     out = []
     if tuple(fp.obs_shape) != tuple(shape):
         out.append(Mismatch("obs_shape", str(tuple(shape)), str(tuple(fp.obs_shape)), cause))
@@ -80,10 +86,19 @@ def check_pickle_roundtrip(
     original = cls(**kwargs)
     try:
         try:
-            # A local round trip of an env built just above (the historical failure mode), never bytes from a socket.
+            # A local round trip of an env built just above (the historical failure mode), never bytes from a
+            # socket.
             clone = pickle.loads(pickle.dumps(original))
         except Exception as e:  # noqa: BLE001 - any failure to pickle is the finding
-            return [Mismatch("pickle", "picklable", f"{type(e).__name__}: {e}", "the env cannot cross a process boundary by pickling; build it in the child from an EnvSpec")]
+            return [
+                Mismatch(
+                    "pickle",
+                    "picklable",
+                    f"{type(e).__name__}: {e}",
+                    "the env cannot cross a process boundary by pickling; build it in the child from an "
+                    "EnvSpec",
+                )
+            ]
         try:
             fp_clone = measure_fingerprint(clone, steps=steps, seed=seed)
             fp_orig = measure_fingerprint(original, steps=steps, seed=seed)
@@ -92,11 +107,22 @@ def check_pickle_roundtrip(
     finally:
         original.close()
     cfg = configured_settings(env_id, overrides)
-    out = check_against_config(fp_clone, dataclasses.replace(cfg, max_episode_steps=None)) if cfg is not None else []
+    out = (
+        check_against_config(fp_clone, dataclasses.replace(cfg, max_episode_steps=None))
+        if cfg is not None
+        else []
+    )
     # Then anything else the copy does differently from the original (obs, action count, ...).
     seen = {"num_actions" if m.field == "action_set" else m.field for m in out}
-    cause = "unpickling rebuilt the env with different settings than the original (its pickling drops constructor arguments)"
-    out += [Mismatch(m.field, m.configured, m.measured, cause) for m in compare_fingerprints(fp_orig, fp_clone) if m.field not in seen]
+    cause = (
+        "unpickling rebuilt the env with different settings than the original (its pickling drops "
+        "constructor arguments)"
+    )
+    out += [
+        Mismatch(m.field, m.configured, m.measured, cause)
+        for m in compare_fingerprints(fp_orig, fp_clone)
+        if m.field not in seen
+    ]
     return out
 
 
@@ -144,7 +170,11 @@ def envs_held_by(actor: Any) -> list[tuple[str, Any]]:
     a vector env or an ALE interface.
     """
     seen: set[int] = set()
-    return [found for name, value in vars(actor).items() for found in _walk(value, f"{type(actor).__name__}.{name}", seen, 0)]
+    return [
+        found
+        for name, value in vars(actor).items()
+        for found in _walk(value, f"{type(actor).__name__}.{name}", seen, 0)
+    ]
 
 
 def check_actor_builds_no_env(actor: Any) -> list[str]:

@@ -33,6 +33,7 @@ _LEFT = (SIZE - COLS * CELL_W) // 2
 
 class PixelCatch(gym.Env):
     """bsuite's Catch drawn as 84x84 frames: a ball falls, the paddle must be under it (+1, else -1)."""
+
     metadata = {"render_modes": ["rgb_array"]}
 
     def __init__(self, render_mode: str | None = None) -> None:

@@ -20,9 +20,9 @@ import numpy as np
 from impala.envs.atari import register_classic_ids
 
 
-
 class FingerprintMismatchError(RuntimeError):
     """An env differs from the learner's (or from its own configuration): training would be silently wrong."""
+
 
 @dataclass(frozen=True)
 class EnvFingerprint:
@@ -57,7 +57,11 @@ class EnvFingerprint:
     def action_set(self) -> str | None:
         if self.num_actions is None or self.minimal_actions is None:
             return None
-        return "full" if self.num_actions == self.legal_actions and self.legal_actions != self.minimal_actions else "minimal"
+        return (
+            "full"
+            if self.num_actions == self.legal_actions and self.legal_actions != self.minimal_actions
+            else "minimal"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -87,13 +91,17 @@ class ConfiguredSettings:
 @dataclass(frozen=True)
 class Mismatch:
     """One setting where a measured env differs from the configured one, and what it means."""
+
     field: str
     configured: str
     measured: str
     cause: str
 
     def __str__(self) -> str:
-        return f"{self.field}: configured {self.configured}, measured {self.measured}. Likely cause: {self.cause}"
+        return (
+            f"{self.field}: configured {self.configured}, measured {self.measured}. Likely cause: "
+            f"{self.cause}"
+        )
 
 
 def _find_time_limit(env: gym.Env) -> int | None:
@@ -121,7 +129,9 @@ def measure_fingerprint(env: gym.Env, *, steps: int = 300, seed: int = 0) -> Env
     ale = _find_ale(env)
     n_actions = int(env.action_space.n) if isinstance(env.action_space, gym.spaces.Discrete) else None
     if ale is None:
-        return EnvFingerprint(None, None, None, n_actions, None, None, _find_time_limit(env), tuple(obs.shape), str(obs.dtype))
+        return EnvFingerprint(
+            None, None, None, n_actions, None, None, _find_time_limit(env), tuple(obs.shape), str(obs.dtype)
+        )
     rng = np.random.default_rng(seed)
     deltas: list[int] = []
     for _ in range(steps):

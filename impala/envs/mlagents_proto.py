@@ -47,13 +47,16 @@ __all__ = ["PACKAGE", "install", "installed", "implementation", "served_modules"
 
 PACKAGE = "mlagents_envs.communicator_objects"
 # proto files outside mlagents' package that its files import, and the module that registers each
-_WELL_KNOWN = {"google/protobuf/any.proto": "google.protobuf.any_pb2",
-               "google/protobuf/descriptor.proto": "google.protobuf.descriptor_pb2"}
+_WELL_KNOWN = {
+    "google/protobuf/any.proto": "google.protobuf.any_pb2",
+    "google/protobuf/descriptor.proto": "google.protobuf.descriptor_pb2",
+}
 
 
 def implementation() -> str:
     """protobuf's runtime in this process: 'upb' (compiled), 'cpp' or 'python'."""
     from google.protobuf.internal import api_implementation
+
     return api_implementation.Type()
 
 
@@ -75,8 +78,10 @@ def serialized_descriptor(path: str) -> bytes:
                 return value.value.encode("latin1")
             if isinstance(value, ast.Constant) and isinstance(value.value, bytes):
                 return value.value
-    raise ImportError(f"{path}: no FileDescriptor(serialized_pb=...) found; this hook knows the "
-                      "protoc 3.x layout of mlagents-envs 0.28's generated files")
+    raise ImportError(
+        f"{path}: no FileDescriptor(serialized_pb=...) found; this hook knows the "
+        "protoc 3.x layout of mlagents-envs 0.28's generated files"
+    )
 
 
 class _Loader(importlib.abc.Loader):
@@ -97,7 +102,7 @@ class _Loader(importlib.abc.Loader):
             if dep in _WELL_KNOWN:
                 importlib.import_module(_WELL_KNOWN[dep])
             elif dep.startswith(PACKAGE.replace(".", "/") + "/") and dep.endswith(".proto"):
-                importlib.import_module(dep[:-len(".proto")].replace("/", ".") + "_pb2")
+                importlib.import_module(dep[: -len(".proto")].replace("/", ".") + "_pb2")
             else:
                 raise ImportError(f"{self.path}: unknown dependency {dep!r}")
         try:
@@ -120,8 +125,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.origin is None:
             return None
-        return importlib.util.spec_from_file_location(fullname, spec.origin,
-                                                      loader=_Loader(spec.origin))
+        return importlib.util.spec_from_file_location(fullname, spec.origin, loader=_Loader(spec.origin))
 
 
 _FINDER = _Finder()
@@ -134,8 +138,11 @@ def installed() -> bool:
 
 def served_modules() -> list[str]:
     """The communicator modules loaded so far, all of which must have come through the hook."""
-    return sorted(n for n, m in list(sys.modules.items())
-                  if n.startswith(PACKAGE + ".") and n.endswith("_pb2") and m is not None)
+    return sorted(
+        n
+        for n, m in list(sys.modules.items())
+        if n.startswith(PACKAGE + ".") and n.endswith("_pb2") and m is not None
+    )
 
 
 def install() -> bool:
@@ -148,8 +155,7 @@ def install() -> bool:
     """
     if installed():
         return True
-    if any(not getattr(sys.modules[n], "__mlagents_proto_served__", False)
-           for n in served_modules()):
+    if any(not getattr(sys.modules[n], "__mlagents_proto_served__", False) for n in served_modules()):
         return False
     sys.meta_path.insert(0, _FINDER)
     return True

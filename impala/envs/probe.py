@@ -37,7 +37,8 @@ def flat_obs_dim(obs_shape: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class EnvInfo:
-    """What a probe measured. ``num_actions`` > 0 for discrete actions; ``action_low/high`` for Box actions."""
+    """What a probe measured. ``num_actions`` > 0 for discrete actions; ``action_low/high`` for Box
+    actions."""
 
     spec: EnvSpec
     obs_shape: tuple[int, ...]
@@ -75,20 +76,30 @@ class EnvInfo:
         if self.num_actions < 1:
             box = self.action_space == "Box"
             fits = "launch_ppo trains continuous Box actions" if box else "neither launcher does"
-            raise ConfigError(f"{self.spec.id} has a {self.action_space} action space; {launcher} trains "
-                              f"discrete (Discrete) actions only; {fits}")
+            raise ConfigError(
+                f"{self.spec.id} has a {self.action_space} action space; {launcher} trains "
+                f"discrete (Discrete) actions only; {fits}"
+            )
 
     def require_continuous_vector(self, launcher: str) -> None:
         """PPO's policy is a Gaussian over a ``Box`` of actions, fed vector observations."""
         if self.action_low is None:
             discrete = self.action_space == "Discrete"
             fits = "launch_impala trains discrete actions" if discrete else "neither launcher does"
-            raise ConfigError(f"{self.spec.id} has a {self.action_space} action space; {launcher} trains "
-                              f"continuous (Box) actions only; {fits}")
+            raise ConfigError(
+                f"{self.spec.id} has a {self.action_space} action space; {launcher} trains "
+                f"continuous (Box) actions only; {fits}"
+            )
         if self.obs_space != "Box":
-            raise ConfigError(f"{self.spec.id} has a {self.obs_space} observation space; {launcher} needs a Box (vector) observation")
+            raise ConfigError(
+                f"{self.spec.id} has a {self.obs_space} observation space; {launcher} needs a Box (vector) "
+                "observation"
+            )
         if len(self.obs_shape) >= 3:
-            raise ConfigError(f"{self.spec.id} has image observations {self.obs_shape}; {launcher} supports vector observations only")
+            raise ConfigError(
+                f"{self.spec.id} has image observations {self.obs_shape}; {launcher} supports vector "
+                "observations only"
+            )
 
 
 def build_env(spec: EnvSpec, *, seed: int | None = None) -> gym.Env:
@@ -102,7 +113,9 @@ def build_env(spec: EnvSpec, *, seed: int | None = None) -> gym.Env:
         if not spec.kwargs:
             raise
         # gymnasium's message for a constructor argument the env does not take
-        raise ConfigError(f"--env-kwargs {json.dumps(spec.kwargs)}: {spec.id} does not accept them ({e})") from None
+        raise ConfigError(
+            f"--env-kwargs {json.dumps(spec.kwargs)}: {spec.id} does not accept them ({e})"
+        ) from None
 
 
 def expected_observation(spec: EnvSpec) -> tuple[tuple[int, ...], str]:
@@ -141,7 +154,9 @@ def probe_env(spec: EnvSpec, *, seed: int = 0, check_config: bool = True) -> Env
     if check_config:
         problems = check_against_config(fp, configured_settings(spec.id, spec.kwargs))
         if problems:
-            raise FingerprintMismatchError("the learner's own env differs from its configuration: " + "; ".join(map(str, problems)))
+            raise FingerprintMismatchError(
+                "the learner's own env differs from its configuration: " + "; ".join(map(str, problems))
+            )
     kind = type(act_space).__name__
     num_actions = int(act_space.n) if isinstance(act_space, gym.spaces.Discrete) else 0
     low = high = None
@@ -155,11 +170,24 @@ def probe_env(spec: EnvSpec, *, seed: int = 0, check_config: bool = True) -> Env
     else:
         actions = f"a {kind} action space"
     description = (
-        f"{spec.id}: obs {fp.obs_shape} {fp.obs_dtype}, {actions}, frameskip {fp.frameskip_text()}, sticky {fp.sticky}, "
+        f"{spec.id}: obs {fp.obs_shape} {fp.obs_dtype}, {actions}, frameskip {fp.frameskip_text()}, sticky "
+        f"{fp.sticky}, "
         f"episode limit {fp.max_episode_steps}"
     )
-    return EnvInfo(spec, tuple(fp.obs_shape), fp.obs_dtype, type(obs_space).__name__, kind, num_actions, low, high, fp, None, description,
-                   action_meanings)
+    return EnvInfo(
+        spec,
+        tuple(fp.obs_shape),
+        fp.obs_dtype,
+        type(obs_space).__name__,
+        kind,
+        num_actions,
+        low,
+        high,
+        fp,
+        None,
+        description,
+        action_meanings,
+    )
 
 
 def probe_tasks(specs: list[EnvSpec], *, seed: int = 0) -> tuple[list[EnvInfo], str]:
@@ -175,38 +203,80 @@ def probe_tasks(specs: list[EnvSpec], *, seed: int = 0) -> tuple[list[EnvInfo], 
     atari = [info.spec.atari for info in infos]
     if len(infos) > 1 and all(atari) and len({info.action_meanings for info in infos}) > 1:
         minimal = ", ".join(f"{info.spec.id}: {info.num_actions}" for info in infos)
-        full = [dataclasses.replace(i.spec, kwargs={**i.spec.kwargs, "full_action_space": True})
-                for i in infos]
+        full = [
+            dataclasses.replace(i.spec, kwargs={**i.spec.kwargs, "full_action_space": True}) for i in infos
+        ]
         infos = [probe_env(spec, seed=seed) for spec in full]
-        note = f"the games' minimal action sets differ ({minimal}): every task uses the ALE's full set of {infos[0].num_actions} actions"
+        note = (
+            f"the games' minimal action sets differ ({minimal}): every task uses the ALE's full set of "
+            f"{infos[0].num_actions} actions"
+        )
     first = infos[0]
     for info in infos[1:]:
         what = None
         if (info.obs_shape, info.obs_dtype) != (first.obs_shape, first.obs_dtype):
-            what = f"observations {info.obs_shape} {info.obs_dtype}, but {first.spec.id} has {first.obs_shape} {first.obs_dtype}"
-        elif info.action_space != first.action_space or info.num_actions != first.num_actions or info.action_dim != first.action_dim:
-            what = f"{info.num_actions or info.action_dim} {info.action_space} actions, but {first.spec.id} has {first.num_actions or first.action_dim}"
+            what = (
+                f"observations {info.obs_shape} {info.obs_dtype}, but {first.spec.id} has "
+                f"{first.obs_shape} {first.obs_dtype}"
+            )
+        elif (
+            info.action_space != first.action_space
+            or info.num_actions != first.num_actions
+            or info.action_dim != first.action_dim
+        ):
+            what = (
+                f"{info.num_actions or info.action_dim} {info.action_space} actions, but {first.spec.id} "
+                f"has {first.num_actions or first.action_dim}"
+            )
         elif info.frames_per_step != first.frames_per_step:
-            what = f"{info.frames_per_step:g} frames per step, but {first.spec.id} has {first.frames_per_step:g}"
+            what = (
+                f"{info.frames_per_step:g} frames per step, but {first.spec.id} has {first.frames_per_step:g}"
+            )
         if what:
-            raise ConfigError(f"--env: task {info.spec.id} has {what}; one multi-task network needs the same observations, actions and frame skip in every task")
+            raise ConfigError(
+                f"--env: task {info.spec.id} has {what}; one multi-task network needs the same observations, "
+                "actions and frame skip in every task"
+            )
     return infos, note
 
 
-def probe_unity(build: str, *, worker_id: int, base_port: int, timeout: int, behavior: str | None, seed: int) -> EnvInfo:
+def probe_unity(
+    build: str, *, worker_id: int, base_port: int, timeout: int, behavior: str | None, seed: int
+) -> EnvInfo:
     """Start the build once here (an unused worker_id), read its spec, close it.
 
     Fails fast, in this process, with UnityVecEnv's message (it names the path and the port).
     """
     from impala.envs.unity import UnityVecEnv  # here: mlagents-envs is only needed for Unity builds
 
-    with UnityVecEnv(build, worker_id=worker_id, base_port=base_port, seed=seed, timeout_wait=timeout, behavior_name=behavior) as env:
+    with UnityVecEnv(
+        build,
+        worker_id=worker_id,
+        base_port=base_port,
+        seed=seed,
+        timeout_wait=timeout,
+        behavior_name=behavior,
+    ) as env:
         obs_dim, action_dim, k, name = env.obs_dim, env.action_dim, env.num_envs, env.behavior_name
         specs = env.obs_specs
-    kwargs: dict[str, Any] = {"file_name": build, "base_port": base_port, "timeout_wait": timeout, "behavior_name": name}
+    kwargs: dict[str, Any] = {
+        "file_name": build,
+        "base_port": base_port,
+        "timeout_wait": timeout,
+        "behavior_name": name,
+    }
     ones = np.ones(action_dim, np.float32)
     return EnvInfo(
-        EnvSpec("unity:" + Path(build).name, kwargs=kwargs), (obs_dim,), "float32", "Box", "Box", 0, -ones, ones, None, k,
+        EnvSpec("unity:" + Path(build).name, kwargs=kwargs),
+        (obs_dim,),
+        "float32",
+        "Box",
+        "Box",
+        0,
+        -ones,
+        ones,
+        None,
+        k,
         f"Unity build {build!r}: behavior {name!r}, {k} agents per instance, obs {specs} -> {obs_dim}, "
         f"{action_dim} continuous actions in [-1, 1]",
         obs_sizes=tuple(int(np.prod(shape)) for shape in specs),

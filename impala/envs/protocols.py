@@ -56,7 +56,8 @@ DQN_NOOP_MAX = 30
 MACHADO_STICKY = 0.25
 REFERENCES = {
     "train": "the env exactly as the checkpoint was trained",
-    "machado": "Machado et al. 2018 (Revisiting the ALE): sticky actions 0.25, full action set, no no-op starts",
+    "machado": "Machado et al. 2018 (Revisiting the ALE): sticky actions 0.25, full action set, no no-op "
+    "starts",
     "dqn": "no-op starts as in Mnih et al. 2015 (up to 30), no sticky actions",
 }
 
@@ -92,8 +93,12 @@ class EvalProtocol:
 
     def settings(self) -> dict[str, Any]:
         """Plain data: printed before the episodes and stored with the result."""
-        out: dict[str, Any] = {"protocol": self.name, "reference": REFERENCES[self.name], "env_id": self.env.id,
-                               "env_kwargs": dict(self.env.kwargs)}
+        out: dict[str, Any] = {
+            "protocol": self.name,
+            "reference": REFERENCES[self.name],
+            "env_id": self.env.id,
+            "env_kwargs": dict(self.env.kwargs),
+        }
         cfg = self.expected
         if cfg is not None:
             fs = cfg.frameskip if isinstance(cfg.frameskip, int) else list(cfg.frameskip)
@@ -108,8 +113,14 @@ class EvalProtocol:
                 life_loss_terminal=False,
             )
         else:
-            limit = self.env.kwargs.get("max_episode_steps", getattr(gym.registry.get(self.env.id), "max_episode_steps", None))
-            out.update(max_frames_per_episode=self.max_frames, max_episode_steps=limit, frames="agent steps (no frame skip)")
+            limit = self.env.kwargs.get(
+                "max_episode_steps", getattr(gym.registry.get(self.env.id), "max_episode_steps", None)
+            )
+            out.update(
+                max_frames_per_episode=self.max_frames,
+                max_episode_steps=limit,
+                frames="agent steps (no frame skip)",
+            )
         return out
 
     def summary(self) -> str:
@@ -119,15 +130,22 @@ class EvalProtocol:
             limit = f"step limit {s['max_episode_steps']}" if s["max_episode_steps"] else "no step limit"
             cap = f"episodes cut at {self.max_frames:,} steps" if self.max_frames else limit
             return f"{self.name}: {self.env.id} as trained, {cap}"
-        fs = s["frameskip"] if isinstance(s["frameskip"], int) else f"{s['frameskip'][0]}..{s['frameskip'][1] - 1}"
+        fs = (
+            s["frameskip"]
+            if isinstance(s["frameskip"], int)
+            else f"{s['frameskip'][0]}..{s['frameskip'][1] - 1}"
+        )
         actions = f"{s['action_set']} action set"
         if s["action_set"] != s["network_action_set"]:
             actions += f" (the network's {s['network_action_set']} set mapped onto it)"
         noops = f"up to {self.noop_max} no-op starts" if self.noop_max else "no no-op starts"
         cap = f"cap {self.max_frames:,} frames/episode" if self.max_frames else "no frame cap"
         limit = f", step limit {s['max_episode_steps']:,}" if s["max_episode_steps"] else ""
-        return (f"{self.name}: {self.env.id}, frameskip {fs}, sticky actions {s['sticky']:g}, {actions}, {noops}, "
-                f"{cap}{limit}, no life-loss resets")
+        return (
+            f"{self.name}: {self.env.id}, frameskip {fs}, sticky actions {s['sticky']:g}, {actions}, "
+            f"{noops}, "
+            f"{cap}{limit}, no life-loss resets"
+        )
 
 
 def eval_protocol(trained: EnvSpec, name: str, *, max_frames: int = 0) -> EvalProtocol:
@@ -139,30 +157,49 @@ def eval_protocol(trained: EnvSpec, name: str, *, max_frames: int = 0) -> EvalPr
     if name not in PROTOCOLS:
         raise ProtocolError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {name!r}")
     if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 0:
-        raise ProtocolError(f"--max-frames must be an integer >= 0 (0: the protocol's own cap), got {max_frames!r}")
+        raise ProtocolError(
+            f"--max-frames must be an integer >= 0 (0: the protocol's own cap), got {max_frames!r}"
+        )
     if trained.is_unity:
         raise ProtocolError(f"{trained.id}: evaluating Unity builds is not supported (gymnasium envs only)")
     if not trained.atari:
         if name != "train":
-            raise ProtocolError(f"--protocol {name} is defined for Atari envs only; {trained.id} is not one (use --protocol train)")
+            raise ProtocolError(
+                f"--protocol {name} is defined for Atari envs only; {trained.id} is not one (use --protocol "
+                "train)"
+            )
         return EvalProtocol(name, trained, None, None, max_frames or None, None)
     if not trained.preprocess and name != "train":
-        raise ProtocolError(f"--protocol {name} needs the DeepMind preprocessing (no-op starts); {trained.id} was trained without it")
+        raise ProtocolError(
+            f"--protocol {name} needs the DeepMind preprocessing (no-op starts); {trained.id} was trained "
+            "without it"
+        )
     train_cfg = configured_settings(trained.id, trained.kwargs)
     assert train_cfg is not None
     kwargs = dict(trained.kwargs)
     if name == "machado":
-        kwargs.update(repeat_action_probability=MACHADO_STICKY, full_action_space=True, noop_max=0,
-                      max_num_frames_per_episode=max_frames or FRAME_CAP, max_episode_steps=None)
+        kwargs.update(
+            repeat_action_probability=MACHADO_STICKY,
+            full_action_space=True,
+            noop_max=0,
+            max_num_frames_per_episode=max_frames or FRAME_CAP,
+            max_episode_steps=None,
+        )
     elif name == "dqn":
-        kwargs.update(repeat_action_probability=0.0, noop_max=DQN_NOOP_MAX,
-                      max_num_frames_per_episode=max_frames or FRAME_CAP, max_episode_steps=None)
+        kwargs.update(
+            repeat_action_probability=0.0,
+            noop_max=DQN_NOOP_MAX,
+            max_num_frames_per_episode=max_frames or FRAME_CAP,
+            max_episode_steps=None,
+        )
     elif max_frames:
         kwargs["max_num_frames_per_episode"] = max_frames
     env = EnvSpec(trained.id, kwargs, trained.preprocess, trained.packages)
     noop_max = int(kwargs.get("noop_max", DQN_NOOP_MAX)) if trained.preprocess else None
     cap = kwargs.get("max_num_frames_per_episode") or None
-    return EvalProtocol(name, env, configured_settings(env.id, env.kwargs), noop_max, cap, train_cfg.full_action_space)
+    return EvalProtocol(
+        name, env, configured_settings(env.id, env.kwargs), noop_max, cap, train_cfg.full_action_space
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -180,7 +217,10 @@ def action_index_map(network_actions: Sequence[Any], env_actions: Sequence[Any])
     env_list = list(env_actions)
     missing = [a for a in network_actions if a not in env_list]
     if missing:
-        raise ValueError(f"the env's action set lacks {', '.join(map(str, missing))} that the network was trained to choose")
+        raise ValueError(
+            f"the env's action set lacks {', '.join(map(str, missing))} that the network was trained to "
+            "choose"
+        )
     return np.array([env_list.index(a) for a in network_actions], dtype=np.int64)
 
 
@@ -197,13 +237,22 @@ class NetworkActions(gym.ActionWrapper):
 
 
 def network_action_map(env: gym.Env, protocol: EvalProtocol) -> np.ndarray | None:
-    """The map :class:`NetworkActions` needs for ``env`` under ``protocol``; None when the sets are the same."""
+    """The map :class:`NetworkActions` needs for ``env`` under ``protocol``; None when the sets are the
+    same."""
     ale = getattr(env.unwrapped, "ale", None)
-    if ale is None or protocol.expected is None or protocol.network_full_actions == protocol.expected.full_action_space:
+    if (
+        ale is None
+        or protocol.expected is None
+        or protocol.network_full_actions == protocol.expected.full_action_space
+    ):
         return None
     if protocol.network_full_actions:
         raise ValueError("a network trained on the full action set cannot act on the minimal one")
-    legal = list(ale.getLegalActionSet()) if protocol.expected.full_action_space else list(ale.getMinimalActionSet())
+    legal = (
+        list(ale.getLegalActionSet())
+        if protocol.expected.full_action_space
+        else list(ale.getMinimalActionSet())
+    )
     return action_index_map(list(ale.getMinimalActionSet()), legal)
 
 
@@ -236,7 +285,9 @@ def protocol_mismatches(env: gym.Env, fp: EnvFingerprint, protocol: EvalProtocol
     return out
 
 
-def check_protocol_env(env: gym.Env, protocol: EvalProtocol, *, steps: int = 300, seed: int = 0) -> tuple[EnvFingerprint, list[Mismatch]]:
+def check_protocol_env(
+    env: gym.Env, protocol: EvalProtocol, *, steps: int = 300, seed: int = 0
+) -> tuple[EnvFingerprint, list[Mismatch]]:
     """Measure ``env`` (random steps; reset it before use) and compare it with ``protocol``."""
     fp = measure_fingerprint(env, steps=steps, seed=seed)
     return fp, protocol_mismatches(env, fp, protocol)

@@ -15,6 +15,7 @@ SCALED = {"CartPoleX1000-v1": ("CartPole-v1", 1000.0)}
 
 class ScaleReward(gym.RewardWrapper):
     """Multiplies every reward by ``scale`` (tasks with another reward scale, for PopArt tests)."""
+
     def __init__(self, env: gym.Env, scale: float) -> None:
         super().__init__(env)
         self.scale = scale
@@ -34,5 +35,9 @@ def register() -> None:
         if env_id not in gym.registry:
             # the base env keeps its own TimeLimit (gym.make(base) inside); the same limit is registered
             # here too, so that tools reading the spec (the fingerprint, impala-eval) see it
-            gym.register(id=env_id, entry_point=f"{__name__}:make_scaled", kwargs={"base": base, "scale": scale},
-                         max_episode_steps=gym.registry[base].max_episode_steps)
+            gym.register(
+                id=env_id,
+                entry_point=f"{__name__}:make_scaled",
+                kwargs={"base": base, "scale": scale},
+                max_episode_steps=gym.registry[base].max_episode_steps,
+            )

@@ -106,8 +106,7 @@ class UnityEnvError(RuntimeError):
 def _flat_obs(obs_list: list[np.ndarray], n: int) -> np.ndarray:
     if n == 0 or not obs_list:
         return np.zeros((n, 0), dtype=np.float32)
-    return np.concatenate([np.asarray(o, dtype=np.float32).reshape(n, -1) for o in obs_list],
-                          axis=1)
+    return np.concatenate([np.asarray(o, dtype=np.float32).reshape(n, -1) for o in obs_list], axis=1)
 
 
 def _close_half_built(exc: BaseException, env_cls: type) -> None:
@@ -173,7 +172,8 @@ class UnityVecEnv:
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise UnityEnvError(
                 "UnityVecEnv needs mlagents-envs==0.28.0 and a protobuf>=6.31 "
-                f"(pip install -e '.[unity]'): {exc}") from exc
+                f"(pip install -e '.[unity]'): {exc}"
+            ) from exc
 
         self._UnityException = UnityException
         self._action_tuple = ActionTuple
@@ -182,42 +182,54 @@ class UnityVecEnv:
         self.timeout_wait = timeout_wait
         self.max_wait_steps = max_wait_steps
         if base_port is None:
-            base_port = (UnityEnvironment.BASE_ENVIRONMENT_PORT if file_name
-                         else UnityEnvironment.DEFAULT_EDITOR_PORT)
+            base_port = (
+                UnityEnvironment.BASE_ENVIRONMENT_PORT if file_name else UnityEnvironment.DEFAULT_EDITOR_PORT
+            )
         self.port = base_port + worker_id
-        self._where = (f"Unity build {file_name!r} (port {self.port})" if file_name
-                       else f"Unity Editor (port {self.port})")
+        self._where = (
+            f"Unity build {file_name!r} (port {self.port})"
+            if file_name
+            else f"Unity Editor (port {self.port})"
+        )
         self._env: Any = None
 
         self._engine_channel = EngineConfigurationChannel()
         self._engine_channel.set_configuration_parameters(
-            time_scale=time_scale, target_frame_rate=TARGET_FRAME_RATE,
-            capture_frame_rate=CAPTURE_FRAME_RATE)
+            time_scale=time_scale, target_frame_rate=TARGET_FRAME_RATE, capture_frame_rate=CAPTURE_FRAME_RATE
+        )
         env_cls = FastUnityEnvironment if fast_client else UnityEnvironment
         try:
             self._env = env_cls(
-                file_name=file_name, worker_id=worker_id, base_port=base_port, seed=seed,
-                no_graphics=no_graphics, timeout_wait=timeout_wait,
-                side_channels=[self._engine_channel])
+                file_name=file_name,
+                worker_id=worker_id,
+                base_port=base_port,
+                seed=seed,
+                no_graphics=no_graphics,
+                timeout_wait=timeout_wait,
+                side_channels=[self._engine_channel],
+            )
         except UnityWorkerInUseException as exc:
             _close_half_built(exc, UnityEnvironment)
             raise UnityEnvError(
                 f"port {self.port} (base_port {base_port} + worker_id {worker_id}) is already in "
                 f"use, so {file_name!r} cannot be started there; give each Unity instance its own "
-                "worker_id") from exc
+                "worker_id"
+            ) from exc
         except UnityTimeOutException as exc:
             _close_half_built(exc, UnityEnvironment)
             raise UnityEnvError(
                 f"{self._where} did not connect within timeout_wait={timeout_wait}s. Check that "
                 "the build starts headless (no_graphics), needs no user input, has Behavior Type "
-                "'Default', and matches mlagents-envs 0.28 (communication 1.5.0)") from exc
+                "'Default', and matches mlagents-envs 0.28 (communication 1.5.0)"
+            ) from exc
         except UnityEnvironmentException as exc:
             _close_half_built(exc, UnityEnvironment)
             if file_name is not None and env_utils.validate_environment_path(file_name) is None:
                 raise UnityEnvError(
                     f"Unity build not found: {file_name!r} (resolved against cwd "
                     f"{os.getcwd()!r}); pass the path of the executable, e.g. "
-                    "/path/to/Crawler.x86_64") from exc
+                    "/path/to/Crawler.x86_64"
+                ) from exc
             raise UnityEnvError(f"{self._where} failed to start or connect: {exc}") from exc
         except UnityException as exc:
             _close_half_built(exc, UnityEnvironment)
@@ -251,15 +263,15 @@ class UnityVecEnv:
         if behavior_name is None:
             if len(names) > 1:
                 raise UnityEnvError(
-                    f"{self._where} has several behaviors {names}; choose one with behavior_name")
+                    f"{self._where} has several behaviors {names}; choose one with behavior_name"
+                )
             name = names[0]
         elif behavior_name in specs:
             name = behavior_name
         else:  # accept "Crawler" for "Crawler?team=0"
             matches = [n for n in names if n.split("?", 1)[0] == behavior_name]
             if len(matches) != 1:
-                raise UnityEnvError(
-                    f"behavior {behavior_name!r} not found in {self._where}; it has {names}")
+                raise UnityEnvError(f"behavior {behavior_name!r} not found in {self._where}; it has {names}")
             name = matches[0]
         self.behavior_name = name
         spec = specs[name]
@@ -269,14 +281,16 @@ class UnityVecEnv:
             kind = "mixed continuous/discrete actions with" if act.continuous_size > 0 else "has"
             raise UnityEnvError(
                 f"behavior {name!r} {kind} discrete action branches "
-                f"{tuple(act.discrete_branches)}; only continuous actions are supported")
+                f"{tuple(act.discrete_branches)}; only continuous actions are supported"
+            )
         if act.continuous_size == 0:
             raise UnityEnvError(f"behavior {name!r} has no continuous actions")
         for i, o in enumerate(spec.observation_specs):
             if len(o.shape) >= 3:
                 raise UnityEnvError(
                     f"behavior {name!r} has a visual observation (spec {i} {o.name!r}, shape "
-                    f"{tuple(o.shape)}); only vector observations are supported")
+                    f"{tuple(o.shape)}); only vector observations are supported"
+                )
         self.obs_specs: list[tuple[int, ...]] = [tuple(o.shape) for o in spec.observation_specs]
         self.obs_dim = int(sum(int(np.prod(s)) for s in self.obs_specs))
         self.action_dim = int(act.continuous_size)
@@ -298,11 +312,13 @@ class UnityVecEnv:
         if dec is None or len(dec) == 0:
             raise UnityEnvError(
                 f"behavior {self.behavior_name!r} of {self._where} asked for no decision in "
-                f"{self.max_wait_steps} steps after a reset")
+                f"{self.max_wait_steps} steps after a reset"
+            )
         if self.num_envs and len(dec) != self.num_envs:
             raise UnityEnvError(
                 f"behavior {self.behavior_name!r} had {self.num_envs} agents, but {len(dec)} after "
-                "a reset; UnityVecEnv needs a fixed number of agents")
+                "a reset; UnityVecEnv needs a fixed number of agents"
+            )
         self._slot_of: dict[int, int] = {int(a): s for s, a in enumerate(dec.agent_id)}
         self._dec = dec
         return _flat_obs(dec.obs, len(dec))
@@ -323,8 +339,9 @@ class UnityVecEnv:
         K, A = self.num_envs, self.action_dim
         acts = np.asarray(actions, dtype=np.float32)
         if acts.shape != (K, A):
-            raise ValueError(f"actions must have shape ({K}, {A}) for behavior "
-                             f"{self.behavior_name!r}, got {acts.shape}")
+            raise ValueError(
+                f"actions must have shape ({K}, {A}) for behavior {self.behavior_name!r}, got {acts.shape}"
+            )
         bad = ~np.isfinite(acts).all(axis=1)
         if bad.any():
             raise ValueError(f"actions contain NaN or inf for envs {np.flatnonzero(bad).tolist()}")
@@ -344,8 +361,7 @@ class UnityVecEnv:
             if len(dec) > 0:  # actions for every agent that asked for a decision
                 rows = np.fromiter((slot_of[int(a)] for a in dec.agent_id), np.int64, len(dec))
                 cont = np.where(ended[rows][:, None], zeros[rows], acts[rows])
-                self._call(self._env.set_actions, self.behavior_name,
-                           self._action_tuple(continuous=cont))
+                self._call(self._env.set_actions, self.behavior_name, self._action_tuple(continuous=cont))
             self._call(self._env.step)
             dec, term = self._call(self._env.get_steps, self.behavior_name)
 
@@ -378,7 +394,8 @@ class UnityVecEnv:
                         raise UnityEnvError(
                             f"behavior {self.behavior_name!r}: agent id {aid} appeared while all "
                             f"{K} slots hold running agents; UnityVecEnv needs a fixed number of "
-                            "agents (a new id takes the slot of an agent whose episode ended)")
+                            "agents (a new id takes the slot of an agent whose episode ended)"
+                        )
                     slot = free.pop(0)
                     slot_of[aid] = slot
                 if not ended[slot]:
@@ -392,7 +409,8 @@ class UnityVecEnv:
                 f"behavior {self.behavior_name!r} of {self._where}: envs {missing} got no decision "
                 f"in the same Unity step as the others within {self.max_wait_steps} steps; "
                 "UnityVecEnv needs all agents to request decisions together (same "
-                "DecisionRequester period) and a fixed number of agents")
+                "DecisionRequester period) and a fixed number of agents"
+            )
 
         self._dec = dec
         obs = np.empty((K, self.obs_dim), dtype=np.float32)
@@ -430,5 +448,7 @@ class UnityVecEnv:
         self.close()
 
     def __getstate__(self) -> dict:
-        raise TypeError("UnityVecEnv holds a live Unity connection and cannot be pickled; "
-                        "construct it inside the process that steps it (e.g. an actor's run())")
+        raise TypeError(
+            "UnityVecEnv holds a live Unity connection and cannot be pickled; "
+            "construct it inside the process that steps it (e.g. an actor's run())"
+        )

@@ -94,16 +94,15 @@ def _float_observations(index: int, shape: Tuple[int, ...], infos: list) -> Opti
     if any(len(c) != width for c in chunks):
         return None
     rows = np.frombuffer(b"".join(chunks), dtype=np.uint8).reshape(len(infos), width)
-    if not (rows[:, :len(header)] == np.frombuffer(header, dtype=np.uint8)).all():
+    if not (rows[:, : len(header)] == np.frombuffer(header, dtype=np.uint8)).all():
         return None
     # one copy out of the read-only byte rows (a fresh, aligned, writeable array, as mlagents'
     # np.array gives); protobuf floats are little-endian
-    data = rows[:, len(header):].copy().view("<f4")
+    data = rows[:, len(header) :].copy().view("<f4")
     return data.astype(np.float32, copy=False).reshape((len(infos),) + shape)
 
 
-def steps_from_proto(agent_info_list, behavior_spec: BehaviorSpec
-                     ) -> Tuple[DecisionSteps, TerminalSteps]:
+def steps_from_proto(agent_info_list, behavior_spec: BehaviorSpec) -> Tuple[DecisionSteps, TerminalSteps]:
     """``mlagents_envs.rpc_utils.steps_from_proto``, reading float observations from the bytes."""
     specs = behavior_spec.observation_specs
     if behavior_spec.action_spec.discrete_size > 0 or any(len(s.shape) == 3 for s in specs):
@@ -133,13 +132,22 @@ def steps_from_proto(agent_info_list, behavior_spec: BehaviorSpec
     check(decision_group_rewards, "group_rewards")
     check(terminal_group_rewards, "group_rewards")
     return (
-        DecisionSteps(decision_obs, decision_rewards,
-                      np.array([i.id for i in decision], dtype=np.int32), None,
-                      [i.group_id for i in decision], decision_group_rewards),
-        TerminalSteps(terminal_obs, terminal_rewards,
-                      np.array([i.max_step_reached for i in terminal], dtype=np.bool_),
-                      np.array([i.id for i in terminal], dtype=np.int32),
-                      [i.group_id for i in terminal], terminal_group_rewards),
+        DecisionSteps(
+            decision_obs,
+            decision_rewards,
+            np.array([i.id for i in decision], dtype=np.int32),
+            None,
+            [i.group_id for i in decision],
+            decision_group_rewards,
+        ),
+        TerminalSteps(
+            terminal_obs,
+            terminal_rewards,
+            np.array([i.max_step_reached for i in terminal], dtype=np.bool_),
+            np.array([i.id for i in terminal], dtype=np.int32),
+            [i.group_id for i in terminal],
+            terminal_group_rewards,
+        ),
     )
 
 
@@ -152,8 +160,9 @@ class _End:
     reference. As with a Pipe, what was sent before ``close`` is still received, after that
     ``recv`` raises ``EOFError`` and ``send`` raises ``BrokenPipeError``."""
 
-    def __init__(self, inbox: "queue.SimpleQueue[Any]", outbox: "queue.SimpleQueue[Any]",
-                 closed: threading.Event) -> None:
+    def __init__(
+        self, inbox: "queue.SimpleQueue[Any]", outbox: "queue.SimpleQueue[Any]", closed: threading.Event
+    ) -> None:
         self._inbox, self._outbox, self._closed = inbox, outbox, closed
         self._peeked: List[Any] = []
 
@@ -209,8 +218,9 @@ class FastRpcCommunicator(RpcCommunicator):
         # RpcCommunicator.create_server with _QueueServicer
         self.check_port(self.port)
         try:
-            self.server = grpc.server(thread_pool=ThreadPoolExecutor(max_workers=10),
-                                      options=(("grpc.so_reuseport", 1),))
+            self.server = grpc.server(
+                thread_pool=ThreadPoolExecutor(max_workers=10), options=(("grpc.so_reuseport", 1),)
+            )
             self.unity_to_external = _QueueServicer()
             add_UnityToExternalProtoServicer_to_server(self.unity_to_external, self.server)
             self.server.add_insecure_port("[::]:" + str(self.port))
@@ -233,10 +243,13 @@ class FastUnityEnvironment(UnityEnvironment):
         for brain_name in self._env_specs.keys():
             if brain_name in output.agentInfos:
                 self._env_state[brain_name] = steps_from_proto(
-                    output.agentInfos[brain_name].value, self._env_specs[brain_name])
+                    output.agentInfos[brain_name].value, self._env_specs[brain_name]
+                )
             else:
-                self._env_state[brain_name] = (DecisionSteps.empty(self._env_specs[brain_name]),
-                                               TerminalSteps.empty(self._env_specs[brain_name]))
+                self._env_state[brain_name] = (
+                    DecisionSteps.empty(self._env_specs[brain_name]),
+                    TerminalSteps.empty(self._env_specs[brain_name]),
+                )
         self._side_channel_manager.process_side_channel_message(output.side_channel)
 
     def _generate_step_input(self, vector_action: Dict[str, ActionTuple]) -> UnityInputProto:
@@ -252,8 +265,7 @@ class FastUnityEnvironment(UnityEnvironment):
             for i in range(n_agents):
                 c = cont[i] if cont is not None else []
                 d = disc[i] if disc is not None else []
-                value.add(vector_actions_deprecated=c + d, continuous_actions=c,
-                          discrete_actions=d)
+                value.add(vector_actions_deprecated=c + d, continuous_actions=c, discrete_actions=d)
             rl_in.command = STEP
         rl_in.side_channel = bytes(self._side_channel_manager.generate_side_channel_messages())
         return self._wrap_unity_input(rl_in)

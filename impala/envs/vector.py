@@ -18,6 +18,7 @@ from impala.envs import EnvSpec, make_env
 
 class StepResult(NamedTuple):
     """What one step of K envs returns, episode ends resolved."""
+
     obs: np.ndarray  # [K, *obs_shape] next obs; the first obs of the next episode where one ended
     reward: np.ndarray  # [K] float32, terminal rewards included
     terminated: np.ndarray  # [K] bool: ended for real, no bootstrap

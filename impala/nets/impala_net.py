@@ -69,7 +69,8 @@ class _ActivityTracking:
 
     A unit (a conv channel, or an fc unit) is *alive* when its ReLU output is positive
     for at least one position of one sample. Dead units pass no gradient; a torso whose
-    first layer dies is blind (measured on Pong, docs/PONG.md: 15 of 16 conv1 filters died on Pong). The learner
+    first layer dies is blind (measured on Pong, docs/PONG.md: 15 of 16 conv1 filters died on Pong). The
+    learner
     switches tracking on for its forward pass and logs ``activity``; actors never do.
     """
 
@@ -110,7 +111,9 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
 
     def _flat_size(self, obs_shape: Sequence[int]) -> int:
         if len(obs_shape) != 3:
-            raise ValueError(f"{type(self).__name__} needs image observations [C, H, W], got shape {tuple(obs_shape)}")
+            raise ValueError(
+                f"{type(self).__name__} needs image observations [C, H, W], got shape {tuple(obs_shape)}"
+            )
         with torch.no_grad():
             return int(self._conv_features(torch.zeros(1, *obs_shape)).flatten(1).shape[1])
 
@@ -203,10 +206,14 @@ class DeepResNet(_ImageTorso):
 class MLPTorso(_ActivityTracking, nn.Module):
     """MLP for vector observations: [N, obs_dim] -> [N, hidden[-1]]."""
 
-    def __init__(self, obs_dim: int, hidden: Sequence[int] = (64, 64), activation: type[nn.Module] = nn.ReLU) -> None:
+    def __init__(
+        self, obs_dim: int, hidden: Sequence[int] = (64, 64), activation: type[nn.Module] = nn.ReLU
+    ) -> None:
         super().__init__()
         if obs_dim < 1 or not hidden:
-            raise ValueError(f"MLPTorso needs obs_dim >= 1 and at least one hidden layer, got {obs_dim}, {hidden}")
+            raise ValueError(
+                f"MLPTorso needs obs_dim >= 1 and at least one hidden layer, got {obs_dim}, {hidden}"
+            )
         layers: list[nn.Module] = []
         in_dim = obs_dim
         for h in hidden:
@@ -390,11 +397,14 @@ def build_model(
             kind = "shallow"
         else:
             raise ValueError(
-                f"model kind 'auto' cannot choose for obs_shape {obs_shape}: expected 1-D vectors or [C, H, W] "
+                f"model kind 'auto' cannot choose for obs_shape {obs_shape}: expected 1-D vectors or [C, H, "
+                "W] "
                 f"images; pass kind='mlp' with flattened observations instead"
             )
     if kind in ("shallow", "nature", "deep") and len(obs_shape) != 3:
-        raise ValueError(f"model kind {kind!r} needs image observations [C, H, W], got obs_shape {obs_shape}; use 'mlp'")
+        raise ValueError(
+            f"model kind {kind!r} needs image observations [C, H, W], got obs_shape {obs_shape}; use 'mlp'"
+        )
     if kind == "shallow":
         torso: nn.Module = ShallowCNN(obs_shape)
     elif kind == "nature":
@@ -407,4 +417,6 @@ def build_model(
         torso = MLPTorso(obs_shape[0])
     else:
         raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
-    return initialize(ImpalaNet(torso, num_actions, use_lstm=use_lstm, num_tasks=num_tasks, **popart_kwargs), init)
+    return initialize(
+        ImpalaNet(torso, num_actions, use_lstm=use_lstm, num_tasks=num_tasks, **popart_kwargs), init
+    )

@@ -50,6 +50,7 @@ MLAGENTS_ACTION_LIMIT = 3.0
 
 class ActOutput(NamedTuple):
     """An action for each env of a batch, its log-probability and the value."""
+
     action: torch.Tensor  # [B, A] raw sample (store this; send env_action(action) to the env)
     log_prob: torch.Tensor  # [B, A] per-dimension log-probabilities
     value: torch.Tensor  # [B]
@@ -57,6 +58,7 @@ class ActOutput(NamedTuple):
 
 class EvalOutput(NamedTuple):
     """Log-probabilities, entropy and values of given actions (the update's forward pass)."""
+
     log_prob: torch.Tensor  # [B, A]
     entropy: torch.Tensor  # [B, A] per-dimension entropy
     value: torch.Tensor  # [B]
@@ -236,7 +238,9 @@ class ActorCritic(nn.Module):
         """
         mu = self.mean(obs, normalized=normalized)
         return EvalOutput(
-            self.log_prob_per_dim(actions, mu), self.entropy_per_dim(obs.shape[0]), self.value(obs, normalized=normalized)
+            self.log_prob_per_dim(actions, mu),
+            self.entropy_per_dim(obs.shape[0]),
+            self.value(obs, normalized=normalized),
         )
 
     @torch.no_grad()

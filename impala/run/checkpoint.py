@@ -26,16 +26,33 @@ class CheckpointError(ValueError):
 def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
     """Names of the floating-point tensors in a nested state that hold NaN or inf."""
     if isinstance(state, torch.Tensor):
-        return [prefix or "<tensor>"] if state.is_floating_point() and not bool(torch.isfinite(state).all()) else []
-    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
-    return [name for key, value in items for name in non_finite_tensors(value, f"{prefix}.{key}" if prefix else str(key))]
+        return (
+            [prefix or "<tensor>"]
+            if state.is_floating_point() and not bool(torch.isfinite(state).all())
+            else []
+        )
+    items = (
+        state.items()
+        if isinstance(state, dict)
+        else enumerate(state)
+        if isinstance(state, (list, tuple))
+        else ()
+    )
+    return [
+        name
+        for key, value in items
+        for name in non_finite_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    ]
 
 
 def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     """Write ``state`` to ``path`` atomically; CheckpointError (nothing written) if a tensor is not finite."""
     bad = non_finite_tensors(state)
     if bad:
-        raise CheckpointError(f"not writing {path}: {len(bad)} tensor(s) hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+        raise CheckpointError(
+            f"not writing {path}: {len(bad)} tensor(s) hold NaN or inf "
+            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+        )
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = _write_unnamed_then_name(directory, state)
@@ -87,7 +104,8 @@ def _remove(name: str) -> None:
 
 
 def _write_unnamed_then_name(directory: str, state: dict[str, Any]) -> str | None:
-    """Write and sync ``state`` into a nameless file in ``directory`` (Linux O_TMPFILE), then give it a temporary
+    """Write and sync ``state`` into a nameless file in ``directory`` (Linux O_TMPFILE), then give it a
+    temporary
     name: a kill can strand a temp file only in the microseconds between that link and the caller's rename,
     not during the whole write. None where the filesystem, kernel or a missing /proc rule this out."""
     global _link_works
@@ -101,7 +119,9 @@ def _write_unnamed_then_name(directory: str, state: dict[str, Any]) -> str | Non
         _write(f, state)
         try:
             return _link_into(f.fileno(), directory)
-        except OSError:  # linkat refused (EPERM under some sandboxes): named files from now on, written once each
+        except (
+            OSError
+        ):  # linkat refused (EPERM under some sandboxes): named files from now on, written once each
             _link_works = False
             return None
 
@@ -150,23 +170,31 @@ def _fsync_directory(directory: str) -> None:
         os.close(dfd)
 
 
-def load_checkpoint(path: str, map_location: str | torch.device = "cpu", *, keys: tuple[str, ...] = ()) -> dict[str, Any]:
+def load_checkpoint(
+    path: str, map_location: str | torch.device = "cpu", *, keys: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Load a checkpoint this program wrote; ``keys`` must all be present at the top level."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path}; run without --resume, or point --logdir at a run that has one")
+        raise FileNotFoundError(
+            f"no checkpoint at {path}; run without --resume, or point --logdir at a run that has one"
+        )
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} is not a file")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to parse means the same thing to the user
         # torch's own message suggests weights_only=False, i.e. running code from the file: never.
-        kind = "empty" if os.path.getsize(path) == 0 else f"truncated or not a checkpoint ({type(e).__name__})"
+        kind = (
+            "empty" if os.path.getsize(path) == 0 else f"truncated or not a checkpoint ({type(e).__name__})"
+        )
         raise CheckpointError(f"checkpoint {path} cannot be read: {kind}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a checkpoint dict")
     missing = [k for k in keys if k not in state]
     if missing:
-        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: not a checkpoint of this program")
+        raise CheckpointError(
+            f"checkpoint {path} lacks {', '.join(missing)}: not a checkpoint of this program"
+        )
     return state
 
 
@@ -200,13 +228,16 @@ def prepare_run_folder(path: str, *, resume: bool, force: bool) -> None:
         return
     if not force:
         raise ConfigError(
-            f"run folder {path} holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): pass --resume to "
+            f"run folder {path} holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): pass "
+            "--resume to "
             "continue it, --force to start over in it, or another --run-id"
         )
     for name in held:
         try:
             os.remove(os.path.join(path, name))
         except IsADirectoryError:
-            raise ConfigError(f"--force: {os.path.join(path, name)} is a directory; move it away first") from None
+            raise ConfigError(
+                f"--force: {os.path.join(path, name)} is a directory; move it away first"
+            ) from None
         except OSError as e:
             raise ConfigError(f"--force: cannot delete {os.path.join(path, name)} ({e.strerror})") from None

@@ -113,7 +113,12 @@ def need(cond: bool, msg: str) -> None:
 
 
 _NOT_GIVEN = object()  # an action's default while FlagParser finds out which flags were given
-_ACCUMULATING = (argparse._AppendAction, argparse._AppendConstAction, argparse._ExtendAction, argparse._CountAction)
+_ACCUMULATING = (
+    argparse._AppendAction,
+    argparse._AppendConstAction,
+    argparse._ExtendAction,
+    argparse._CountAction,
+)
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -129,15 +134,20 @@ class FlagParser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"{self.prog}: error: {capped(message)}\n")
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         parsed.given = self._given(args)
         return parsed, extras
 
     def _given(self, args: Any) -> set[str]:
-        # Parse again with every default swapped for a sentinel: what is not the sentinel afterwards was given.
+        # Parse again with every default swapped for a sentinel: what is not the sentinel afterwards was
+        # given.
         # Actions that build on their current value (append, extend, count) start from None instead.
-        saved = [(action, action.default) for action in self._actions if action.default is not argparse.SUPPRESS]
+        saved = [
+            (action, action.default) for action in self._actions if action.default is not argparse.SUPPRESS
+        ]
         accumulating = {a.dest for a, _ in saved if isinstance(a, _ACCUMULATING)}
         saved_defaults, self._defaults = self._defaults, {}
         try:
@@ -149,7 +159,8 @@ class FlagParser(argparse.ArgumentParser):
                 action.default = default
             self._defaults = saved_defaults
         return {
-            dest for dest, value in vars(probe).items()
+            dest
+            for dest, value in vars(probe).items()
             if value is not _NOT_GIVEN and not (dest in accumulating and value is None)
         }
 
@@ -188,7 +199,11 @@ def add_flags(
             continue
         choices, base, optional = field_kind(cls, f.name)
         default = defaults.get(f.name, f.default)
-        kw: dict[str, Any] = {"dest": dest_prefix + f.name, "default": default, "help": helps.get(f.name, f.metadata.get("help", ""))}
+        kw: dict[str, Any] = {
+            "dest": dest_prefix + f.name,
+            "default": default,
+            "help": helps.get(f.name, f.metadata.get("help", "")),
+        }
         if dest_prefix:  # argparse would show the prefixed destination (PPO__BATCH_SIZE)
             kw["metavar"] = f.name.upper()
         if base is bool and choices is None:
@@ -212,8 +227,14 @@ def from_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "", **
 def given_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "") -> dict[str, Any]:
     """The fields of ``cls`` set on the command line (``args.given``, :class:`FlagParser`) or by a preset
     (``args.preset``, :func:`apply_preset`)."""
-    chosen = getattr(args, "given", set()) | getattr(args, "preset", set())  # by a flag, or by a --config preset
-    return {f.name: getattr(args, dest_prefix + f.name) for f in dataclasses.fields(cls) if dest_prefix + f.name in chosen}
+    chosen = getattr(args, "given", set()) | getattr(
+        args, "preset", set()
+    )  # by a flag, or by a --config preset
+    return {
+        f.name: getattr(args, dest_prefix + f.name)
+        for f in dataclasses.fields(cls)
+        if dest_prefix + f.name in chosen
+    }
 
 
 def apply_preset(args: argparse.Namespace, preset: dict[str, Any]) -> argparse.Namespace:
@@ -254,11 +275,16 @@ def load_preset(path: str, classes: Iterable[type]) -> dict[str, Any]:
             except ValueError:
                 pass
         ok = (
-            optional if value is None  # null for an optional field: unset
-            else value in choices if choices is not None
-            else isinstance(value, bool) if typ is bool
-            else isinstance(value, int) and not isinstance(value, bool) if typ is int
-            else isinstance(value, (int, float)) and not isinstance(value, bool) if typ is float
+            optional
+            if value is None  # null for an optional field: unset
+            else value in choices
+            if choices is not None
+            else isinstance(value, bool)
+            if typ is bool
+            else isinstance(value, int) and not isinstance(value, bool)
+            if typ is int
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+            if typ is float
             else isinstance(value, str)
         )
         if not ok:
@@ -298,7 +324,10 @@ def read_yaml(path: str, what: str) -> Any:
         def compose_node(self, parent: Any, index: Any) -> Any:
             if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None):
                 mark = self.peek_event().start_mark
-                raise ConfigError(f"{what} {path}: line {mark.line + 1}: YAML anchors and aliases are not accepted in a config file")
+                raise ConfigError(
+                    f"{what} {path}: line {mark.line + 1}: YAML anchors and aliases are not accepted in a "
+                    "config file"
+                )
             self._depth = getattr(self, "_depth", 0) + 1
             try:
                 if self._depth > MAX_YAML_DEPTH:
@@ -313,7 +342,10 @@ def read_yaml(path: str, what: str) -> Any:
                 key = self.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
                 if isinstance(key, (str, int, float, bool)) and key in seen:
-                    raise ConfigError(f"{what} {path}: key {capped(repr(key), 80)} appears twice (lines {seen[key]} and {line})")
+                    raise ConfigError(
+                        f"{what} {path}: key {capped(repr(key), 80)} appears twice (lines {seen[key]} and "
+                        f"{line})"
+                    )
                 if isinstance(key, (str, int, float, bool)):
                     seen[key] = line
             return super().construct_mapping(node, deep=deep)
@@ -361,112 +393,275 @@ class RunConfig:
     ML-Agents' ``max_steps``). Set at most one; the launcher picks its default.
     """
 
-    env: Optional[str] = option("PongDeterministic-v4", "Environment id (classic Atari ids such as PongDeterministic-v4, ale-py ids, or gymnasium ids such as CartPole-v1). launch_impala also takes a comma-separated list for one multi-task agent (PopArt-IMPALA), e.g. PongDeterministic-v4,BreakoutDeterministic-v4: actor i runs task i %% N.")
+    env: Optional[str] = option(
+        "PongDeterministic-v4",
+        "Environment id (classic Atari ids such as PongDeterministic-v4, ale-py ids, or gymnasium ids such "
+        "as CartPole-v1). launch_impala also takes a comma-separated list for one multi-task agent "
+        "(PopArt-IMPALA), e.g. PongDeterministic-v4,BreakoutDeterministic-v4: actor i runs task i %% N.",
+    )
     env_package: str = option(
-        "", "Python packages to import before the env is made, comma-separated (mypkg or mypkg.envs): "
+        "",
+        "Python packages to import before the env is made, comma-separated (mypkg or mypkg.envs): "
         "packages that register their envs with gymnasium on import. Imported in the learner and in every "
         "actor (the run sends the names; remote actors need them installed). --env mypkg.envs:MyEnv-v0 "
-        "(gymnasium's module:id) imports one such package for its id.")
-    env_kwargs: str = option("", 'Env constructor overrides as a JSON object, e.g. \'{"frameskip": 4}\' for PongNoFrameskip-v4 with a 4-frame skip; checked in every worker like the registry settings.')
-    workers: int = option(2, "Local actor processes; 0 runs no local actors and waits for remote ones (impala-actors).")
-    envs_per_worker: int = option(4, "Environments stepped by each actor with one batched forward pass per step.")
-    learners: int = option(1, "Learner processes in a data-parallel group on this machine (torch.distributed: gloo on CPU, NCCL with a CUDA --device, one GPU per rank); each update's batch is split over them, --batch-size must divide. Rank 0 receives the unrolls, publishes weights and writes checkpoints.")
-    in_process: bool = option(False, "Run the local actors as threads of the learner process (same actor code and sockets; for debugging and tiny machines).")
+        "(gymnasium's module:id) imports one such package for its id.",
+    )
+    env_kwargs: str = option(
+        "",
+        "Env constructor overrides as a JSON object, e.g. '{\"frameskip\": 4}' for PongNoFrameskip-v4 with a "
+        "4-frame skip; checked in every worker like the registry settings.",
+    )
+    workers: int = option(
+        2, "Local actor processes; 0 runs no local actors and waits for remote ones (impala-actors)."
+    )
+    envs_per_worker: int = option(
+        4, "Environments stepped by each actor with one batched forward pass per step."
+    )
+    learners: int = option(
+        1,
+        "Learner processes in a data-parallel group on this machine (torch.distributed: gloo on CPU, NCCL "
+        "with a CUDA --device, one GPU per rank); each update's batch is split over them, --batch-size must "
+        "divide. Rank 0 receives the unrolls, publishes weights and writes checkpoints.",
+    )
+    in_process: bool = option(
+        False,
+        "Run the local actors as threads of the learner process (same actor code and sockets; for debugging "
+        "and tiny machines).",
+    )
     unroll_length: int = option(32, "Steps per env per unroll (T); 0: the learner picks.")
-    total_frames: Optional[int] = option(None, "Stop after this many environment frames (agent steps x frame skip).")
-    total_steps: Optional[int] = option(None, "Stop after this many agent steps (absolute, also with --resume).")
-    stop_at_return: Optional[float] = option(None, "Stop early once the mean return of the last 100 episodes reaches this (counted only after 100 episodes have finished); unset: run to the step budget.")
+    total_frames: Optional[int] = option(
+        None, "Stop after this many environment frames (agent steps x frame skip)."
+    )
+    total_steps: Optional[int] = option(
+        None, "Stop after this many agent steps (absolute, also with --resume)."
+    )
+    stop_at_return: Optional[float] = option(
+        None,
+        "Stop early once the mean return of the last 100 episodes reaches this (counted only after 100 "
+        "episodes have finished); unset: run to the step budget.",
+    )
     max_seconds: float = option(0.0, "Stop after this many seconds of training; 0 means no limit.")
-    eval_every: int = option(0, "Every this many env frames, play --eval-episodes greedy episodes of the current weights (the 'train' protocol of impala-eval) in a separate process that never stalls the learner, and log eval/ rows; 0: off.")
+    eval_every: int = option(
+        0,
+        "Every this many env frames, play --eval-episodes greedy episodes of the current weights (the "
+        "'train' protocol of impala-eval) in a separate process that never stalls the learner, and log eval/ "
+        "rows; 0: off.",
+    )
     eval_episodes: int = option(5, "Episodes per --eval-every evaluation.")
-    eval_video: bool = option(False, "Record the first 600 frames of each evaluation's first episode to LOGDIR/eval-FRAMES.mp4 (the raw screen; needs an env that renders RGB, e.g. Atari); with --track also to Weights & Biases.")
-    seed: int = option(0, "Base seed: the network's initialization, and actor i's envs use seed + 1000 * i (+ restarts).")
+    eval_video: bool = option(
+        False,
+        "Record the first 600 frames of each evaluation's first episode to LOGDIR/eval-FRAMES.mp4 (the raw "
+        "screen; needs an env that renders RGB, e.g. Atari); with --track also to Weights & Biases.",
+    )
+    seed: int = option(
+        0, "Base seed: the network's initialization, and actor i's envs use seed + 1000 * i (+ restarts)."
+    )
     device: str = option("auto", "Learner device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.")
-    torch_threads: int = option(0, "CPU threads for the learner's torch ops; 0 = the cores left after the actors (at least 1). More would fight the actors for cores.")
-    logdir: Optional[str] = option(None, "Run folder (TensorBoard events, metrics.csv, config.yaml, checkpoints); default: RUNS_DIR/RUN_ID.")
+    torch_threads: int = option(
+        0,
+        "CPU threads for the learner's torch ops; 0 = the cores left after the actors (at least 1). More "
+        "would fight the actors for cores.",
+    )
+    logdir: Optional[str] = option(
+        None,
+        "Run folder (TensorBoard events, metrics.csv, config.yaml, checkpoints); default: RUNS_DIR/RUN_ID.",
+    )
     runs_dir: str = option("runs", "Folder holding the run folders.")
-    run_id: Optional[str] = option(None, "Name of this run's folder under --runs-dir; default: the env id and the start time (CartPole-v1-20261201-083000). A folder that holds a run is refused unless --resume or --force.")
-    force: bool = option(False, "Start over in a run folder that holds a run: its checkpoints, metrics, events, config and finished marker are deleted first.")
-    resume: bool = option(False, "Continue the run in the run folder from its checkpoint.pt (weights, optimizer, normalizers, counters); needs --run-id or --logdir.")
+    run_id: Optional[str] = option(
+        None,
+        "Name of this run's folder under --runs-dir; default: the env id and the start time "
+        "(CartPole-v1-20261201-083000). A folder that holds a run is refused unless --resume or --force.",
+    )
+    force: bool = option(
+        False,
+        "Start over in a run folder that holds a run: its checkpoints, metrics, events, config and finished "
+        "marker are deleted first.",
+    )
+    resume: bool = option(
+        False,
+        "Continue the run in the run folder from its checkpoint.pt (weights, optimizer, normalizers, "
+        "counters); needs --run-id or --logdir.",
+    )
     checkpoint_minutes: float = option(10.0, "Minutes between checkpoints (one is always written at exit).")
-    log_interval: float = option(5.0, "Seconds between console/CSV/TensorBoard rows (0: a row after every update).")
+    log_interval: float = option(
+        5.0, "Seconds between console/CSV/TensorBoard rows (0: a row after every update)."
+    )
     progress: bool = option(True, "Show the live console progress display (when stdout is a terminal).")
     log_level: LogLevel = option("INFO", "Python logging level.")
-    track: bool = option(False, "Also log every metric row, the resolved config and the git commit to Weights & Biases (pip install -e '.[track]'; WANDB_MODE=offline logs without a network).")
+    track: bool = option(
+        False,
+        "Also log every metric row, the resolved config and the git commit to Weights & Biases (pip install "
+        "-e '.[track]'; WANDB_MODE=offline logs without a network).",
+    )
     track_project: str = option("impala-rl", "Weights & Biases project for --track.")
-    bind: str = option("127.0.0.1", "Address the learner binds. Binding anything else exposes the learner; use with a firewall or CURVE keys.")
+    bind: str = option(
+        "127.0.0.1",
+        "Address the learner binds. Binding anything else exposes the learner; use with a firewall or CURVE "
+        "keys.",
+    )
     port: int = option(0, "Trajectory port (weights use port+1); 0 picks free ports.")
-    curve: str = option("", "Directory of ZeroMQ CURVE keys (created if missing): only actors with an authorized key may connect; traffic is encrypted. Use with a public --bind.")
-    insecure_bind: bool = option(False, "Allow a non-loopback --bind without --curve (only on a network you trust).")
+    curve: str = option(
+        "",
+        "Directory of ZeroMQ CURVE keys (created if missing): only actors with an authorized key may "
+        "connect; traffic is encrypted. Use with a public --bind.",
+    )
+    insecure_bind: bool = option(
+        False, "Allow a non-loopback --bind without --curve (only on a network you trust)."
+    )
     start_method: StartMethod = option("spawn", "Multiprocessing start method for actors.")
-    queue_size: int = option(0, "Unrolls buffered in the learner; 0 lets the learner pick (IMPALA: one batch; more only adds policy lag).")
-    max_policy_lag: Optional[int] = option(None, "Drop unrolls collected with weights more than this many updates old (0: on-policy only); unset keeps all.")
-    max_abs_value: float = option(1e6, "Unrolls holding a float (observation, logits, action, log-prob, reward) above this in absolute value are dropped on receipt (transport/dropped_schema): finite but huge values would overflow the update.")
+    queue_size: int = option(
+        0,
+        "Unrolls buffered in the learner; 0 lets the learner pick (IMPALA: one batch; more only adds policy "
+        "lag).",
+    )
+    max_policy_lag: Optional[int] = option(
+        None,
+        "Drop unrolls collected with weights more than this many updates old (0: on-policy only); unset "
+        "keeps all.",
+    )
+    max_abs_value: float = option(
+        1e6,
+        "Unrolls holding a float (observation, logits, action, log-prob, reward) above this in absolute "
+        "value are dropped on receipt (transport/dropped_schema): finite but huge values would overflow the "
+        "update.",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
         need(self.workers >= 0, f"--workers must be >= 0, got {self.workers}")
         need(self.learners >= 1, f"--learners must be >= 1, got {self.learners}")
         need(self.envs_per_worker >= 1, f"--envs-per-worker must be >= 1, got {self.envs_per_worker}")
-        need(not (self.in_process and self.workers == 0), "--in-process runs the local actors as threads: it needs --workers >= 1")
-        need(self.unroll_length >= 0, f"--unroll-length must be >= 1, or 0 to let the learner pick, got {self.unroll_length}")
-        need(self.total_frames is None or self.total_frames > 0, f"--total-frames must be > 0, got {self.total_frames}")
-        need(self.total_steps is None or self.total_steps > 0, f"--total-steps must be > 0, got {self.total_steps}")
-        need(self.total_frames is None or self.total_steps is None, "give --total-frames (env frames) or --total-steps (agent steps), not both")
+        need(
+            not (self.in_process and self.workers == 0),
+            "--in-process runs the local actors as threads: it needs --workers >= 1",
+        )
+        need(
+            self.unroll_length >= 0,
+            f"--unroll-length must be >= 1, or 0 to let the learner pick, got {self.unroll_length}",
+        )
+        need(
+            self.total_frames is None or self.total_frames > 0,
+            f"--total-frames must be > 0, got {self.total_frames}",
+        )
+        need(
+            self.total_steps is None or self.total_steps > 0,
+            f"--total-steps must be > 0, got {self.total_steps}",
+        )
+        need(
+            self.total_frames is None or self.total_steps is None,
+            "give --total-frames (env frames) or --total-steps (agent steps), not both",
+        )
         need(self.max_seconds >= 0, f"--max-seconds must be >= 0 (0 means no limit), got {self.max_seconds}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0 (0: off), got {self.eval_every}")
         need(self.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {self.eval_episodes}")
         # actors seed their envs with seed + 1000 * id + restarts, and numpy/torch seeds stop at 2**32 - 1
-        need(0 <= self.seed <= MAX_SEED, f"--seed must be in 0..{MAX_SEED:,}, got {capped(str(self.seed), 40)}")
-        need(self.device == "auto" or self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:") and self.device[5:].isdigit(),
-             f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        need(
+            0 <= self.seed <= MAX_SEED, f"--seed must be in 0..{MAX_SEED:,}, got {capped(str(self.seed), 40)}"
+        )
+        need(
+            self.device == "auto"
+            or self.device == "cpu"
+            or self.device == "cuda"
+            or self.device.startswith("cuda:")
+            and self.device[5:].isdigit(),
+            f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
         need(self.torch_threads >= 0, f"--torch-threads must be >= 0 (0 picks), got {self.torch_threads}")
         need(self.logdir is None or bool(self.logdir.strip()), "--logdir must not be empty")
         need(bool(self.runs_dir.strip()), "--runs-dir must not be empty")
-        need(self.logdir is None or self.run_id is None, "give --logdir (a folder) or --run-id (a name under --runs-dir), not both")
-        need(self.run_id is None or bool(RUN_ID.fullmatch(self.run_id)) and self.run_id not in (".", ".."),
-             f"--run-id must be a plain name of letters, digits and ._+=- (at most 100), got {capped(repr(self.run_id), 60)}")
-        need(not (self.resume and self.force), "--resume continues the run in the folder and --force deletes it: give one")
-        need(not self.resume or self.logdir is not None or self.run_id is not None,
-             "--resume needs the run to continue: --run-id NAME (under --runs-dir) or --logdir DIR")
-        need(bool(self.track_project.strip()) and "/" not in self.track_project, f"--track-project must be a plain project name, got {self.track_project!r}")
+        need(
+            self.logdir is None or self.run_id is None,
+            "give --logdir (a folder) or --run-id (a name under --runs-dir), not both",
+        )
+        need(
+            self.run_id is None or bool(RUN_ID.fullmatch(self.run_id)) and self.run_id not in (".", ".."),
+            "--run-id must be a plain name of letters, digits and ._+=- (at most 100), got "
+            f"{capped(repr(self.run_id), 60)}",
+        )
+        need(
+            not (self.resume and self.force),
+            "--resume continues the run in the folder and --force deletes it: give one",
+        )
+        need(
+            not self.resume or self.logdir is not None or self.run_id is not None,
+            "--resume needs the run to continue: --run-id NAME (under --runs-dir) or --logdir DIR",
+        )
+        need(
+            bool(self.track_project.strip()) and "/" not in self.track_project,
+            f"--track-project must be a plain project name, got {self.track_project!r}",
+        )
         need(self.checkpoint_minutes > 0, f"--checkpoint-minutes must be > 0, got {self.checkpoint_minutes}")
-        need(self.log_interval >= 0, f"--log-interval must be >= 0 (0: a row per update), got {self.log_interval}")
+        need(
+            self.log_interval >= 0,
+            f"--log-interval must be >= 0 (0: a row per update), got {self.log_interval}",
+        )
         need(bool(self.bind.strip()), "--bind must not be empty")
-        need(self.port == 0 or 1 <= self.port <= 65534, f"--port must be 0 or in 1..65534 (weights use port+1), got {self.port}")
-        need(self.start_method in multiprocessing.get_all_start_methods(),
-             f"--start-method {self.start_method} is not available on this platform (have: {', '.join(multiprocessing.get_all_start_methods())})")
+        need(
+            self.port == 0 or 1 <= self.port <= 65534,
+            f"--port must be 0 or in 1..65534 (weights use port+1), got {self.port}",
+        )
+        need(
+            self.start_method in multiprocessing.get_all_start_methods(),
+            f"--start-method {self.start_method} is not available on this platform (have: "
+            f"{', '.join(multiprocessing.get_all_start_methods())})",
+        )
         need(self.queue_size >= 0, f"--queue-size must be >= 0 (0: the learner picks), got {self.queue_size}")
-        need(self.max_policy_lag is None or self.max_policy_lag >= 0,
-             f"--max-policy-lag must be >= 0 (0: on-policy only; leave it unset to keep all), got {self.max_policy_lag}")
-        # below a few thousand, honest observations (Atari pixels are up to 255), logits and returns are dropped
-        need(self.max_abs_value >= MIN_ABS_VALUE, f"--max-abs-value must be >= {MIN_ABS_VALUE:g} (it drops unrolls holding larger "
-             f"values; pixels alone reach 255), got {self.max_abs_value:g}")
+        need(
+            self.max_policy_lag is None or self.max_policy_lag >= 0,
+            "--max-policy-lag must be >= 0 (0: on-policy only; leave it unset to keep all), got "
+            f"{self.max_policy_lag}",
+        )
+        # below a few thousand, honest observations (Atari pixels are up to 255), logits and returns are
+        # dropped
+        need(
+            self.max_abs_value >= MIN_ABS_VALUE,
+            f"--max-abs-value must be >= {MIN_ABS_VALUE:g} (it drops unrolls holding larger "
+            f"values; pixels alone reach 255), got {self.max_abs_value:g}",
+        )
         # The bind/CURVE rule: an open port would let anyone send trajectories and read weights.
-        need(bool(self.curve) or self.bind in LOOPBACK or self.insecure_bind,
-             f"--bind {self.bind} without --curve would let anyone who can reach the port send trajectories and read "
-             "weights; pass --curve DIR (see README, Security), or --insecure-bind on a network you trust")
+        need(
+            bool(self.curve) or self.bind in LOOPBACK or self.insecure_bind,
+            f"--bind {self.bind} without --curve would let anyone who can reach the port send trajectories "
+            "and read "
+            "weights; pass --curve DIR (see README, Security), or --insecure-bind on a network you trust",
+        )
         if self.env is not None:
             tasks = self.env.split(",")
             need(all(t.strip() for t in tasks), f"--env {self.env!r}: an empty env id in the list")
-            need(len(set(t.strip() for t in tasks)) == len(tasks), f"--env {self.env!r}: a task is listed twice")
+            need(
+                len(set(t.strip() for t in tasks)) == len(tasks),
+                f"--env {self.env!r}: a task is listed twice",
+            )
             need(len(tasks) <= MAX_TASKS, f"--env: at most {MAX_TASKS} tasks, got {len(tasks)}")
         for name in self.env_packages:  # the import itself comes with the env (impala.envs.EnvSpec)
-            need(bool(MODULE_NAME.fullmatch(name)), f"--env-package {capped(repr(name), 80)} is not a Python "
-                 "module name (like mypkg or mypkg.envs); give several as mypkg,otherpkg")
+            need(
+                bool(MODULE_NAME.fullmatch(name)),
+                f"--env-package {capped(repr(name), 80)} is not a Python "
+                "module name (like mypkg or mypkg.envs); give several as mypkg,otherpkg",
+            )
         if self.env_kwargs:
-            need(len(self.env_kwargs) <= 100_000, f"--env-kwargs is {len(self.env_kwargs):,} characters; an env's keyword "
-                 "arguments fit in far fewer")
+            need(
+                len(self.env_kwargs) <= 100_000,
+                f"--env-kwargs is {len(self.env_kwargs):,} characters; an env's keyword "
+                "arguments fit in far fewer",
+            )
             try:
                 parsed = json.loads(self.env_kwargs)
             except RecursionError:
                 raise ConfigError("--env-kwargs is nested too deeply") from None
             except ValueError as e:
-                raise ConfigError(f"--env-kwargs is not valid JSON ({e}); example: '{{\"frameskip\": 4}}'") from None
-            need(isinstance(parsed, dict), f"--env-kwargs must be a JSON object, got {capped(repr(self.env_kwargs), 80)}")
+                raise ConfigError(
+                    f"--env-kwargs is not valid JSON ({e}); example: '{{\"frameskip\": 4}}'"
+                ) from None
+            need(
+                isinstance(parsed, dict),
+                f"--env-kwargs must be a JSON object, got {capped(repr(self.env_kwargs), 80)}",
+            )
             steps = parsed.get("max_episode_steps")
-            need(steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1),
-                 f"--env-kwargs: max_episode_steps must be an integer >= 1, got {capped(repr(steps), 40)}")
+            need(
+                steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1),
+                f"--env-kwargs: max_episode_steps must be an integer >= 1, got {capped(repr(steps), 40)}",
+            )
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -492,8 +687,12 @@ class RunConfig:
         ``--runs-dir/<job>-<start time>`` (``job``: the env id, say)."""
         if self.logdir:
             return self
-        name = self.run_id or f"{re.sub(r'[^A-Za-z0-9._+=-]+', '_', job)[:60]}-{time.strftime('%Y%m%d-%H%M%S')}"
-        return dataclasses.replace(self, logdir=os.path.join(self.runs_dir, name), run_id=None)  # the folder now names it
+        name = (
+            self.run_id or f"{re.sub(r'[^A-Za-z0-9._+=-]+', '_', job)[:60]}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        return dataclasses.replace(
+            self, logdir=os.path.join(self.runs_dir, name), run_id=None
+        )  # the folder now names it
 
     def cpu_threads(self, *, actors_wait_during_updates: bool = False) -> int:
         """The learner's torch threads: ``--torch-threads``, else the cores the local actors leave.
@@ -517,31 +716,79 @@ class ImpalaConfig:
     """IMPALA's algorithm and model settings (the process-level ones are :class:`RunConfig`)."""
 
     batch_size: int = option(32, "Unrolls per learner update (B).")
-    model: Literal["auto", "shallow", "nature", "deep", "mlp"] = option("auto", "Network: 'shallow' or 'deep' IMPALA CNN or 'nature' (Mnih et al. 2015) for images, 'mlp' for vectors, 'auto' to pick by observation rank.")
+    model: Literal["auto", "shallow", "nature", "deep", "mlp"] = option(
+        "auto",
+        "Network: 'shallow' or 'deep' IMPALA CNN or 'nature' (Mnih et al. 2015) for images, 'mlp' for "
+        "vectors, 'auto' to pick by observation rank.",
+    )
     use_lstm: bool = option(False, "Add an LSTM-256 core (state resets at episode starts).")
-    popart: bool = option(False, "Normalize value targets with PopArt (Hessel et al. 2018). Off by default: the measured small-box Pong recipe (docs/PONG.md) ran without it, and with clipped rewards one task has one value scale; turn it on for unclipped or multi-task rewards.")
-    init: Literal["orthogonal", "torch"] = option("orthogonal", "Weight init: 'orthogonal' (gain sqrt(2) torso, 0.01 policy head, zero biases; baselines/cleanrl) or 'torch' (PyTorch defaults, as TorchBeast).")
-    loss_reduction: Literal["sum", "mean"] = option("mean", "Reduce the losses over T x B by 'sum' (the IMPALA paper's and TorchBeast's units, in which lr 6e-4 / eps 0.01 / clip 40 are published) or 'mean' (A2C/PPO units).")
-    optimizer: Literal["rmsprop", "adam"] = option("adam", "'rmsprop' (torch.optim.RMSprop: eps added to sqrt(v), no bias correction) or 'adam' (bias-corrected; uses --adam-eps).")
+    popart: bool = option(
+        False,
+        "Normalize value targets with PopArt (Hessel et al. 2018). Off by default: the measured small-box "
+        "Pong recipe (docs/PONG.md) ran without it, and with clipped rewards one task has one value scale; "
+        "turn it on for unclipped or multi-task rewards.",
+    )
+    init: Literal["orthogonal", "torch"] = option(
+        "orthogonal",
+        "Weight init: 'orthogonal' (gain sqrt(2) torso, 0.01 policy head, zero biases; baselines/cleanrl) or "
+        "'torch' (PyTorch defaults, as TorchBeast).",
+    )
+    loss_reduction: Literal["sum", "mean"] = option(
+        "mean",
+        "Reduce the losses over T x B by 'sum' (the IMPALA paper's and TorchBeast's units, in which lr 6e-4 "
+        "/ eps 0.01 / clip 40 are published) or 'mean' (A2C/PPO units).",
+    )
+    optimizer: Literal["rmsprop", "adam"] = option(
+        "adam",
+        "'rmsprop' (torch.optim.RMSprop: eps added to sqrt(v), no bias correction) or 'adam' "
+        "(bias-corrected; uses --adam-eps).",
+    )
     adam_eps: float = option(1e-5, "Adam epsilon (with --optimizer adam).")
-    epochs: int = option(4, "Passes over each batch (1 = IMPALA). More passes reuse each frame for more updates; V-trace re-corrects every pass. Use with --pg-clip.")
-    minibatches: int = option(4, "Split each batch into this many minibatches of whole unrolls per pass (PPO-style); must divide --batch-size.")
-    pg_clip: float = option(0.1, "0: IMPALA's policy gradient. >0: PPO's clipped surrogate against the behaviour policy with this epsilon (APPO, as RLlib and Sample Factory).")
-    advantage_norm: bool = option(True, "Standardize the policy-gradient advantages over each batch (as PPO does per minibatch).")
-    learning_rate: float = option(2.5e-4, "Learning rate; decays linearly to 0 over the run's frames (--no-lr-decay keeps it).")
+    epochs: int = option(
+        4,
+        "Passes over each batch (1 = IMPALA). More passes reuse each frame for more updates; V-trace "
+        "re-corrects every pass. Use with --pg-clip.",
+    )
+    minibatches: int = option(
+        4,
+        "Split each batch into this many minibatches of whole unrolls per pass (PPO-style); must divide "
+        "--batch-size.",
+    )
+    pg_clip: float = option(
+        0.1,
+        "0: IMPALA's policy gradient. >0: PPO's clipped surrogate against the behaviour policy with this "
+        "epsilon (APPO, as RLlib and Sample Factory).",
+    )
+    advantage_norm: bool = option(
+        True, "Standardize the policy-gradient advantages over each batch (as PPO does per minibatch)."
+    )
+    learning_rate: float = option(
+        2.5e-4, "Learning rate; decays linearly to 0 over the run's frames (--no-lr-decay keeps it)."
+    )
     lr_decay: bool = option(True, "Decay the learning rate linearly to 0 over the run.")
     rmsprop_eps: float = option(0.01, "RMSProp epsilon.")
     rmsprop_alpha: float = option(0.99, "RMSProp decay.")
     rmsprop_momentum: float = option(0.0, "RMSProp momentum.")
     entropy_cost: float = option(0.01, "Entropy bonus coefficient.")
-    baseline_cost: float = option(1.0, "Value loss coefficient, on 0.5 * squared error (so 1.0 here is PPO's vf_coef 0.5 on the MSE).")
+    baseline_cost: float = option(
+        1.0, "Value loss coefficient, on 0.5 * squared error (so 1.0 here is PPO's vf_coef 0.5 on the MSE)."
+    )
     discount: float = option(0.99, "Discount factor gamma.")
-    vtrace_lambda: float = option(0.95, "V-trace trace decay lambda in [0, 1] (rlax's lambda_): 1 is the paper's V-trace; on-policy, lambda < 1 gives GAE(lambda) advantages.")
+    vtrace_lambda: float = option(
+        0.95,
+        "V-trace trace decay lambda in [0, 1] (rlax's lambda_): 1 is the paper's V-trace; on-policy, lambda "
+        "< 1 gives GAE(lambda) advantages.",
+    )
     reward_clip: float = option(1.0, "Clip rewards to [-c, c] in the learner; 0 disables.")
     grad_norm_clip: float = option(0.5, "Global gradient-norm clip; 0 disables.")
     popart_beta: float = option(3e-4, "PopArt statistics step size.")
     autocast_bf16: bool = option(False, "Run the learner's forward pass under bf16 autocast (CUDA only).")
-    frame_dedup: bool = option(True, "Atari: send each frame once (the newest frame per step) and rebuild the 4-frame stacks in the learner, about 4x fewer bytes per unroll; the actors check that their env stacks as the learner assumes.")
+    frame_dedup: bool = option(
+        True,
+        "Atari: send each frame once (the newest frame per step) and rebuild the 4-frame stacks in the "
+        "learner, about 4x fewer bytes per unroll; the actors check that their env stacks as the learner "
+        "assumes.",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -549,8 +796,10 @@ class ImpalaConfig:
         need(self.learning_rate > 0, f"--learning-rate must be > 0, got {self.learning_rate}")
         need(self.adam_eps > 0, f"--adam-eps must be > 0, got {self.adam_eps}")
         need(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
-        need(self.minibatches >= 1 and self.batch_size % self.minibatches == 0,
-             f"--minibatches must be >= 1 and divide --batch-size {self.batch_size}, got {self.minibatches}")
+        need(
+            self.minibatches >= 1 and self.batch_size % self.minibatches == 0,
+            f"--minibatches must be >= 1 and divide --batch-size {self.batch_size}, got {self.minibatches}",
+        )
         need(0 <= self.pg_clip < 1, f"--pg-clip must be in [0, 1), got {self.pg_clip}")
         need(0 < self.discount <= 1, f"--discount must be in (0, 1], got {self.discount}")
         need(0 <= self.vtrace_lambda <= 1, f"--vtrace-lambda must be in [0, 1], got {self.vtrace_lambda}")
@@ -561,7 +810,9 @@ class ImpalaConfig:
         need(self.entropy_cost >= 0, f"--entropy-cost must be >= 0, got {self.entropy_cost}")
         need(self.baseline_cost >= 0, f"--baseline-cost must be >= 0, got {self.baseline_cost}")
         need(self.reward_clip >= 0, f"--reward-clip must be >= 0 (0 disables), got {self.reward_clip}")
-        need(self.grad_norm_clip >= 0, f"--grad-norm-clip must be >= 0 (0 disables), got {self.grad_norm_clip}")
+        need(
+            self.grad_norm_clip >= 0, f"--grad-norm-clip must be >= 0 (0 disables), got {self.grad_norm_clip}"
+        )
 
 
 def resolve_device(name: str) -> Any:
@@ -572,7 +823,9 @@ def resolve_device(name: str) -> Any:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name} was requested but CUDA is not available; use --device cpu or auto")
+        raise ConfigError(
+            f"--device {name} was requested but CUDA is not available; use --device cpu or auto"
+        )
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device

@@ -11,7 +11,8 @@ import re
 
 def available_cpus() -> int:
     """The CPUs this process may use: its affinity (a Slurm allocation's or a container's cpuset), capped by a
-    CFS quota on its cgroup (``docker --cpus 4``, Kubernetes CPU limits), rounded up; not the machine's count."""
+    CFS quota on its cgroup (``docker --cpus 4``, Kubernetes CPU limits), rounded up; not the machine's
+    count."""
     try:
         cpus = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
@@ -21,7 +22,8 @@ def available_cpus() -> int:
 
 
 def cgroup_cpu_quota(proc: str = "/proc/self") -> float | None:
-    """CPUs' worth of time the CFS quota of this process's cgroup (or of an ancestor: the tightest) allows, from
+    """CPUs' worth of time the CFS quota of this process's cgroup (or of an ancestor: the tightest) allows,
+    from
     cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``; None when there is no quota."""
     try:
         with open(f"{proc}/cgroup") as f:
@@ -37,11 +39,14 @@ def cgroup_cpu_quota(proc: str = "/proc/self") -> float | None:
         sep = fields.index("-")
         if len(fields) < sep + 4:
             continue
-        # mountinfo escapes space, tab, newline and backslash as octal (\\040 ...); /proc/self/cgroup does not.
+        # mountinfo escapes space, tab, newline and backslash as octal (\\040 ...); /proc/self/cgroup does
+        # not.
         mount_root, mount_point = _unescape_mountinfo(fields[3]), _unescape_mountinfo(fields[4])
         fstype, options = fields[sep + 1], fields[sep + 3].split(",")
         if fstype == "cgroup2":
-            paths = [path for hierarchy, controllers, path in memberships if hierarchy == "0" and controllers == ""]
+            paths = [
+                path for hierarchy, controllers, path in memberships if hierarchy == "0" and controllers == ""
+            ]
         elif fstype == "cgroup" and "cpu" in options:
             paths = [path for _, controllers, path in memberships if "cpu" in controllers.split(",")]
         else:

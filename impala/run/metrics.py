@@ -93,8 +93,10 @@ def run_budget(record: Mapping[str, Any] | None) -> tuple[str, str, float] | Non
         return None
     for section in (record, record.get("run")):
         if isinstance(section, Mapping):
-            for name, key, unit in (("total_frames", "charts/env_frames", "frames"),
-                                    ("total_steps", "charts/agent_steps", "steps")):
+            for name, key, unit in (
+                ("total_frames", "charts/env_frames", "frames"),
+                ("total_steps", "charts/agent_steps", "steps"),
+            ):
                 total = section.get(name)
                 if isinstance(total, (int, float)) and not isinstance(total, bool) and total > 0:
                     return key, unit, float(total)
@@ -103,8 +105,11 @@ def run_budget(record: Mapping[str, Any] | None) -> tuple[str, str, float] | Non
 
 def task_returns_text(row: Mapping[str, float]) -> str:
     """A multi-task run's returns (last 100 episodes) per task, and the median human-normalized score."""
-    parts = [f"{k[len('tasks/'):-len('/mean_return_100')]}={v:.2f}" for k, v in row.items()
-             if k.startswith("tasks/") and k.endswith("/mean_return_100")]
+    parts = [
+        f"{k[len('tasks/') : -len('/mean_return_100')]}={v:.2f}"
+        for k, v in row.items()
+        if k.startswith("tasks/") and k.endswith("/mean_return_100")
+    ]
     if "tasks/median_human_normalized" in row:
         parts.append(f"median human-normalized={row['tasks/median_human_normalized']:.3f}")
     return " ".join(parts)
@@ -112,11 +117,22 @@ def task_returns_text(row: Mapping[str, float]) -> str:
 
 class MetricsLogger:
     """One call logs a row to the console display, TensorBoard, ``metrics.csv`` and a tracker."""
-    def __init__(self, logdir: str, *, progress: bool = True, title: str = "training", tracker: Any = None,
-                 time_offset_s: float = 0.0, config_record: Mapping[str, Any] | None = None) -> None:
-        """``tracker``: an optional experiment tracker (``impala.run.tracking.WandbTracker``) that gets every row too.
+
+    def __init__(
+        self,
+        logdir: str,
+        *,
+        progress: bool = True,
+        title: str = "training",
+        tracker: Any = None,
+        time_offset_s: float = 0.0,
+        config_record: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``tracker``: an optional experiment tracker (``impala.run.tracking.WandbTracker``) that gets every
+        row too.
         ``time_offset_s``: wall time of the runs this one resumes, so the ``time`` column stays monotone.
-        ``config_record``: the run's resolved settings, written to ``LOGDIR/config.yaml``, TensorBoard (text) and
+        ``config_record``: the run's resolved settings, written to ``LOGDIR/config.yaml``, TensorBoard (text)
+        and
         the log, so a person can read what ran."""
         os.makedirs(logdir, exist_ok=True)
         self.tracker = tracker
@@ -156,7 +172,9 @@ class MetricsLogger:
                 lines.append(line)
                 line = ""
             line = f"{line}  {item}" if line else item
-        log.info("config (also in %s):\n  %s", os.path.join(logdir, "config.yaml"), "\n  ".join(lines + [line]))
+        log.info(
+            "config (also in %s):\n  %s", os.path.join(logdir, "config.yaml"), "\n  ".join(lines + [line])
+        )
 
     def progress_cells(self, row: Mapping[str, float], now: float | None = None) -> tuple[str, str, str]:
         """(label, "done/total", ETA) of the step budget: frames (or agent steps) so far over the run's total,
@@ -183,8 +201,12 @@ class MetricsLogger:
 
         now = time.time() if now is None else now
         # one space between columns and none at the edges: 10 columns of up to 10 characters in 80
-        table = Table(title=f"{self.title}  ({duration(now - self._start)})", box=box.SIMPLE_HEAD, padding=0,
-                      show_edge=False)
+        table = Table(
+            title=f"{self.title}  ({duration(now - self._start)})",
+            box=box.SIMPLE_HEAD,
+            padding=0,
+            show_edge=False,
+        )
         unit, done, eta = self.progress_cells(row, now)
         table.add_column(unit, justify="right", no_wrap=True)
         table.add_column("ETA", justify="right", no_wrap=True)

@@ -40,11 +40,13 @@ class PPOConfig:
     advantage_norm: Literal["buffer", "minibatch", "none"] = _f(
         "buffer",
         "#1. 'buffer': once per update over the whole buffer, population std, +1e-10 (ML-Agents). "
-        "'minibatch': per minibatch of more than 1 sample, unbiased std, +1e-8 (SB3). 'none': raw advantages.",
+        "'minibatch': per minibatch of more than 1 sample, unbiased std, +1e-8 (SB3). 'none': raw "
+        "advantages.",
     )
     ratio: Literal["per_dim", "summed"] = _f(
         "per_dim",
-        "#2. 'per_dim': probability ratio per action dimension, shape (B, A), advantage broadcast (ML-Agents). "
+        "#2. 'per_dim': probability ratio per action dimension, shape (B, A), advantage broadcast "
+        "(ML-Agents). "
         "'summed': log-probs summed over dimensions, ratio shape (B,) (SB3).",
     )
     value_loss: Literal["mlagents", "mlagents_intended", "mse", "sb3_clipped"] = _f(
@@ -62,7 +64,8 @@ class PPOConfig:
         None, "#3. Value clip for value_loss='sb3_clipped' (required there, must be None otherwise)."
     )
     entropy_reduce: Literal["mean", "sum"] = _f(
-        "mean", "#4. Reduce per-dimension Gaussian entropy over action dims by 'mean' (ML-Agents) or 'sum' (SB3)."
+        "mean",
+        "#4. Reduce per-dimension Gaussian entropy over action dims by 'mean' (ML-Agents) or 'sum' (SB3).",
     )
     log_prob_form: Literal["mlagents", "exact"] = _f(
         "mlagents",
@@ -78,15 +81,22 @@ class PPOConfig:
     beta_schedule: Literal["linear", "constant"] = _f(
         "linear", "#6. Entropy-coefficient schedule (ML-Agents follows lr_schedule unless set; SB3 constant)."
     )
-    lr_floor: float = _f(ppo.MLAGENTS_LR_FLOOR, "#6. Value the linear lr schedule ends at (ML-Agents 1e-10, SB3 0).")
+    lr_floor: float = _f(
+        ppo.MLAGENTS_LR_FLOOR, "#6. Value the linear lr schedule ends at (ML-Agents 1e-10, SB3 0)."
+    )
     epsilon_floor: float = _f(
         ppo.MLAGENTS_EPSILON_FLOOR, "#6. Value the linear epsilon schedule ends at (ML-Agents 0.1, SB3 0)."
     )
-    beta_floor: float = _f(ppo.MLAGENTS_BETA_FLOOR, "#6. Value the linear beta schedule ends at (ML-Agents 1e-5, SB3 0).")
-    max_grad_norm: float | None = _f(None, "#7. Global grad-norm clip; None = no clipping (ML-Agents), SB3 0.5.")
+    beta_floor: float = _f(
+        ppo.MLAGENTS_BETA_FLOOR, "#6. Value the linear beta schedule ends at (ML-Agents 1e-5, SB3 0)."
+    )
+    max_grad_norm: float | None = _f(
+        None, "#7. Global grad-norm clip; None = no clipping (ML-Agents), SB3 0.5."
+    )
     adam_eps: float = _f(1e-8, "#7. Adam epsilon: torch default 1e-8 (ML-Agents), 1e-5 (SB3).")
     target_kl: float | None = _f(
-        None, "#7. Stop the update's epochs when a minibatch's approx_kl > 1.5 * target_kl (SB3); None = never."
+        None,
+        "#7. Stop the update's epochs when a minibatch's approx_kl > 1.5 * target_kl (SB3); None = never.",
     )
     update_trigger: Literal["over_buffer_size", "buffer_full"] = _f(
         "over_buffer_size",
@@ -97,38 +107,50 @@ class PPOConfig:
         "drop", "#8. Per epoch, 'drop' the last partial minibatch (ML-Agents) or 'keep' it (SB3)."
     )
     action_clip: Literal["mlagents", "bounds"] = _f(
-        "mlagents", "#10. Env receives clamp(a, -3, 3) / 3 ('mlagents') or clip(a, low, high) ('bounds', SB3)."
+        "mlagents",
+        "#10. Env receives clamp(a, -3, 3) / 3 ('mlagents') or clip(a, low, high) ('bounds', SB3).",
     )
     init: Literal["mlagents", "sb3"] = _f(
         "mlagents",
-        "#11. 'mlagents': kaiming_normal(linear) x gain (hidden 1.0, mean head 0.2), value head Xavier-uniform. "
+        "#11. 'mlagents': kaiming_normal(linear) x gain (hidden 1.0, mean head 0.2), value head "
+        "Xavier-uniform. "
         "'sb3': orthogonal, sqrt(2) / 0.01 / 1. Zero biases in both.",
     )
-    activation: Literal["swish", "tanh", "relu"] = _f("swish", "#11. Hidden activation: swish/SiLU (ML-Agents), tanh (SB3).")
+    activation: Literal["swish", "tanh", "relu"] = _f(
+        "swish", "#11. Hidden activation: swish/SiLU (ML-Agents), tanh (SB3)."
+    )
     obs_norm: Literal["mlagents", "vecnormalize", "none"] = _f(
         "mlagents",
         "#12. 'mlagents': in-network normalizer per body, raw obs in the buffer, updated per trajectory "
-        "before that trajectory's values (a piece spanning an episode end: part by part), step count in int64. "
+        "before that trajectory's values (a piece spanning an episode end: part by part), step count in "
+        "int64. "
         "'vecnormalize': SB3 RunningMeanStd, clip 10, normalized obs in the buffer. 'none'.",
     )
-    reward_norm: bool = _f(False, "#12. VecNormalize reward scaling by the discounted-return std (SB3 True, ML-Agents False).")
+    reward_norm: bool = _f(
+        False, "#12. VecNormalize reward scaling by the discounted-return std (SB3 True, ML-Agents False)."
+    )
     gae_form: Literal["mlagents", "sb3"] = _f(
         "mlagents",
         "#13. 'mlagents': values recomputed by the current network when a trajectory is ingested, GAE per "
-        "episode segment with a value_next bootstrap. 'sb3': values from action time (when sent), episode-start "
+        "episode segment with a value_next bootstrap. 'sb3': values from action time (when sent), "
+        "episode-start "
         "masks, truncation bootstrap folded into the reward.",
     )
     bootstrap_truncated: bool = _f(
-        True, "#14. Bootstrap from V(final obs) when an episode is truncated/interrupted (both libraries: True)."
+        True,
+        "#14. Bootstrap from V(final obs) when an episode is truncated/interrupted (both libraries: True).",
     )
     trajectory_handling: Literal["mlagents", "rollout"] = _f(
         "mlagents",
-        "#15. 'mlagents': the learner keeps each env stream's (agent's) steps until its trajectory is complete, "
-        "at an episode end or time_horizon steps after the trajectory's own start (ML-Agents' AgentProcessor); "
+        "#15. 'mlagents': the learner keeps each env stream's (agent's) steps until its trajectory is "
+        "complete, "
+        "at an episode end or time_horizon steps after the trajectory's own start (ML-Agents' "
+        "AgentProcessor); "
         "an unfinished trajectory waits across updates with the log-probs from action time, and is processed "
         "(normalizer, values and GAE with the critic of that moment, schedule step count) when complete; "
         "unrolls collected with older weights are kept. The unroll is then only the transport unit. "
-        "'rollout': each unroll is processed when it arrives, cut on the unroll grid; with --max-policy-lag 0 "
+        "'rollout': each unroll is processed when it arrives, cut on the unroll grid; with --max-policy-lag "
+        "0 "
         "an unroll collected before the newest weights is dropped (SB3's fixed on-policy rollouts).",
     )
 
@@ -145,7 +167,8 @@ class PPOConfig:
     gamma: float = _f(0.99, "Discount (ML-Agents reward_signals.extrinsic.gamma).")
     time_horizon: int = _f(
         64,
-        "Longest trajectory: trajectory_handling='mlagents' cuts an agent's trajectory this many steps after its "
+        "Longest trajectory: trajectory_handling='mlagents' cuts an agent's trajectory this many steps after "
+        "its "
         "start (ML-Agents time_horizon); 'rollout' sends unrolls of this length by default (SB3 n_steps).",
     )
     max_steps: int = _f(500_000, "Total agent steps of the run; the schedules decay over it.")
@@ -155,13 +178,23 @@ class PPOConfig:
     def __post_init__(self) -> None:
         check_fields(self, label=lambda name: f"{name}:")
         if self.value_loss == "sb3_clipped" and self.clip_range_vf is None:
-            raise ConfigError("clip_range_vf: required when value_loss='sb3_clipped' (e.g. clip_range_vf=0.2)")
+            raise ConfigError(
+                "clip_range_vf: required when value_loss='sb3_clipped' (e.g. clip_range_vf=0.2)"
+            )
         if self.value_loss != "sb3_clipped" and self.clip_range_vf is not None:
             raise ConfigError(
                 f"clip_range_vf: only used by value_loss='sb3_clipped' (value_loss is {self.value_loss!r}); "
                 "set value_loss='sb3_clipped' or clip_range_vf=None"
             )
-        for name in ("batch_size", "buffer_size", "num_epoch", "hidden_units", "num_layers", "time_horizon", "max_steps"):
+        for name in (
+            "batch_size",
+            "buffer_size",
+            "num_epoch",
+            "hidden_units",
+            "num_layers",
+            "time_horizon",
+            "max_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("learning_rate", "epsilon", "adam_eps"):
@@ -185,7 +218,8 @@ class PPOConfig:
         if self.minibatch_remainder == "keep" and self.buffer_size % self.batch_size == 1:
             warnings.warn(
                 f"buffer_size={self.buffer_size} leaves a last minibatch of 1 sample: its advantages are not "
-                "normalized and it can make training unstable (SB3 warns the same); pick a batch_size dividing it",
+                "normalized and it can make training unstable (SB3 warns the same); pick a batch_size "
+                "dividing it",
                 stacklevel=3,
             )
 
@@ -294,8 +328,21 @@ _HYPER_KEYS = {
 }
 _HYPER_IGNORED = {"shared_critic"}
 _NETWORK_KEYS = {"normalize", "hidden_units", "num_layers"}
-_NETWORK_IGNORED = {"vis_encode_type", "memory", "goal_conditioning_type", "deterministic", "conditioning_type"}
-_BEHAVIOR_KEYS = {"trainer_type", "hyperparameters", "network_settings", "reward_signals", "max_steps", "time_horizon"}
+_NETWORK_IGNORED = {
+    "vis_encode_type",
+    "memory",
+    "goal_conditioning_type",
+    "deterministic",
+    "conditioning_type",
+}
+_BEHAVIOR_KEYS = {
+    "trainer_type",
+    "hyperparameters",
+    "network_settings",
+    "reward_signals",
+    "max_steps",
+    "time_horizon",
+}
 _BEHAVIOR_IGNORED = {
     "summary_freq",
     "keep_checkpoints",
@@ -386,7 +433,9 @@ def from_mlagents_yaml(
         raise ConfigError("behaviors: missing or empty; expected behaviors.<BehaviorName>.trainer_type etc.")
     if behavior is None:
         if len(behaviors) != 1:
-            raise ConfigError(f"behaviors: {len(behaviors)} behaviors ({', '.join(behaviors)}); pass behavior=<name>")
+            raise ConfigError(
+                f"behaviors: {len(behaviors)} behaviors ({', '.join(behaviors)}); pass behavior=<name>"
+            )
         behavior = next(iter(behaviors))
     if behavior not in behaviors:
         raise ConfigError(f"behaviors.{behavior}: not in the file (has: {', '.join(behaviors)})")
@@ -408,7 +457,9 @@ def from_mlagents_yaml(
         p = f"{root}.hyperparameters.{key}"
         if key in _HYPER_IGNORED:
             if key == "shared_critic" and value:
-                raise ConfigError(f"{p}: true is not supported (this trainer keeps separate actor and critic)")
+                raise ConfigError(
+                    f"{p}: true is not supported (this trainer keeps separate actor and critic)"
+                )
             _ignored(p)
         elif key not in _HYPER_KEYS:
             raise ConfigError(f"{p}: unknown key")
@@ -470,8 +521,12 @@ def from_mlagents_yaml(
         # #6: beta/epsilon following learning_rate_schedule is ML-Agents' rule. Under sb3 semantics a
         # schedule the file does not name keeps SB3's meaning: clip_range and ent_coef constant.
         # An lr schedule given as an override (--lr-schedule) is followed as if the file said it.
-        "epsilon_schedule": full.get("epsilon_schedule", follow if semantics == "mlagents" else preset["epsilon_schedule"]),
-        "beta_schedule": full.get("beta_schedule", follow if semantics == "mlagents" else preset["beta_schedule"]),
+        "epsilon_schedule": full.get(
+            "epsilon_schedule", follow if semantics == "mlagents" else preset["epsilon_schedule"]
+        ),
+        "beta_schedule": full.get(
+            "beta_schedule", follow if semantics == "mlagents" else preset["beta_schedule"]
+        ),
         "hidden_units": full["hidden_units"],
         "num_layers": full["num_layers"],
         "gamma": full["gamma"],
@@ -516,20 +571,44 @@ def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     their run settings (``--seed``).
     """
     g = parser.add_argument_group("PPO options (docs/PPO.md)")
-    g.add_argument("--semantics", dest=f"{_DEST}semantics", choices=SEMANTICS, default="mlagents",
-                   help="Preset every option to ML-Agents (left column) or SB3 (right column) semantics.")
-    g.add_argument("--trainer-config", "--mlagents-config", dest=f"{_DEST}trainer_config", default=None, metavar="FILE.yaml",
-                   help="ML-Agents trainer YAML (e.g. configs/Crawler.yaml); its values override the preset.")
-    g.add_argument("--behavior", dest=f"{_DEST}behavior", default=None, metavar="NAME",
-                   help="Behavior name inside --trainer-config (needed if the file has several).")
+    g.add_argument(
+        "--semantics",
+        dest=f"{_DEST}semantics",
+        choices=SEMANTICS,
+        default="mlagents",
+        help="Preset every option to ML-Agents (left column) or SB3 (right column) semantics.",
+    )
+    g.add_argument(
+        "--trainer-config",
+        "--mlagents-config",
+        dest=f"{_DEST}trainer_config",
+        default=None,
+        metavar="FILE.yaml",
+        help="ML-Agents trainer YAML (e.g. configs/Crawler.yaml); its values override the preset.",
+    )
+    g.add_argument(
+        "--behavior",
+        dest=f"{_DEST}behavior",
+        default=None,
+        metavar="NAME",
+        help="Behavior name inside --trainer-config (needed if the file has several).",
+    )
     ml, sb3 = PPOConfig.preset("mlagents"), PPOConfig.preset("sb3")
     names = [name for name in field_names() if name != "seed"]
     helps = {
-        name: f"{PPOConfig.__dataclass_fields__[name].metadata['help']} Default: mlagents {_shown(getattr(ml, name))}, "
-              f"sb3 {_shown(getattr(sb3, name))}; a --trainer-config file's value comes first."
+        name: f"{PPOConfig.__dataclass_fields__[name].metadata['help']} Default: mlagents "
+        f"{_shown(getattr(ml, name))}, "
+        f"sb3 {_shown(getattr(sb3, name))}; a --trainer-config file's value comes first."
         for name in names
     }
-    add_flags(g, PPOConfig, dest_prefix=_DEST, only=names, defaults=dict.fromkeys(names, argparse.SUPPRESS), helps=helps)
+    add_flags(
+        g,
+        PPOConfig,
+        dest_prefix=_DEST,
+        only=names,
+        defaults=dict.fromkeys(names, argparse.SUPPRESS),
+        helps=helps,
+    )
     return parser
 
 
@@ -538,7 +617,9 @@ class PPOSource:
     """Where PPOConfig's values come from: ``launch_ppo``'s ``--semantics``, ``--trainer-config`` and
     ``--behavior``, as keys a ``--config`` preset may set too."""
 
-    semantics: Literal["mlagents", "sb3"] = _f("mlagents", "Preset every option to ML-Agents or SB3 semantics.")
+    semantics: Literal["mlagents", "sb3"] = _f(
+        "mlagents", "Preset every option to ML-Agents or SB3 semantics."
+    )
     trainer_config: Optional[str] = _f(None, "ML-Agents trainer YAML; its values override the preset.")
     behavior: Optional[str] = _f(None, "Behavior name inside the trainer YAML.")
 
@@ -555,7 +636,9 @@ def _shown(value: Any) -> str:
     return ("none" if value is None else str(value)).replace("%", "%%")
 
 
-def config_from_args(args: argparse.Namespace, *, default_trainer_config: str | None = None, **overrides: Any) -> PPOConfig:
+def config_from_args(
+    args: argparse.Namespace, *, default_trainer_config: str | None = None, **overrides: Any
+) -> PPOConfig:
     """Build the PPOConfig from parsed args: preset (or trainer YAML: ``--trainer-config``, else
     ``default_trainer_config``), then the flags that were given, then ``overrides`` (a launcher's
     own settings such as ``seed``)."""
@@ -609,27 +692,34 @@ def choose_unroll_length(config: PPOConfig, requested: int, *, n_envs: int = 0) 
 
 def actors_wait(run: RunConfig, config: PPOConfig) -> bool:
     """Whether actors pause once they sent their share of an update, until the new weights arrive: on-policy
-    rollouts (``--max-policy-lag 0``, SB3's), and always under trajectory_handling='mlagents' (ML-Agents does not
+    rollouts (``--max-policy-lag 0``, SB3's), and always under trajectory_handling='mlagents' (ML-Agents does
+    not
     step its envs during an update). Then the learner has every core during an update."""
     return run.max_policy_lag == 0 or config.trajectory_handling == "mlagents"
 
 
-def ppo_run_config(run: RunConfig, config: PPOConfig, *, lag_given: bool, agents_per_instance: int | None = None
-                   ) -> tuple[RunConfig, str | None]:
+def ppo_run_config(
+    run: RunConfig, config: PPOConfig, *, lag_given: bool, agents_per_instance: int | None = None
+) -> tuple[RunConfig, str | None]:
     """The run settings a PPO run implies, decided here once (the launcher only wires them): the policy-lag
-    rule of each trajectory handling, the unroll length T (:func:`choose_unroll_length`), envs per actor (a Unity
+    rule of each trajectory handling, the unroll length T (:func:`choose_unroll_length`), envs per actor (a
+    Unity
     build's agent count), and the step budget (the config's ``max_steps`` unless one was given). Returns the
     resolved RunConfig and a note to log when T was changed."""
     if run.learners > 1:
         raise ConfigError(
-            f"--learners {run.learners}: the PPO learner runs as one process for now (its buffer-wide advantage "
-            "normalization, minibatch order and normalizer updates would need cross-rank statistics first); launch_impala has --learners"
+            f"--learners {run.learners}: the PPO learner runs as one process for now (its buffer-wide "
+            "advantage "
+            "normalization, minibatch order and normalizer updates would need cross-rank statistics first); "
+            "launch_impala has --learners"
         )
     if config.trajectory_handling == "mlagents":
         if lag_given and run.max_policy_lag is not None:
             raise ConfigError(
-                f"--max-policy-lag {run.max_policy_lag}: --trajectory-handling mlagents keeps every unroll (unfinished "
-                "trajectories continue across updates, as in ML-Agents); drop --max-policy-lag or pass --trajectory-handling rollout"
+                f"--max-policy-lag {run.max_policy_lag}: --trajectory-handling mlagents keeps every unroll "
+                "(unfinished "
+                "trajectories continue across updates, as in ML-Agents); drop --max-policy-lag or pass "
+                "--trajectory-handling rollout"
             )
         run = dataclasses.replace(run, max_policy_lag=None)
     n_envs = run.workers * (agents_per_instance or run.envs_per_worker)  # 0 with remote actors only

@@ -92,7 +92,10 @@ def client_keys(directory: str) -> ClientKeys:
     """An actor machine's CURVE keys in ``directory``; ConfigError naming a missing file and how to get it."""
     server_public = os.path.join(directory, "server.key")
     client_secret = os.path.join(directory, "client.key_secret")
-    for path, hint in ((server_public, "copy the learner's server.key here"), (client_secret, "run impala-actors --curve DIR --make-keys")):
+    for path, hint in (
+        (server_public, "copy the learner's server.key here"),
+        (client_secret, "run impala-actors --curve DIR --make-keys"),
+    ):
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: {hint}")
     check_secret_file(client_secret)

@@ -27,7 +27,9 @@ def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: st
     if isinstance(value, bool) and kind is not bool and (kind is int or kind == (int, float)):
         raise ValueError(f"{what}: {key} must be a number, got {value!r}")
     if not isinstance(value, kind):
-        raise ValueError(f"{what}: {key} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+        raise ValueError(
+            f"{what}: {key} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}"
+        )
     return value
 
 
@@ -43,8 +45,14 @@ class ImpalaAgentSpec:
     kind: str = dataclasses.field(default="impala", init=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": self.model, "use_lstm": self.use_lstm, "popart_beta": self.popart_beta,
-                "frame_stack": self.frame_stack, "num_tasks": self.num_tasks}
+        return {
+            "kind": self.kind,
+            "model": self.model,
+            "use_lstm": self.use_lstm,
+            "popart_beta": self.popart_beta,
+            "frame_stack": self.frame_stack,
+            "num_tasks": self.num_tasks,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ImpalaAgentSpec":
@@ -80,7 +88,10 @@ class PPOAgentSpec:
 
     def __post_init__(self) -> None:
         if self.obs_dim < 1 or self.action_dim < 1:
-            raise ValueError(f"ppo agent settings: obs_dim and action_dim must be >= 1, got {self.obs_dim}, {self.action_dim}")
+            raise ValueError(
+                f"ppo agent settings: obs_dim and action_dim must be >= 1, got {self.obs_dim}, "
+                f"{self.action_dim}"
+            )
         if len(self.action_low) != self.action_dim or len(self.action_high) != self.action_dim:
             raise ValueError(f"ppo agent settings: action bounds must have {self.action_dim} values")
         if not all(math.isfinite(x) for x in (*self.action_low, *self.action_high, self.params_wait_s)):
@@ -90,9 +101,14 @@ class PPOAgentSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "kind": self.kind, "config": dataclasses.asdict(self.config), "obs_dim": self.obs_dim, "action_dim": self.action_dim,
-            "action_low": list(self.action_low), "action_high": list(self.action_high),
-            "unrolls_per_update": self.unrolls_per_update, "params_wait_s": self.params_wait_s,
+            "kind": self.kind,
+            "config": dataclasses.asdict(self.config),
+            "obs_dim": self.obs_dim,
+            "action_dim": self.action_dim,
+            "action_low": list(self.action_low),
+            "action_high": list(self.action_high),
+            "unrolls_per_update": self.unrolls_per_update,
+            "params_wait_s": self.params_wait_s,
         }
 
     @classmethod
@@ -110,9 +126,13 @@ class PPOAgentSpec:
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for b in bounds for x in b):
             raise ValueError(f"{what}: action bounds must be numbers")
         return cls(
-            config, _get(d, "obs_dim", int, what), _get(d, "action_dim", int, what),
-            tuple(float(x) for x in bounds[0]), tuple(float(x) for x in bounds[1]),
-            _get(d, "unrolls_per_update", int, what), float(_get(d, "params_wait_s", (int, float), what)),
+            config,
+            _get(d, "obs_dim", int, what),
+            _get(d, "action_dim", int, what),
+            tuple(float(x) for x in bounds[0]),
+            tuple(float(x) for x in bounds[1]),
+            _get(d, "unrolls_per_update", int, what),
+            float(_get(d, "params_wait_s", (int, float), what)),
         )
 
 
@@ -138,7 +158,9 @@ class RunInfo:
     agent: AgentSpec
     unroll_length: int
     envs_per_worker: int
-    tasks: tuple[EnvSpec, ...] = ()  # a multi-task run's envs, in task order; actor i runs task i % len(tasks)
+    tasks: tuple[
+        EnvSpec, ...
+    ] = ()  # a multi-task run's envs, in task order; actor i runs task i % len(tasks)
 
     @property
     def task_envs(self) -> tuple[EnvSpec, ...]:
@@ -150,8 +172,11 @@ class RunInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "run_id": self.run_id, "env": self.env.to_dict(), "agent": self.agent.to_dict(),
-            "unroll_length": self.unroll_length, "envs_per_worker": self.envs_per_worker,
+            "run_id": self.run_id,
+            "env": self.env.to_dict(),
+            "agent": self.agent.to_dict(),
+            "unroll_length": self.unroll_length,
+            "envs_per_worker": self.envs_per_worker,
             "tasks": [t.to_dict() for t in self.tasks],
         }
 
@@ -166,8 +191,14 @@ class RunInfo:
             raise ValueError(f"{what}: tasks must be a list of at most {MAX_TASKS} env specs")
         agent = agent_spec_from_dict(_get(d, "agent", Mapping, what))
         if tasks and getattr(agent, "num_tasks", 1) != len(tasks):
-            raise ValueError(f"{what}: {len(tasks)} tasks but the agent has {getattr(agent, 'num_tasks', 1)} value heads")
+            raise ValueError(
+                f"{what}: {len(tasks)} tasks but the agent has {getattr(agent, 'num_tasks', 1)} value heads"
+            )
         return cls(
-            _get(d, "run_id", str, what), EnvSpec.from_dict(_get(d, "env", Mapping, what)),
-            agent, T, K, tuple(EnvSpec.from_dict(t) for t in tasks),
+            _get(d, "run_id", str, what),
+            EnvSpec.from_dict(_get(d, "env", Mapping, what)),
+            agent,
+            T,
+            K,
+            tuple(EnvSpec.from_dict(t) for t in tasks),
         )

@@ -32,5 +32,8 @@ def load_state_arrays(module: torch.nn.Module, arrays: Mapping[str, np.ndarray])
     # np.array(tensor) goes through Tensor.__array__, which numpy 2 deprecates for lacking a copy keyword.
     """Load named arrays (or tensors) into ``module``, copying them."""
     module.load_state_dict(
-        {k: v.detach().clone() if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v)) for k, v in arrays.items()}
+        {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v))
+            for k, v in arrays.items()
+        }
     )

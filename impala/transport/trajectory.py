@@ -17,6 +17,7 @@ import numpy as np
 @dataclass(frozen=True)
 class ArraySpec:
     """One array of a schema: its name, dtype and shape."""
+
     name: str
     dtype: str  # numpy dtype name, e.g. "uint8", "float32"
     shape: tuple[int, ...]
@@ -94,8 +95,13 @@ def impala_unroll_schema(
     T = unroll_length
     if frame_stack > 1:
         if obs_shape[0] != frame_stack:
-            raise ValueError(f"frame_stack {frame_stack} needs observations [{frame_stack}, ...], got {obs_shape}")
-        observations = [ArraySpec("frames", obs_dtype, (T + 1, *obs_shape[1:])), ArraySpec("obs_head", obs_dtype, (frame_stack - 1, *obs_shape[1:]))]
+            raise ValueError(
+                f"frame_stack {frame_stack} needs observations [{frame_stack}, ...], got {obs_shape}"
+            )
+        observations = [
+            ArraySpec("frames", obs_dtype, (T + 1, *obs_shape[1:])),
+            ArraySpec("obs_head", obs_dtype, (frame_stack - 1, *obs_shape[1:])),
+        ]
     else:
         observations = [ArraySpec("obs", obs_dtype, (T + 1, *obs_shape))]
     arrays = [
@@ -114,7 +120,8 @@ def impala_unroll_schema(
 
 
 def rebuild_frame_stacks(obs_head: Any, frames: Any, first: Any) -> Any:
-    """``obs`` [T+1, B, k, ...] from ``obs_head`` [k-1, B, ...], ``frames`` [T+1, B, ...] and ``first`` [T+1, B].
+    """``obs`` [T+1, B, k, ...] from ``obs_head`` [k-1, B, ...], ``frames`` [T+1, B, ...] and ``first`` [T+1,
+    B].
 
     Torch tensors (on any device) or numpy arrays. The stack at step t holds frames t-k+1..t of the
     sequence ``obs_head ++ frames``, except that an episode start at step s >= 1 fills its stack with
@@ -130,9 +137,15 @@ def rebuild_frame_stacks(obs_head: Any, frames: Any, first: Any) -> Any:
     extended = torch.cat([head, seq], dim=0)  # frame t of the unroll is extended[t + k - 1]
     t = torch.arange(T1, device=seq.device)
     # the extended index of the last episode start in 1..t (0: none, the head is valid)
-    starts = torch.where(first_t.bool() & (t[:, None] >= 1), t[:, None] + (k - 1), torch.zeros((), dtype=torch.long, device=seq.device))
+    starts = torch.where(
+        first_t.bool() & (t[:, None] >= 1),
+        t[:, None] + (k - 1),
+        torch.zeros((), dtype=torch.long, device=seq.device),
+    )
     floor = torch.cummax(starts, dim=0).values  # [T+1, B]
-    index = torch.maximum(t[:, None, None] + torch.arange(k, device=seq.device)[None, None, :], floor[:, :, None])  # [T+1, B, k]
+    index = torch.maximum(
+        t[:, None, None] + torch.arange(k, device=seq.device)[None, None, :], floor[:, :, None]
+    )  # [T+1, B, k]
     obs = extended[index, torch.arange(B, device=seq.device)[None, :, None]]  # [T+1, B, k, ...]
     return obs.numpy() if as_numpy else obs
 

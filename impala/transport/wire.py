@@ -46,6 +46,7 @@ class WireError(ValueError):
 @dataclass
 class Message:
     """A decoded message: its kind, the sender's actor id and policy version, arrays and info."""
+
     kind: str
     actor: int
     version: int
@@ -53,8 +54,8 @@ class Message:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-
 MAX_ACTOR_ID = 1 << 20  # actor ids on the wire are in [0, MAX_ACTOR_ID]
+
 
 def encode(
     kind: str,
@@ -107,7 +108,10 @@ def decode_header(frame: Any) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise WireError("header is not a JSON object")
     if header.get("schema") != WIRE_SCHEMA_VERSION:
-        raise WireError(f"wire schema {header.get('schema')!r} != {WIRE_SCHEMA_VERSION}: actor and learner versions differ")
+        raise WireError(
+            f"wire schema {header.get('schema')!r} != {WIRE_SCHEMA_VERSION}: actor and learner versions "
+            "differ"
+        )
     if header.get("kind") not in KINDS:
         raise WireError(f"unknown message kind {header.get('kind')!r}")
     _check_int(header, "actor", 0, MAX_ACTOR_ID)
@@ -153,13 +157,22 @@ def decode(
     total = 0
     arrays: dict[str, np.ndarray] = {}
     for spec, frame in zip(specs, frames[1:]):
-        if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str) and isinstance(spec[1], str)):
+        if not (
+            isinstance(spec, list)
+            and len(spec) == 3
+            and isinstance(spec[0], str)
+            and isinstance(spec[1], str)
+        ):
             raise WireError(f"bad array spec {spec!r}")
         name, dtype, shape = spec
         if dtype not in _ALLOWED_DTYPES:
             raise WireError(f"array {name!r}: dtype {dtype!r} not allowed")
         # type() is int, not isinstance: JSON true would pass as 1 (and equal the schema's 1).
-        if not isinstance(shape, list) or len(shape) > 8 or not all(type(d) is int and 0 <= d < (1 << 31) for d in shape):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 8
+            or not all(type(d) is int and 0 <= d < (1 << 31) for d in shape)
+        ):
             raise WireError(f"array {name!r}: bad shape {shape!r}")
         if name in arrays:
             raise WireError(f"array {name!r} appears twice")
@@ -220,7 +233,12 @@ def decode_packed(
     frames: list[Any] = [header_bytes]
     for spec in header["arrays"]:
         try:
-            if not (isinstance(spec, list) and len(spec) == 3 and spec[1] in _ALLOWED_DTYPES and isinstance(spec[2], list)):
+            if not (
+                isinstance(spec, list)
+                and len(spec) == 3
+                and spec[1] in _ALLOWED_DTYPES
+                and isinstance(spec[2], list)
+            ):
                 raise TypeError("not [name, dtype, shape]")
             name, dtype, shape = spec
             if not all(type(d) is int and 0 <= d < (1 << 31) for d in shape):
@@ -239,7 +257,9 @@ def decode_packed(
 
 def specs_summary(specs: list) -> str:
     """Array specs as short text for error lines (``obs:uint8[32, 84, 84]``)."""
-    return ", ".join(f"{s[0]}:{s[1]}{s[2]}" if isinstance(s, list) and len(s) == 3 else repr(s) for s in specs)
+    return ", ".join(
+        f"{s[0]}:{s[1]}{s[2]}" if isinstance(s, list) and len(s) == 3 else repr(s) for s in specs
+    )
 
 
 def episode_info(returns: Sequence[float], lengths: Sequence[int]) -> dict[str, Any]:
@@ -256,14 +276,18 @@ def parse_episode_info(info: Mapping[str, Any]) -> tuple[list[float], list[int]]
     if len(returns) > MAX_EPISODES_PER_MESSAGE:
         raise WireError(f"more than {MAX_EPISODES_PER_MESSAGE} episodes in one message")
     # type() checks: bools are ints in Python, and a 400-digit JSON int would overflow isfinite.
-    if not all((type(r) is float and math.isfinite(r)) or (type(r) is int and abs(r) < 2**53) for r in returns):
+    if not all(
+        (type(r) is float and math.isfinite(r)) or (type(r) is int and abs(r) < 2**53) for r in returns
+    ):
         raise WireError("episode_returns must be finite numbers")
     if not all(type(n) is int and 0 <= n < 2**53 for n in lengths):
         raise WireError("episode_lengths must be non-negative ints")
     return [float(r) for r in returns], [int(n) for n in lengths]
 
 
-def check_bounded(arrays: Mapping[str, np.ndarray], bound: float, names: Iterable[str] | None = None) -> str | None:
+def check_bounded(
+    arrays: Mapping[str, np.ndarray], bound: float, names: Iterable[str] | None = None
+) -> str | None:
     """A message naming the first floating-point array (of ``names``, default all) holding a value
     above ``bound`` in absolute value, else None. Finite but huge values overflow an update."""
     for name in arrays if names is None else names:
