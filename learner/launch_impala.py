@@ -194,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         f"launch_impala: done: {result.env_frames} env frames ({result.agent_steps} agent steps), "
         f"{result.updates} updates, "
         f"mean return (last 100) {mean}, dropped {result.dropped or 0}, actor restarts {result.restarts}, "
-        + (f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (nothing trained)")
+        + (
+            f"checkpoint {result.checkpoint}"
+            if result.checkpoint
+            else "no checkpoint written"
+            + (" (nothing trained)" if not result.updates else " (see the warnings above)")
+        )
         + (" (interrupted)" if result.interrupted else "")
         + (f" (stopped at --stop-at-return {config.stop_at_return:g})" if result.reached_return else ""),
         flush=True,

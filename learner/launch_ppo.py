@@ -282,7 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         f"100) {mean}, "
         f"rejected NaN unrolls {trainer.rejected_nan}, dropped {result.dropped or 0}, actor restarts "
         f"{result.restarts}, "
-        + (f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (nothing trained)")
+        + (
+            f"checkpoint {result.checkpoint}"
+            if result.checkpoint
+            else "no checkpoint written"
+            + (" (nothing trained)" if not result.updates else " (see the warnings above)")
+        )
         + (" (interrupted)" if result.interrupted else ""),
         flush=True,
     )

@@ -44,6 +44,7 @@ class PortInUseError(RuntimeError):
 
 MAX_ACTORS = 4096  # accepted actor ids the learner keeps state for
 MAX_REFUSED = 1024  # refused ids remembered (oldest forgotten first); they never take an actor slot
+SILENT_S = 30.0  # an accepted actor silent this long is said to have left (once; "is back" when it returns)
 ACTOR_IDLE_S = 600.0  # an accepted actor silent this long gives its slot up when the table is full
 MAX_UNKNOWN_REPORTED = 64  # ids whose unrolls were dropped as unknown, told back in the weights message
 MAX_STREAMS = 65536  # (actor, env) streams whose running episode the server tracks; more are not counted
@@ -248,6 +249,7 @@ class TrajectoryServer:
         self.refused: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.refused_nonces: dict[int, str | None] = {}  # the nonce of each refused id's refused hello
         self.last_seen: dict[int, float] = {}  # accepted actor -> monotonic time of its last valid message
+        self.silent: set[int] = set()  # accepted actors said to have left (SILENT_S); "back" when they return
         # Ids whose unrolls were dropped because the learner does not know them (never said hello,
         # or their slot expired): the weights message lists them, so such an actor says hello again.
         self.unknown_recent: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -308,8 +310,23 @@ class TrajectoryServer:
         self._thread.start()
         self._heartbeat.start()
 
+    def _seen(self, actor: int) -> None:
+        self.last_seen[actor] = time.monotonic()
+        if actor in self.silent:
+            self.silent.discard(actor)
+            log.info("actor %d is back", actor)
+
+    def _note_silent(self) -> None:
+        """Say once when an accepted actor has sent nothing for ``SILENT_S`` (it left, or cannot reach us)."""
+        now = time.monotonic()
+        for actor, seen in list(self.last_seen.items()):  # a copy: the receive thread updates the table
+            if now - seen > SILENT_S and actor in self.accepted and actor not in self.silent:
+                self.silent.add(actor)
+                log.info("actor %d left? nothing from it for %.0f s", actor, now - seen)
+
     def _republish_loop(self) -> None:
         while not self._stop.wait(1.0):
+            self._note_silent()
             with self._stats_lock:
                 changed, self._reports_changed = self._reports_changed, False
             last = self._last_params
@@ -417,7 +434,7 @@ class TrajectoryServer:
                             "actor %d joined (%s envs; #%d)", actor, kept.get("num_envs", "?"), self.joined
                         )
                 self.accepted[actor] = kept
-                self.last_seen[actor] = time.monotonic()
+                self._seen(actor)
                 if user is not None and owner is None:
                     self.owners[actor] = user
                     while len(self.owners) > MAX_OWNERS:
@@ -529,7 +546,7 @@ class TrajectoryServer:
                 "future_version", actor, f"policy version {msg.version} > published {self.published_version}"
             )
             return
-        self.last_seen[actor] = time.monotonic()
+        self._seen(actor)
         returns, lengths = self._episodes(actor, env, msg.arrays)
         with self._stats_lock:
             self.episode_returns.extend(returns)

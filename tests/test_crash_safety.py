@@ -376,3 +376,72 @@ def test_huge_float_values_are_dropped_on_receipt():
     bad = _unroll(rng)
     bad["obs"][:] = 1e25
     assert trainer.validate(bad) is None
+
+
+def _cartpole_run(logdir, seconds: float):
+    from procs import start
+
+    return start(
+        ["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--in-process", "--unroll-length", "20",
+         "--batch-size", "8", "--total-frames", "100000000", "--max-seconds", str(seconds), "--no-progress",
+         "--checkpoint-minutes", "0.01", "--log-interval", "1", "--logdir", str(logdir)]
+    )  # fmt: skip
+
+
+def test_a_directory_put_at_the_checkpoint_path_mid_run_costs_nothing(tmp_path):
+    """A checkpoint write that fails (here: a directory where the file goes) is one warning; training goes on,
+    the next write retries, and the run ends with its checkpoint once the path is free again."""
+    from procs import kill_group, wait_for
+
+    logdir = tmp_path / "run"
+    proc = _cartpole_run(logdir, 30)
+    ckpt = logdir / "checkpoint.pt"
+    try:
+        assert wait_for(ckpt.exists, 60)
+        os.remove(ckpt)
+        os.mkdir(ckpt)
+        time.sleep(4)  # several checkpoint intervals (0.6 s) fail meanwhile
+        os.rmdir(ckpt)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "not written (IsADirectoryError: Is a directory); training goes on" in out, out[-3000:]
+    assert "Traceback" not in out
+    assert ckpt.is_file() and f"checkpoint {ckpt}" in out.splitlines()[-1]
+    assert load_checkpoint(str(ckpt))["env_frames"] > 0
+
+
+def test_a_full_disk_during_a_run_is_survived(tmp_path):
+    """A run folder on a 512 KiB tmpfs: metrics and config fit, the checkpoint does not. The run trains to its
+    end and says no checkpoint could be written (rc 0; before, ENOSPC ended it with chained tracebacks)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    import subprocess
+
+    logdir = tmp_path / "run"
+    logdir.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(logdir)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with open(logdir / "filler", "wb") as f:  # leave less room than two checkpoints need
+            f.write(b"\0" * (512 * 1024 - 96 * 1024))
+        proc = _cartpole_run(logdir, 8)
+        out, _ = proc.communicate(timeout=90)
+        saved = (logdir / "checkpoint.pt").is_file() and load_checkpoint(str(logdir / "checkpoint.pt"))[
+            "env_frames"
+        ]
+    finally:
+        subprocess.run(["umount", str(logdir)], check=False)
+    assert proc.returncode == 0, out[-3000:]
+    assert "No space left on device" in out and "training goes on" in out, out[-3000:]
+    assert "Traceback" not in out
+    # a first checkpoint may have fit before the folder filled up: then it is the last good one, whole
+    last = out.splitlines()[-1]
+    assert (
+        "no checkpoint written (see the warnings above)" in last
+        or f"checkpoint {logdir}/checkpoint.pt" in last
+    ), last
+    assert saved is False or saved > 0

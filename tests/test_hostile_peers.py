@@ -585,6 +585,9 @@ def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
         kill_group(learner)
         kill_group(actors)
     assert learner.returncode == 0, out[-3000:]
+    # a learner without local actors says where remote ones connect, before anything else happens
+    assert f"learner listening: trajectories tcp://127.0.0.1:{port}" in out, out[:3000]
+    assert f"waiting for remote ones (impala-actors --learner tcp://127.0.0.1:{port})" in out, out[:3000]
     assert "refused actor 1000" in out, out[-3000:]
     assert "a hello in this actor's name from elsewhere was refused" in actors_out, actors_out[-3000:]
     assert "actor 1000 joined" in out.split("refused actor 1000", 1)[1], out[-3000:]

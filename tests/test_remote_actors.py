@@ -92,6 +92,9 @@ def test_remote_actors_with_curve_keys(tmp_path):
     )
     assert rc == 0, out[-3000:] + actors.stderr[-2000:]
     assert int(re.search(r"done: (\d+) env frames", out).group(1)) >= FRAMES
+    # where to connect, and which public key the actors need, said at start
+    server_key = os.path.join(str(tmp_path / "learner-keys"), "server.key")
+    assert f"actors need the learner's public key {server_key}" in out, out[:3000]
 
 
 def test_curve_server_refuses_clients_without_an_authorized_key(tmp_path):

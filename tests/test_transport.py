@@ -326,3 +326,21 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
         stop.set()
         actor.join(timeout=10)
         srv.close()
+
+
+def test_an_actor_that_goes_silent_is_said_to_have_left_and_back_when_it_returns(
+    server, push, caplog, monkeypatch
+):
+    """The learner's log says when a remote actor joins, when it has sent nothing for a while, and when it
+    returns."""
+    import learner.server as server_module
+
+    monkeypatch.setattr(server_module, "SILENT_S", 0.5)
+    with caplog.at_level(logging.INFO, logger="learner.server"):
+        _send(push, wire.encode("hello", actor=42, version=-1, info={"fingerprint": {}, "num_envs": 2}))
+        assert _wait(lambda: "actor 42 joined (2 envs" in caplog.text)
+        assert _wait(lambda: "actor 42 left? nothing from it for" in caplog.text, timeout=5.0)
+        time.sleep(1.5)  # the heartbeat checks every second
+        assert caplog.text.count("actor 42 left?") == 1  # said once, not every second
+        _send(push, wire.encode("unroll", actor=42, version=0, arrays=_unroll(), info={}))
+        assert _wait(lambda: "actor 42 is back" in caplog.text)
