@@ -10,6 +10,7 @@ import json
 import math
 import re
 import signal
+import os
 import time
 
 import numpy as np
@@ -150,4 +151,122 @@ def test_live_fuzz_against_a_running_learner(tmp_path):
     print(
         f"live fuzz: {n} messages sent in {sent_s:.1f}s, dropped {dropped}, RSS {rss_start} -> {rss_after} "
         "KiB"
+    )
+
+
+def _attacks(port: int, stop, counts: dict) -> None:
+    """Every attack of the second hostile-peer probe, mixed, until ``stop``: claimed episode statistics from
+    an
+    accepted id, a flooding accepted id (with behaviour logits at the receive bound now and then), forged
+    hellos
+    for the local actor and for the flooder's id, and malformed messages."""
+    import threading
+
+    from actors.remote import fetch_run_info
+    from impala.envs import EnvSpec
+    from impala.envs.probe import measure_env_fingerprint
+
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
+    run_id = fetch_run_info(f"tcp://127.0.0.1:{port + 1}", 60).run_id
+    real = measure_env_fingerprint(EnvSpec("CartPole-v1"), seed=7).to_dict()  # anyone can measure it
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 2000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def send(kind, actor, arrays=None, info=None, version=0):
+        try:
+            sock.send_multipart(
+                [bytes(f) for f in wire.encode(kind, actor=actor, version=version, arrays=arrays, info=info)],
+                zmq.NOBLOCK,
+            )
+            counts[kind] = counts.get(kind, 0) + 1
+        except zmq.Again:
+            pass
+
+    flat = SCHEMA.allocate()
+    flat["behaviour_logits"][:] = 0.5
+    huge = SCHEMA.allocate()
+    huge["behaviour_logits"][..., 0], huge["behaviour_logits"][..., 1] = 1e6, -1e6
+    huge["actions"][:] = 1  # the action the huge logits call impossible
+    garbage = _hostile_messages(np.random.default_rng(1), 400, run_id)
+    send("hello", 4000, info={"fingerprint": real, "num_envs": 1})  # the flooder, accepted
+    i = 0
+    try:
+        while not stop.is_set():
+            if i % 50 == 0:  # a new id claims 100 episodes of return 500 (stop-at-return 195 would fire)
+                actor = 3000 + i // 50
+                send("hello", actor, info={"fingerprint": real, "num_envs": 1})
+                send(
+                    "unroll",
+                    actor,
+                    flat,
+                    {
+                        "run_id": run_id,
+                        "env": 0,
+                        "episode_returns": [500.0] * 100,
+                        "episode_lengths": [500] * 100,
+                    },
+                )
+            if i % 25 == 0:  # forged hellos: in the local actor's name, and the flooder's with junk
+                send("hello", 0, info={"fingerprint": {"junk": 1}})
+                send("hello", 4000, info={"fingerprint": {"junk": 1}})
+                send("hello", 4000, info={"fingerprint": real, "num_envs": 1})  # and back
+            send("unroll", 4000, huge if i % 10 == 0 else flat, {"run_id": run_id, "env": 0})
+            sock.send_multipart(garbage[i % len(garbage)], zmq.NOBLOCK) if i % 3 == 0 else None
+            i += 1
+            time.sleep(0.005)  # ~200 messages/s of unrolls, more with the rest
+    except zmq.ZMQError:
+        pass
+    finally:
+        sock.close()
+
+
+def test_an_honest_cartpole_run_learns_to_195_with_the_attacks_mixed_in(tmp_path):
+    """The honest actor's run reaches --stop-at-return 195 on its own episodes (the claimed ones would have
+    ended it at once), trains through a flooding id, forged hellos, logits at the bound and garbage, and
+    the checkpoint it leaves plays CartPole well."""
+    import threading
+
+    from learner.eval_cli import main as impala_eval
+
+    port = free_port_pair()
+    learner = start(
+        ["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--unroll-length", str(T),
+         "--batch-size", "8", "--learning-rate", "2e-3", "--port", str(port), "--total-frames", "3000000",
+         "--max-seconds", "300", "--stop-at-return", "195", "--no-progress", "--log-interval", "2",
+         "--logdir", str(tmp_path / "run")]
+    )  # fmt: skip
+    stop, counts = threading.Event(), {}
+    attacker = threading.Thread(target=_attacks, args=(port, stop, counts), daemon=True)
+    try:
+        attacker.start()
+        out, _ = learner.communicate(timeout=360)
+    finally:
+        stop.set()
+        attacker.join(timeout=10)
+        kill_group(learner)
+    assert learner.returncode == 0, out[-3000:]
+    done = [line for line in out.splitlines() if line.startswith("launch_impala: done")][-1]
+    assert "stopped at --stop-at-return 195" in done, done
+    frames = int(re.search(r"done: (\d+) env frames", done).group(1))
+    dropped = ast.literal_eval(re.search(r"dropped (\{.*?\}), actor restarts", done).group(1))
+    # learning CartPole takes tens of thousands of frames; the claimed episodes stopped a run at once
+    assert frames > 20_000, done
+    # the attacks ran all along: the flooder's unrolls, its logits at the bound dropped (schema), the forged
+    # local hellos' unverified unrolls and the garbage dropped and counted
+    assert (
+        counts.get("unroll", 0) > 500 and dropped.get("schema", 0) > 0 and dropped.get("non_finite", 0) > 0
+    ), (
+        counts,
+        dropped,
+    )
+    rc = impala_eval([str(tmp_path / "run"), "--episodes", "10", "--workers", "0", "--policy", "greedy",
+                      "--out", str(tmp_path / "eval.json")])  # fmt: skip
+    assert rc == 0
+    mean = json.loads((tmp_path / "eval.json").read_text())["mean"]
+    assert mean >= 150, mean  # the agent really plays: the run's 195 came from its own episodes
+    print(
+        f"attacks mixed in: sent {counts}, dropped {dropped}; stopped at {frames} frames; greedy eval "
+        f"{mean:.0f}"
     )
