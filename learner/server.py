@@ -479,6 +479,12 @@ class TrajectoryServer:
             self._drop("unexpected_kind", actor, kind)
             return
         if actor not in self.accepted:
+            claimed, run_id = header["info"].get("run_id"), self.run_info.get("run_id")
+            if run_id is not None and isinstance(claimed, str) and claimed and claimed != run_id:
+                # an actor of another learner process (an orphan of a killed run, before a --resume on this
+                # port): not ours to tell, and counted as what it is
+                self._drop("other_run", actor, "unroll from another learner run")
+                return
             self._drop("unknown_actor", actor, self.refused.get(actor, "no hello received"))
             if actor in self.refused:
                 # Still sending: keep its refusal among the reported ones, however many other ids

@@ -344,3 +344,15 @@ def test_an_actor_that_goes_silent_is_said_to_have_left_and_back_when_it_returns
         assert caplog.text.count("actor 42 left?") == 1  # said once, not every second
         _send(push, wire.encode("unroll", actor=42, version=0, arrays=_unroll(), info={}))
         assert _wait(lambda: "actor 42 is back" in caplog.text)
+
+
+def test_an_unknown_actor_of_another_run_counts_as_other_run_not_unknown(server, push):
+    """After a --resume on the same port, the dead run's orphans send unrolls without ever saying hello to the
+    new learner: they are another run's (other_run), not actors to tell to say hello (unknown_actor)."""
+    server.run_info = {"run_id": "current"}
+    _send(push, wire.encode("unroll", actor=77, version=0, arrays=_unroll(), info={"run_id": "a-killed-run"}))
+    _send(push, wire.encode("unroll", actor=78, version=0, arrays=_unroll(), info={"run_id": "current"}))
+    assert _wait(lambda: server.dropped["other_run"] == 1 and server.dropped["unknown_actor"] == 1), dict(
+        server.dropped
+    )
+    assert 77 not in server.unknown_recent and 78 in server.unknown_recent
