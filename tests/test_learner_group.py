@@ -164,14 +164,22 @@ def test_launch_impala_with_two_learner_ranks_learns_resumes_and_leaves_nothing(
         [*common, "--total-frames", "200000", "--max-seconds", "120", "--stop-at-return", "60"], timeout=200
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    # the group says what it is: size, backend and each rank's process
+    assert re.search(
+        r"learner group: 2 ranks, gloo backend, rank 0 pid \d+, followers rank 1 pid \d+", out.stderr
+    )
     done = [line for line in out.stdout.splitlines() if line.startswith("launch_impala: done")][-1]
     assert float(re.search(r"mean return \(last 100\) ([\d.]+)", done).group(1)) >= 60, (
         done
     )  # random play: about 22
     frames = int(re.search(r"done: (\d+) env frames", done).group(1))
+    times = [float(r.split(",")[1]) for r in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
     out = run([*common, "--resume", "--total-frames", str(frames + 4000)], timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resumed from {tmp_path}/checkpoint.pt at {frames} env frames" in out.stderr
+    # metrics.csv goes on from where it was: rows appended, and its time column does not start again
+    later = [float(r.split(",")[1]) for r in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
+    assert len(later) > len(times) and later[len(times)] >= times[-1], (times[-3:], later[len(times) :][:3])
     # rank 0 killed outright: its follower (and the actors) notice and exit
     rows = (tmp_path / "metrics.csv").read_text().count("\n")
     proc = start([*common, "--resume", "--total-frames", "10000000", "--log-interval", "1"])
