@@ -142,123 +142,105 @@ class _Stop:
             signal.signal(sig, old)
 
 
+@dataclass
+class _Parts:
+    """The parts :func:`run` wires, handed to the loop and to the shutdown together."""
+
+    server: TrajectoryServer
+    pool: Any  # ActorPool or ThreadActors
+    guard: FingerprintGuard
+    budget: Budget
+    progress: Progress
+    checkpointer: Checkpointer
+    logger: MetricsLogger
+    evaluator: PeriodicEval
+
+
 def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     """Train until the step budget (``total_frames`` / ``total_steps``), ``max_seconds``, ``stop_at_return``
     or a signal. Returns a summary."""
     budget = Budget(config)  # refuses a run without a step budget
-    config = config.with_run_folder(
-        plan.env.spec.id
-    )  # launchers resolve it; callers of run() may leave it to us
+    # the run folder: launchers resolve it, direct callers may leave it to us
+    config = config.with_run_folder(plan.env.spec.id)
     tasks = plan.tasks or (plan.env,)
-    task_names = tuple(t.spec.id for t in tasks) if len(tasks) > 1 else ()
     progress = resume(trainer, config, tasks) if config.resume else Progress(task_frames=[0] * len(tasks))
     guard = FingerprintGuard(tasks, local_workers=config.workers)
-    run_id = uuid.uuid4().hex  # a new learner process: remote actors say hello again
-    tracker = None
-    if config.track:  # before any socket is bound: a tracker that cannot start is a start-up error
-        tracker = WandbTracker(
-            project=config.track_project,
-            logdir=config.logdir,
-            name=f"{plan.title} {run_id[:8]}",
-            config=plan.config_record,
-            resume=config.resume,
-        )
-    # RunConfig already refused a public bind without --curve or --insecure-bind.
-    client_keys = prepare_server(config.curve) if config.curve else None
-    server = TrajectoryServer(
-        trainer.schema,
-        bind=config.bind,
-        port=config.port,
-        queue_size=config.queue_size or trainer.queue_size,
-        on_hello=guard.on_hello,
-        curve_dir=config.curve or None,
-        validate=trainer.validate,
-        protected_ids=guard.verified_local,
-        local_token=guard.local_token,
-        task_names=task_names,
-    )
-    # What actors run; remote actors (impala-actors) read it from every weights message.
-    run_info = RunInfo(
-        run_id,
-        plan.env.spec,
-        trainer.agent,
-        config.unroll_length,
-        config.envs_per_worker,
-        tuple(t.spec for t in tasks) if task_names else (),
-    )
-    server.run_info = run_info.to_dict()
-    local = actor_configs(
-        run_info,
-        range(config.workers),
-        trajectory_endpoint=server.trajectory_endpoint,
-        params_endpoint=server.params_endpoint,
-        seed=config.seed,
-        curve=client_keys,
-        local_token=guard.local_token,
-    )
-    pool = (
-        ThreadActors(local)
-        if config.in_process
-        else ActorPool(local, start_method=config.start_method, actor_class=plan.actor_class)
-    )
-    logger = MetricsLogger(
-        config.logdir,
-        progress=config.progress,
-        title=plan.title,
-        tracker=tracker,
-        time_offset_s=progress.elapsed_s,
-        config_record=plan.config_record,
-    )
+    run_info = _run_info(trainer, config, plan)  # a new run id: remote actors say hello again
+    tracker = _tracker(config, plan, run_info.run_id)  # before any socket: one that cannot start is bad input
+    server = _server(trainer, config, guard, run_info)
+    pool = _local_actors(config, plan, run_info, server, guard)
+    logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
+                           time_offset_s=progress.elapsed_s, config_record=plan.config_record)  # fmt: skip
+    record = plan.config_record  # stored in every checkpoint, written to config.yaml
+    checkpointer = Checkpointer(config, trainer, run_info, record, progress, resuming=config.resume)
     evaluator = PeriodicEval(config, run_info)
-    checkpointer = Checkpointer(
-        config, trainer, run_info, plan.config_record, progress, resuming=config.resume
-    )
+    parts = _Parts(server, pool, guard, budget, progress, checkpointer, logger, evaluator)
     interrupted = False
     try:
         server.start()
         _start_actors(pool, server, guard, config, plan.hello_timeout)
         with _Stop() as stop:
-            _train(
-                trainer,
-                config,
-                server,
-                pool,
-                guard,
-                budget,
-                progress,
-                checkpointer,
-                logger,
-                evaluator,
-                stop.event,
-            )
+            _train(trainer, config, parts, stop.event)
             interrupted = stop.event.is_set()
-        if not interrupted:
-            _log_eval(
-                logger, progress, evaluator.finish(), checkpointer
-            )  # the last evaluation belongs to this run's record
+        if not interrupted:  # the last evaluation belongs to this run's record
+            _log_eval(logger, progress, evaluator.finish(), checkpointer)
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        checkpoint = _shut_down(
-            trainer,
-            evaluator,
-            pool,
-            server,
-            checkpointer,
-            logger,
-            finished=budget.spent(progress.env_frames, progress.agent_steps),
-        )
-    return RunResult(
-        env_frames=progress.env_frames,
-        agent_steps=progress.agent_steps,
-        updates=progress.version,
-        mean_return=server.stats().get("charts/mean_return_100"),
-        dropped={k: int(v) for k, v in server.dropped.items()},
-        restarts=pool.restarts,
-        interrupted=interrupted,
-        checkpoint=checkpoint,
-        reached_return=budget.reached_return,
+        finished = budget.spent(progress.env_frames, progress.agent_steps)
+        checkpoint = _shut_down(trainer, parts, finished=finished)
+    dropped = {k: int(v) for k, v in server.dropped.items()}
+    mean = server.stats().get("charts/mean_return_100")
+    return RunResult(progress.env_frames, progress.agent_steps, progress.version, mean, dropped,
+                     pool.restarts, interrupted, checkpoint, budget.reached_return)  # fmt: skip
+
+
+def _run_info(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunInfo:
+    """What actors run (env per task, agent, unroll length, envs each); remote ones read it from every
+    weights message."""
+    tasks = tuple(t.spec for t in plan.tasks) if len(plan.tasks) > 1 else ()
+    return RunInfo(
+        uuid.uuid4().hex, plan.env.spec, trainer.agent, config.unroll_length, config.envs_per_worker, tasks
     )
+
+
+def _tracker(config: RunConfig, plan: RunPlan, run_id: str) -> WandbTracker | None:
+    """The experiment tracker (``--track``), or None."""
+    if not config.track:
+        return None
+    name = f"{plan.title} {run_id[:8]}"
+    return WandbTracker(project=config.track_project, logdir=config.logdir, name=name,
+                        config=plan.config_record, resume=config.resume)  # fmt: skip
+
+
+def _server(
+    trainer: Trainer, config: RunConfig, guard: FingerprintGuard, run_info: RunInfo
+) -> TrajectoryServer:
+    """The learner's sockets and receive thread, checking hellos with the guard and unrolls with the
+    trainer. RunConfig already refused a public bind without --curve or --insecure-bind."""
+    task_names = tuple(t.id for t in run_info.tasks)
+    server = TrajectoryServer(
+        trainer.schema, bind=config.bind, port=config.port,
+        queue_size=config.queue_size or trainer.queue_size, on_hello=guard.on_hello,
+        curve_dir=config.curve or None, validate=trainer.validate,
+        protected_ids=guard.verified_local, local_token=guard.local_token, task_names=task_names,
+    )  # fmt: skip
+    server.run_info = run_info.to_dict()
+    return server
+
+
+def _local_actors(config: RunConfig, plan: RunPlan, run_info: RunInfo, server: TrajectoryServer,
+                  guard: FingerprintGuard) -> Any:  # fmt: skip
+    """This learner's own actors (not started yet): processes, or threads with --in-process."""
+    client_keys = prepare_server(config.curve) if config.curve else None
+    configs = actor_configs(
+        run_info, range(config.workers), trajectory_endpoint=server.trajectory_endpoint,
+        params_endpoint=server.params_endpoint, seed=config.seed, curve=client_keys,
+        local_token=guard.local_token,
+    )  # fmt: skip
+    if config.in_process:
+        return ThreadActors(configs)
+    return ActorPool(configs, start_method=config.start_method, actor_class=plan.actor_class)
 
 
 def _start_actors(
@@ -300,23 +282,19 @@ def _start_actors(
     guard.check()
 
 
-def _train(
-    trainer: Trainer,
-    config: RunConfig,
-    server: TrajectoryServer,
-    pool: Any,
-    guard: FingerprintGuard,
-    budget: Budget,
-    progress: Progress,
-    checkpointer: Checkpointer,
-    logger: MetricsLogger,
-    evaluator: PeriodicEval,
-    stop: threading.Event,
-) -> None:
+def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.Event) -> None:
     """The learner's loop: take a validated unroll, update when the trainer is ready, publish, log,
     checkpoint."""
     # the first interval counts from the run's start (actor start-up included), so a short run still logs a
     # row
+    server, pool, guard, budget, progress = (
+        parts.server,
+        parts.pool,
+        parts.guard,
+        parts.budget,
+        parts.progress,
+    )
+    checkpointer, logger, evaluator = parts.checkpointer, parts.logger, parts.evaluator
     rows = LogRows(config.log_interval, server.task_names, progress.env_frames, since=budget.start)
     frames_per_unroll = int(round(config.unroll_length * trainer.frames_per_step))
     metrics: dict[str, float] = {}
@@ -378,26 +356,17 @@ def _log_eval(
     checkpointer.consider_best(row.get("eval/mean_return"), at)
 
 
-def _shut_down(
-    trainer: Trainer,
-    evaluator: PeriodicEval,
-    pool: Any,
-    server: TrajectoryServer,
-    checkpointer: Checkpointer,
-    logger: MetricsLogger,
-    *,
-    finished: bool,
-) -> str:
+def _shut_down(trainer: Trainer, parts: _Parts, *, finished: bool) -> str:
     """Release everything, in an order that leaves no child process behind; returns the checkpoint path (""
     if none)."""
     try:
         trainer.close()
     except Exception as e:  # noqa: BLE001 - a follower that is gone must not cost the final checkpoint
         log.error("releasing the learner group failed: %s", e)
-    evaluator.stop()
-    pool.stop()
-    server.close()
+    parts.evaluator.stop()
+    parts.pool.stop()
+    parts.server.close()
     try:
-        return checkpointer.final(finished=finished)
+        return parts.checkpointer.final(finished=finished)
     finally:
-        logger.close()
+        parts.logger.close()

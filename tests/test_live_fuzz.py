@@ -257,10 +257,7 @@ def test_an_honest_cartpole_run_learns_to_195_with_the_attacks_mixed_in(tmp_path
     # local hellos' unverified unrolls and the garbage dropped and counted
     assert (
         counts.get("unroll", 0) > 500 and dropped.get("schema", 0) > 0 and dropped.get("non_finite", 0) > 0
-    ), (
-        counts,
-        dropped,
-    )
+    ), (counts, dropped)
     rc = impala_eval([str(tmp_path / "run"), "--episodes", "10", "--workers", "0", "--policy", "greedy",
                       "--out", str(tmp_path / "eval.json")])  # fmt: skip
     assert rc == 0

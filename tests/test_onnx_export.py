@@ -233,11 +233,7 @@ def test_same_interface_and_actions_as_mlagents_own_export(tmp_path):
 
 @pytest.mark.parametrize(
     "obs_norm,action_clip,activation",
-    [
-        ("mlagents", "mlagents", "swish"),
-        ("vecnormalize", "bounds", "tanh"),
-        ("none", "mlagents", "relu"),
-    ],
+    [("mlagents", "mlagents", "swish"), ("vecnormalize", "bounds", "tanh"), ("none", "mlagents", "relu")],
 )
 def test_onnxruntime_matches_the_torch_policy(tmp_path, obs_norm, action_clip, activation):
     dim, low, high = sum(OBS_SIZES), np.array([-2.0, -0.5], np.float32), np.array([2.0, 1.5], np.float32)

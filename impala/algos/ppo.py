@@ -247,12 +247,7 @@ def gaussian_entropy_exact(log_sigma: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_policy_loss(
-    logp_new: torch.Tensor,
-    logp_old: torch.Tensor,
-    adv: torch.Tensor,
-    *,
-    epsilon: float,
-    per_dim: bool,
+    logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, *, epsilon: float, per_dim: bool
 ) -> PolicyLossOutput:
     """Clipped surrogate loss in either ratio form (#2).
 

@@ -217,9 +217,7 @@ def from_logits(
             "behaviour_policy_logits",
             "target_policy_logits",
         ),
-        extra_reason={
-            "actions": f"actions must lie in [0, {num_actions})",
-        },
+        extra_reason={"actions": f"actions must lie in [0, {num_actions})"},
     )
 
     actions = actions.long()

@@ -165,9 +165,7 @@ class UnityVecEnv:
                 UnityTimeOutException,
                 UnityWorkerInUseException,
             )
-            from mlagents_envs.side_channel.engine_configuration_channel import (
-                EngineConfigurationChannel,
-            )
+            from mlagents_envs.side_channel.engine_configuration_channel import EngineConfigurationChannel
             from impala.envs.unity_client import FastUnityEnvironment
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise UnityEnvError(
