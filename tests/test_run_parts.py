@@ -368,7 +368,11 @@ def test_run_folder_names_and_refusals(tmp_path):
         "CartPole-v1-20"
     )
     named = RunConfig(env="CartPole-v1", runs_dir=str(tmp_path), run_id="mine").with_run_folder("x")
-    assert named.logdir == str(tmp_path / "mine")
+    assert named.logdir == str(tmp_path / "mine") and named.checkpoint_path == str(
+        tmp_path / "mine" / "checkpoint.pt"
+    )
+    with pytest.raises(ConfigError, match="not resolved yet"):  # a name made now would not be the run's
+        RunConfig(env="CartPole-v1").checkpoint_path
     for bad, error in (
         (dict(run_id="../up"), "--run-id must be a plain name"),
         (dict(run_id="a", logdir="b"), "not both"),

@@ -680,7 +680,9 @@ class RunConfig:
 
     @property
     def checkpoint_path(self) -> str:
-        return os.path.join(self.logdir or self.with_run_folder("run").logdir, "checkpoint.pt")
+        if self.logdir is None:  # a name made now would differ from the folder the run uses
+            raise ConfigError("the run folder is not resolved yet: call with_run_folder() first")
+        return os.path.join(self.logdir, "checkpoint.pt")
 
     def with_run_folder(self, job: str) -> "RunConfig":
         """This config with ``logdir`` resolved: ``--logdir``, else ``--runs-dir/--run-id``, else
