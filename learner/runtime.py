@@ -167,8 +167,9 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     guard = FingerprintGuard(tasks, local_workers=config.workers)
     run_info = _run_info(trainer, config, plan)  # a new run id: remote actors say hello again
     tracker = _tracker(config, plan, run_info.run_id)  # before any socket: one that cannot start is bad input
+    client_keys = prepare_server(config.curve) if config.curve else None  # makes the keys the server loads
     server = _server(trainer, config, guard, run_info)
-    pool = _local_actors(config, plan, run_info, server, guard)
+    pool = _local_actors(config, plan, run_info, server, guard, client_keys)
     logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
                            time_offset_s=progress.elapsed_s, config_record=plan.config_record)  # fmt: skip
     record = plan.config_record  # stored in every checkpoint, written to config.yaml
@@ -230,9 +231,9 @@ def _server(
 
 
 def _local_actors(config: RunConfig, plan: RunPlan, run_info: RunInfo, server: TrajectoryServer,
-                  guard: FingerprintGuard) -> Any:  # fmt: skip
-    """This learner's own actors (not started yet): processes, or threads with --in-process."""
-    client_keys = prepare_server(config.curve) if config.curve else None
+                  guard: FingerprintGuard, client_keys: Any) -> Any:  # fmt: skip
+    """This learner's own actors (not started yet): processes, or threads with --in-process; with --curve they
+    connect with the learner's local keypair (``client_keys``)."""
     configs = actor_configs(
         run_info, range(config.workers), trajectory_endpoint=server.trajectory_endpoint,
         params_endpoint=server.params_endpoint, seed=config.seed, curve=client_keys,

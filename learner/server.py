@@ -236,11 +236,20 @@ class TrajectoryServer:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 2)
         self.pub.setsockopt(zmq.LINGER, 0)
-        if curve_dir:
-            self.auth = start_authenticator(self.ctx, curve_dir)
-            make_server_socket(self.pull, curve_dir)
-            make_server_socket(self.pub, curve_dir)
-        self.trajectory_port, self.params_port = self._bind(bind, port)
+        try:
+            if curve_dir:
+                self.auth = start_authenticator(self.ctx, curve_dir)
+                make_server_socket(self.pull, curve_dir)
+                make_server_socket(self.pub, curve_dir)
+            self.trajectory_port, self.params_port = self._bind(bind, port)
+        except BaseException:
+            # a server that cannot start must not leave its authenticator (one per process) or sockets behind
+            if self.auth is not None:
+                self.auth.stop()
+                self.auth = None
+            self.pull.close(linger=0)
+            self.pub.close(linger=0)
+            raise
         host = "127.0.0.1" if bind in ("0.0.0.0", "*") else bind
         self.trajectory_endpoint = f"tcp://{host}:{self.trajectory_port}"
         self.params_endpoint = f"tcp://{host}:{self.params_port}"

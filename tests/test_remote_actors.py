@@ -5,6 +5,7 @@ import re
 import shutil
 import time
 
+import pytest
 import zmq
 
 from impala.transport import wire
@@ -302,3 +303,16 @@ def test_secret_keys_are_private_and_loose_ones_are_refused(tmp_path, capsys):
         capsys.readouterr().err,
     )
     assert rc == 2 and "readable by others (mode 0640)" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_server_that_cannot_start_leaves_no_authenticator_behind(tmp_path):
+    """A CURVE server whose keys are missing fails at construction and releases the process's one ZAP
+    authenticator, so the next server in the same process starts (before: 'Address already in use' for
+    inproc://zeromq.zap.01 in every later CURVE server of the process)."""
+    schema = impala_unroll_schema(2, (1,), "float32", 2)
+    with pytest.raises(OSError):
+        TrajectoryServer(schema, curve_dir=str(tmp_path / "no-keys-here"))
+    keys_dir = str(tmp_path / "keys")
+    prepare_server(keys_dir)
+    server = TrajectoryServer(schema, curve_dir=keys_dir)
+    server.close()

@@ -114,9 +114,14 @@ class _AuthorizedKeys:
 
 def start_authenticator(ctx: zmq.Context, directory: str) -> ThreadAuthenticator:
     """Accept CURVE clients whose public key is in ``DIR/authorized``."""
+    keys = _AuthorizedKeys(directory)  # checks the directory before a thread (one per process) is started
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_AuthorizedKeys(directory))
+    try:
+        auth.configure_curve_callback(domain="*", credentials_provider=keys)
+    except BaseException:
+        auth.stop()
+        raise
     return auth
 
 
