@@ -23,6 +23,7 @@ from impala.envs.probe import EnvInfo
 from impala.run.checkpoint import FINISHED_MARKER, CheckpointError, load_checkpoint, save_checkpoint
 from impala.run.config import RunConfig
 from impala.transport.messages import RunInfo
+from learner.budget import Budget
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +139,11 @@ def finished_record(logdir: str) -> dict[str, Any] | None:
 
 
 def _budget_spent(config: RunConfig, record: dict[str, Any]) -> bool:
+    """Whether the finished run's counters already meet this run's budget (the budget's own rule)."""
     frames, steps = record.get("env_frames"), record.get("agent_steps")
     if not isinstance(frames, int) or not isinstance(steps, int):
         return False
-    return (config.total_frames is not None and frames >= config.total_frames) or (
-        config.total_steps is not None and steps >= config.total_steps
-    )
+    return Budget(config).spent(frames, steps)
 
 
 class Checkpointer:
