@@ -154,6 +154,29 @@ def test_live_fuzz_against_a_running_learner(tmp_path):
     )
 
 
+def _random_policy_unrolls(n: int) -> list[dict[str, np.ndarray]]:
+    """``n`` consecutive unrolls of a uniform-random policy on CartPole-v1, as an actor sends them (a new
+    episode's first observation follows an episode end)."""
+    import gymnasium as gym
+
+    env, rng = gym.make("CartPole-v1"), np.random.default_rng(3)
+    obs, _ = env.reset(seed=3)
+    first, out = True, []
+    for _ in range(n):
+        u = SCHEMA.allocate()
+        for t in range(T):
+            u["obs"][t], u["first"][t] = obs, first
+            u["actions"][t] = rng.integers(2)
+            obs, u["rewards"][t], terminated, truncated, _ = env.step(int(u["actions"][t]))
+            first = u["dones"][t] = terminated or truncated
+            if first:
+                obs, _ = env.reset()
+        u["obs"][T], u["first"][T] = obs, first
+        out.append(u)  # behaviour_logits stay 0: uniform
+    env.close()
+    return out
+
+
 def _attacks(port: int, stop, counts: dict) -> None:
     """Every attack of the second hostile-peer probe, mixed, until ``stop``: claimed episode statistics from
     an
@@ -184,8 +207,11 @@ def _attacks(port: int, stop, counts: dict) -> None:
         except zmq.Again:
             pass
 
-    flat = SCHEMA.allocate()
-    flat["behaviour_logits"][:] = 0.5
+    # The flooder's and the claimers' unrolls are a uniform-random CartPole policy's real transitions:
+    # accepted ids' data is trained on (within their share), so zeroed observations with one action and no
+    # reward would be data poisoning, which no receive check can tell from an honest actor's data (only
+    # keys keep such peers out). What this run checks is the transport's defences, not immunity to poison.
+    random_unrolls = _random_policy_unrolls(64)
     huge = SCHEMA.allocate()
     huge["behaviour_logits"][..., 0], huge["behaviour_logits"][..., 1] = 1e6, -1e6
     huge["actions"][:] = 1  # the action the huge logits call impossible
@@ -200,7 +226,7 @@ def _attacks(port: int, stop, counts: dict) -> None:
                 send(
                     "unroll",
                     actor,
-                    flat,
+                    random_unrolls[i % len(random_unrolls)],
                     {
                         "run_id": run_id,
                         "env": 0,
@@ -212,7 +238,8 @@ def _attacks(port: int, stop, counts: dict) -> None:
                 send("hello", 0, info={"fingerprint": {"junk": 1}})
                 send("hello", 4000, info={"fingerprint": {"junk": 1}})
                 send("hello", 4000, info={"fingerprint": real, "num_envs": 1})  # and back
-            send("unroll", 4000, huge if i % 10 == 0 else flat, {"run_id": run_id, "env": 0})
+            flood = huge if i % 10 == 0 else random_unrolls[i % len(random_unrolls)]
+            send("unroll", 4000, flood, {"run_id": run_id, "env": 0})
             sock.send_multipart(garbage[i % len(garbage)], zmq.NOBLOCK) if i % 3 == 0 else None
             i += 1
             time.sleep(0.005)  # ~200 messages/s of unrolls, more with the rest
