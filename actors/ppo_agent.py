@@ -10,7 +10,10 @@ What it records per step (docs/PPO.md #9, #10, #12):
 - ``actions``: the raw Gaussian sample; the env receives ``env_action(raw)``:
   ``clamp(a, -3, 3) / 3`` for ``action_clip='mlagents'``, ``clip(a, low, high)``
   for ``'bounds'`` (SB3).
-- ``log_probs``: per action dimension, in the configured form (``log_prob_form``).
+- ``discrete_actions``: one index per branch (a ``Discrete`` env gets the index,
+  a ``MultiDiscrete`` one the row); ``action_mask`` where the env masks actions.
+- ``log_probs``: per action element (continuous dimensions, then branches), in
+  the configured form (``log_prob_form``).
 - ``rewards``, ``terminated``, ``truncated``; ``final_obs`` = the last obs of an
   episode that ended at t (zeros where none ended), for the truncation bootstrap.
 """
@@ -31,7 +34,7 @@ from impala.transport.trajectory import ppo_unroll_schema
 
 
 class PPOAgent:
-    """Samples continuous actions from the broadcast policy; records what ``ppo_unroll_schema`` needs."""
+    """Samples actions from the broadcast policy; records what ``ppo_unroll_schema`` needs."""
 
     def __init__(
         self, spec: PPOAgentSpec, *, envs: Any, first_obs: np.ndarray, unroll_length: int, seed: int
@@ -40,14 +43,17 @@ class PPOAgent:
         self.num_envs = int(envs.num_envs)
         self.obs_dim = spec.obs_dim
         self.action_dim = spec.action_dim
+        self.branches, self.action_space = tuple(spec.branches), spec.action_space
+        self.masked = spec.action_mask
         got = flat_obs_dim(tuple(np.shape(first_obs)[1:]))
         if got != self.obs_dim:
             raise ValueError(
                 f"PPOAgent: the env's observations have {got} values, the learner expects {self.obs_dim}"
             )
+        space = getattr(envs, "action_space", None)
         got_a = int(
             getattr(envs, "action_dim", 0)
-            or np.prod(getattr(getattr(envs, "action_space", None), "shape", None) or (0,))
+            or (np.prod(getattr(space, "shape", None) or (0,)) if self.action_space == "Box" else 0)
         )
         if got_a and got_a != self.action_dim:
             raise ValueError(
@@ -55,9 +61,20 @@ class PPOAgent:
             )
         self.action_low = np.asarray(spec.action_low, np.float32)
         self.action_high = np.asarray(spec.action_high, np.float32)
-        self.policy = make_policy(self.config, self.obs_dim, self.action_dim)
+        got_b = getattr(envs, "action_branches", None)
+        if got_b is None and space is not None and self.action_space in ("Discrete", "MultiDiscrete"):
+            got_b = (int(space.n),) if self.action_space == "Discrete" else tuple(int(n) for n in space.nvec)
+        if got_b is not None and tuple(got_b) != self.branches:
+            raise ValueError(
+                f"PPOAgent: the env's discrete branches are {list(got_b)}, the learner expects "
+                f"{list(self.branches)}"
+            )
+        self.policy = make_policy(self.config, self.obs_dim, self.action_dim, self.branches)
         self.policy.eval()
-        self.schema = ppo_unroll_schema(unroll_length, self.obs_dim, self.action_dim)
+        self.schema = ppo_unroll_schema(
+            unroll_length, self.obs_dim, self.action_dim, self.branches, self.masked
+        )
+        self._mask = None  # the env's action mask for the next step [K, sum(branches)] (masked envs)
         self.params_schema = state_dict_schema(self.policy)
         self.generator = torch.Generator().manual_seed(int(seed))
         self._zeros_obs = np.zeros((self.num_envs, self.obs_dim), np.float32)
@@ -107,29 +124,49 @@ class PPOAgent:
     def _flat(self, obs: np.ndarray) -> np.ndarray:
         return np.asarray(obs, dtype=np.float32).reshape(self.num_envs, self.obs_dim)
 
-    @torch.inference_mode()
-    def act(self, obs: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        # ActorCritic.act without its value head: the learner recomputes values at ingest (#13),
-        # so the actor body alone keeps the acting forward pass half as expensive.
+    def _act(self, obs: np.ndarray, deterministic: bool) -> tuple[Any, dict[str, np.ndarray]]:
+        # The actor body and action heads only: the learner recomputes values at ingest (#13), so the
+        # acting forward pass skips the critic.
         policy = self.policy
-        mu = policy.mean(torch.from_numpy(self._flat(obs)))
-        noise = torch.randn(mu.shape, dtype=mu.dtype, generator=self.generator)
-        action = mu + torch.exp(policy.log_sigma) * noise
-        raw = action.numpy()
-        to_env = env_action(raw, mode=self.config.action_clip, low=self.action_low, high=self.action_high)
-        return to_env, {"actions": raw, "log_probs": policy.log_prob_per_dim(action, mu).numpy()}
+        mask_np = self._mask
+        if self.masked and mask_np is None:  # no mask from the env this step: everything allowed
+            mask_np = np.ones((self.num_envs, sum(self.branches)), bool)
+        mask = None if mask_np is None else torch.from_numpy(mask_np)
+        features = policy.actor_features(torch.from_numpy(self._flat(obs)))
+        action, log_probs, discrete = policy.sample_from_features(
+            features, deterministic, self.generator, mask
+        )
+        recorded = {"log_probs": log_probs.numpy()}
+        to_env: Any = None
+        if self.action_dim:
+            raw = action.numpy()
+            recorded["actions"] = raw
+            to_env = env_action(raw, mode=self.config.action_clip, low=self.action_low, high=self.action_high)
+        if discrete is not None:
+            picks = discrete.numpy()
+            recorded["discrete_actions"] = picks
+            if mask_np is not None:
+                recorded["action_mask"] = mask_np
+            if self.action_space == "Discrete":
+                to_env = picks[:, 0]
+            elif self.action_space == "MultiDiscrete":
+                to_env = picks
+            else:  # Unity: continuous and discrete parts together
+                to_env = (to_env, picks)
+        return to_env, recorded
 
     @torch.inference_mode()
-    def act_greedy(self, obs: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """:meth:`act` with the Gaussian's mean instead of a sample (the env gets ``env_action(mean)``).
+    def act(self, obs: np.ndarray, first: np.ndarray) -> tuple[Any, dict[str, np.ndarray]]:
+        """A sampled action per env: what the env receives, and what the unroll records."""
+        return self._act(obs, deterministic=False)
+
+    @torch.inference_mode()
+    def act_greedy(self, obs: np.ndarray, first: np.ndarray) -> tuple[Any, dict[str, np.ndarray]]:
+        """:meth:`act` with the Gaussian's mean and each branch's most likely action instead of samples.
 
         For evaluation (``impala-eval --policy greedy``); the actor loop never calls it.
         """
-        policy = self.policy
-        mu = policy.mean(torch.from_numpy(self._flat(obs)))
-        raw = mu.numpy()
-        to_env = env_action(raw, mode=self.config.action_clip, low=self.action_low, high=self.action_high)
-        return to_env, {"actions": raw, "log_probs": policy.log_prob_per_dim(mu, mu).numpy()}
+        return self._act(obs, deterministic=True)
 
     def transition(self, result: StepResult) -> dict[str, np.ndarray]:
         ended = result.terminated | result.truncated
@@ -151,3 +188,8 @@ class PPOAgent:
 
     def observation(self, obs: np.ndarray, first: np.ndarray) -> dict[str, np.ndarray]:
         return {"obs": self._flat(obs)}
+
+    def set_action_mask(self, mask: np.ndarray | None) -> None:
+        """The env's action mask [K, sum(branches)] (True: allowed) for the next :meth:`act`."""
+        if self.masked:
+            self._mask = None if mask is None else np.asarray(mask, bool).reshape(self.num_envs, -1)

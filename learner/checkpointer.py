@@ -100,7 +100,18 @@ def resume(trainer: Any, config: RunConfig, tasks: Sequence[EnvInfo]) -> Progres
 
 
 # What makes a checkpoint another run's: its env, and the agent settings that shape the network.
-_AGENT_IDENTITY = ("kind", "model", "use_lstm", "frame_stack", "num_tasks", "obs_dim", "action_dim")
+_AGENT_IDENTITY = (
+    "kind",
+    "model",
+    "use_lstm",
+    "frame_stack",
+    "num_tasks",
+    "obs_dim",
+    "action_dim",
+    "branches",
+    "action_space",
+    "action_mask",
+)
 _PPO_NETWORK = ("hidden_units", "num_layers", "activation")
 
 

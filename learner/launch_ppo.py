@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             else "no checkpoint written"
             + (" (nothing trained)" if not result.updates else " (see the warnings above)")
         )
-        + (" (interrupted)" if result.interrupted else ""),
+        + (" (interrupted)" if result.interrupted else "")
+        + (f" (stopped at --stop-at-return {config.stop_at_return:g})" if result.reached_return else ""),
         flush=True,
     )
     return 0

@@ -40,7 +40,7 @@ from impala.transport.messages import PPOAgentSpec
 from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
 from impala.run.ppo_config import PPOConfig, actors_wait
 from impala.transport.params import state_dict_arrays
-from impala.nets.onnx_export import export_ppo_onnx, onnx_file_name
+from impala.nets.onnx_export import ExportError, export_ppo_onnx, onnx_file_name
 from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
 
@@ -49,8 +49,9 @@ class TrajectoryPiece(NamedTuple):
     """One env stream's consecutive steps, as an actor sends them. T >= 1.
 
     obs:        [T, obs_dim] float32 raw observation each action was taken on.
-    actions:    [T, A] float32 raw (unclipped) sampled actions.
-    log_probs:  [T, A] float32 per-dimension log-probs at action time.
+    actions:    [T, A] float32 raw (unclipped) sampled continuous actions (A may be 0).
+    log_probs:  [T, A + nb] float32 per-element log-probs at action time (continuous dims, then
+                one per discrete branch).
     rewards:    [T] float32 raw env rewards.
     terminated: [T] bool, episode ended for real (no bootstrap).
     truncated:  [T] bool, time limit / Unity ``interrupted`` (bootstrap from next_obs).
@@ -60,6 +61,8 @@ class TrajectoryPiece(NamedTuple):
     values:     optional [T] float32 values at action time (used by gae_form='sb3').
     source:     hashable id of the env stream (e.g. (actor_id, env_index)); keys
                 the per-stream discounted return of reward normalization.
+    discrete_actions: [T, nb] int64 indices, one per branch (None: no discrete branches).
+    action_mask: [T, sum(branch sizes)] bool, True where an action was allowed (None: no masks).
     """
 
     obs: np.ndarray
@@ -71,28 +74,36 @@ class TrajectoryPiece(NamedTuple):
     next_obs: np.ndarray
     values: np.ndarray | None = None
     source: Hashable = 0
+    discrete_actions: np.ndarray | None = None
+    action_mask: np.ndarray | None = None
+
+
+# The per-step arrays a piece may lack (None); `values` only survives a join where every piece has it.
+_OPTIONAL_STEPS = ("values", "discrete_actions", "action_mask")
 
 
 def concat_pieces(pieces: list[TrajectoryPiece]) -> TrajectoryPiece:
-    """Consecutive pieces of one env stream as one piece (values kept only if every piece has them)."""
+    """Consecutive pieces of one env stream as one piece (an optional array kept only if every piece has
+    it)."""
     if len(pieces) == 1:
         return pieces[0]
     arrays = [np.concatenate([np.asarray(p[i]) for p in pieces]) for i in range(7)]
-    values = (
-        None
-        if any(p.values is None for p in pieces)
-        else np.concatenate([np.asarray(p.values) for p in pieces])
-    )
-    return TrajectoryPiece(*arrays, values, pieces[0].source)
+    optional = {
+        name: None
+        if any(getattr(p, name) is None for p in pieces)
+        else np.concatenate([np.asarray(getattr(p, name)) for p in pieces])
+        for name in _OPTIONAL_STEPS
+    }
+    return TrajectoryPiece(*arrays, source=pieces[0].source, **optional)
 
 
 def slice_piece(p: TrajectoryPiece, a: int, b: int) -> TrajectoryPiece:
     """Steps ``a:b`` of a trajectory piece."""
-    return TrajectoryPiece(
-        *(np.asarray(x)[a:b] for x in p[:7]),
-        None if p.values is None else np.asarray(p.values)[a:b],
-        p.source,
-    )
+    optional = {
+        name: None if getattr(p, name) is None else np.asarray(getattr(p, name))[a:b]
+        for name in _OPTIONAL_STEPS
+    }
+    return TrajectoryPiece(*(np.asarray(x)[a:b] for x in p[:7]), source=p.source, **optional)
 
 
 class AgentTrajectories:
@@ -171,6 +182,7 @@ class TrajectoryBuffer:
     """Processed steps waiting for an update: flat [N, ...] tensors after :meth:`stacked`."""
 
     KEYS = ("obs", "actions", "log_probs", "advantages", "returns", "values")
+    DISCRETE_KEYS = ("discrete_actions", "action_mask")  # kept when given (policies with branches / masks)
 
     def __init__(self) -> None:
         self.clear()
@@ -181,7 +193,10 @@ class TrajectoryBuffer:
 
     def add(self, **arrays: torch.Tensor) -> None:
         n = arrays["obs"].shape[0]
-        for k in self.KEYS:
+        for k in self.DISCRETE_KEYS:
+            if arrays.get(k) is not None:
+                self._parts.setdefault(k, [])
+        for k in self._parts:
             if arrays[k].shape[0] != n:
                 raise ValueError(f"TrajectoryBuffer.add: {k} has {arrays[k].shape[0]} rows, obs has {n}")
             self._parts[k].append(arrays[k])
@@ -196,9 +211,11 @@ class PPOLearner:
 
     Args:
       config: the PPOConfig.
-      obs_dim, action_dim: flat observation and action sizes.
+      obs_dim, action_dim: flat observation and continuous action sizes.
       action_low, action_high: the env's action bounds (used by action_clip='bounds').
       device: torch device for the networks and the update.
+      branches: each discrete branch's action count (empty: continuous actions only).
+      action_mask: pieces carry the env's action masks (``TrajectoryPiece.action_mask``).
     """
 
     def __init__(
@@ -209,13 +226,16 @@ class PPOLearner:
         action_low: np.ndarray | float = -1.0,
         action_high: np.ndarray | float = 1.0,
         device: str | torch.device = "cpu",
+        branches: tuple[int, ...] = (),
+        action_mask: bool = False,
     ):
         self.config = config
         self.obs_dim, self.action_dim = obs_dim, action_dim
+        self.branches, self.action_mask = tuple(branches), action_mask
         self.action_low = np.broadcast_to(np.asarray(action_low, np.float32), (action_dim,)).copy()
         self.action_high = np.broadcast_to(np.asarray(action_high, np.float32), (action_dim,)).copy()
         self.device = torch.device(device)
-        self.policy = make_policy(config, obs_dim, action_dim).to(self.device)
+        self.policy = make_policy(config, obs_dim, action_dim, self.branches).to(self.device)
         # One Adam over actor + critic + log-sigma (#7); normalizer stats are buffers, not parameters.
         self.optimizer = torch.optim.Adam(
             self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps
@@ -251,7 +271,7 @@ class PPOLearner:
         want = {
             "obs": (T, self.obs_dim),
             "actions": (T, self.action_dim),
-            "log_probs": (T, self.action_dim),
+            "log_probs": (T, self.action_dim + len(self.branches)),
             "rewards": (T,),
             "terminated": (T,),
             "truncated": (T,),
@@ -259,10 +279,19 @@ class PPOLearner:
         }
         if p.values is not None:
             want["values"] = (T,)
+        if self.branches:
+            want["discrete_actions"] = (T, len(self.branches))
+        if self.action_mask:
+            want["action_mask"] = (T, sum(self.branches))
         for name, shape in want.items():
-            got = tuple(np.shape(getattr(p, name)))
+            value = getattr(p, name)
+            got = None if value is None else tuple(np.shape(value))
             if got != shape:
                 raise ValueError(f"TrajectoryPiece.{name}: expected shape {shape}, got {got}")
+        if self.branches:
+            problem = discrete_action_problem(p.discrete_actions, p.action_mask, self.branches)
+            if problem:
+                raise ValueError(f"TrajectoryPiece: {problem}")
         return T
 
     @staticmethod
@@ -358,6 +387,12 @@ class PPOLearner:
             advantages=adv.float(),
             returns=ret.float(),
             values=values.float(),
+            discrete_actions=None
+            if piece.discrete_actions is None
+            else torch.as_tensor(np.asarray(piece.discrete_actions, np.int64), device=dev),
+            action_mask=None
+            if piece.action_mask is None
+            else torch.as_tensor(np.asarray(piece.action_mask, bool), device=dev),
         )
 
     @staticmethod
@@ -455,7 +490,13 @@ class PPOLearner:
             perm = torch.as_tensor(self.rng.permutation(n), device=self.device)
             for sl in self.minibatch_slices(n):
                 idx = perm[sl]
-                ev = self.policy.evaluate(data["obs"][idx], data["actions"][idx], normalized=normalized_obs)
+                ev = self.policy.evaluate(
+                    data["obs"][idx],
+                    data["actions"][idx],
+                    normalized=normalized_obs,
+                    discrete_actions=data["discrete_actions"][idx] if "discrete_actions" in data else None,
+                    action_mask=data["action_mask"][idx] if "action_mask" in data else None,
+                )
                 adv = adv_all[idx]
                 if cfg.advantage_norm == "minibatch":
                     adv = ppo.normalize_advantages_sb3(adv)
@@ -471,7 +512,7 @@ class PPOLearner:
                     vl = ppo.value_loss_mse(ev.value, ret)
                 else:
                     vl = ppo.value_loss_sb3_clipped(ev.value, v_old, ret, clip_range_vf=cfg.clip_range_vf)
-                ent = ppo.reduce_entropy(ev.entropy, over_dims=cfg.entropy_reduce)
+                ent = ppo.reduce_hybrid_entropy(ev.entropy, ev.discrete_entropy, over_dims=cfg.entropy_reduce)
                 # Both libraries' totals are the same sum (#5); ppo.total_loss_sb3 is its SB3 spelling.
                 total = ppo.total_loss_mlagents(pl.loss, vl, ent, beta=beta, vf_coef=cfg.vf_coef)
                 for k, v in (
@@ -507,8 +548,9 @@ class PPOLearner:
             early_stop=float(early_stop),
             total_steps=float(self.total_steps),
             rejected_batches=float(self.rejected_batches),
-            log_sigma_mean=float(self.policy.log_sigma.detach().mean()),
         )
+        if self.action_dim:
+            metrics["log_sigma_mean"] = float(self.policy.log_sigma.detach().mean())
         if self.trajectories is not None:
             # Steps waiting in unfinished trajectories: they train in a later update (#15).
             metrics["pending_steps"] = float(self.trajectories.pending_steps)
@@ -613,9 +655,10 @@ def piece_from_unroll(arrays: Mapping[str, np.ndarray], source: Any = 0) -> Traj
     obs = arrays["obs"]
     ended = arrays["terminated"] | arrays["truncated"]
     next_obs = np.where(ended[:, None], arrays["final_obs"], obs[1:])
+    T = len(arrays["rewards"])
     return TrajectoryPiece(
         obs=obs[:-1],
-        actions=arrays["actions"],
+        actions=arrays["actions"] if "actions" in arrays else np.zeros((T, 0), np.float32),
         log_probs=arrays["log_probs"],
         rewards=arrays["rewards"],
         terminated=arrays["terminated"],
@@ -623,7 +666,27 @@ def piece_from_unroll(arrays: Mapping[str, np.ndarray], source: Any = 0) -> Traj
         next_obs=next_obs,
         values=None,
         source=source,
+        discrete_actions=arrays.get("discrete_actions"),
+        action_mask=arrays.get("action_mask"),
     )
+
+
+def discrete_action_problem(
+    actions: np.ndarray, mask: np.ndarray | None, branches: tuple[int, ...]
+) -> str | None:
+    """What is wrong with recorded discrete actions [T, nb] (masks [T, sum(branches)]), or None: every
+    index must lie in its branch, and (masked) be an action the mask allowed, as a sampling actor's
+    always is."""
+    actions = np.asarray(actions)
+    sizes = np.asarray(branches)
+    if actions.size and (actions.min() < 0 or (actions >= sizes).any()):
+        return f"discrete actions outside their branches {list(branches)}"
+    if mask is not None and actions.size:
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        taken = np.take_along_axis(np.asarray(mask, bool), actions + offsets, axis=1)
+        if not taken.all():
+            return "a discrete action its action mask blocked"
+    return None
 
 
 def _to_torch(x: Any) -> Any:
@@ -652,24 +715,37 @@ class PPOTrainer:
         waits for new weights once it sent its share of an update (``unrolls_per_update`` rounds of
         unrolls; for 'mlagents' that many rounds' worth of steps in *completed* trajectories), for at
         most ``params_wait_s``."""
-        env.require_continuous_vector("launch_ppo")
+        env.require_ppo_spaces("launch_ppo")
         T = run.unroll_length  # resolved by impala.run.ppo_config.ppo_run_config
         self.config = config
         self.env_spec, self.obs_sizes = env.spec, env.obs_sizes  # for export_onnx: the file's name and inputs
+        branches = env.ppo_branches
+        low = env.action_low if env.action_low is not None else np.zeros(0, np.float32)
+        high = env.action_high if env.action_high is not None else np.zeros(0, np.float32)
         self.learner = PPOLearner(
-            config, env.obs_dim, env.action_dim, env.action_low, env.action_high, resolve_device(run.device)
+            config,
+            env.obs_dim,
+            env.action_dim,
+            low,
+            high,
+            resolve_device(run.device),
+            branches=branches,
+            action_mask=env.action_mask,
         )
-        self.schema = ppo_unroll_schema(T, env.obs_dim, env.action_dim)
+        self.schema = ppo_unroll_schema(T, env.obs_dim, env.action_dim, branches, env.action_mask)
         self.n_envs = max(run.workers, 1) * run.envs_per_worker
         wait = actors_wait(run, config)
         self.agent = PPOAgentSpec(
             config,
             env.obs_dim,
             env.action_dim,
-            tuple(map(float, env.action_low)),
-            tuple(map(float, env.action_high)),
+            tuple(map(float, low)),
+            tuple(map(float, high)),
             unrolls_per_update(config, T, self.n_envs) if wait else 0,
             params_wait_s,
+            branches,
+            "Unity" if env.spec.is_unity else env.action_space,
+            env.action_mask,
         )
         self.frames_per_step = 1.0  # gym control tasks and Unity: one frame per agent step
         self.max_abs_value = run.max_abs_value
@@ -695,13 +771,28 @@ class PPOTrainer:
         problem = wire.check_bounded(arrays, self.max_abs_value)
         if problem is not None:
             return problem
-        log_sigma = self.learner.policy.log_sigma.detach().cpu().numpy().astype(np.float64)
-        half_z2 = -(arrays["log_probs"].astype(np.float64) + log_sigma + 0.5 * np.log(2 * np.pi)).sum(axis=-1)
-        if half_z2.size and half_z2.max() > 80.0:
-            low, depth = float(arrays["log_probs"].min()), float(half_z2.max())
-            return (
-                f"log_probs {low:.3g} put an action {depth:.3g} nats below the policy's mode: "
-                "the update's ratio would overflow float32"
+        A = self.learner.action_dim
+        log_probs = arrays["log_probs"].astype(np.float64)
+        if A:
+            log_sigma = self.learner.policy.log_sigma.detach().cpu().numpy().astype(np.float64)
+            half_z2 = -(log_probs[:, :A] + log_sigma + 0.5 * np.log(2 * np.pi)).sum(axis=-1)
+            if half_z2.size and half_z2.max() > 80.0:
+                low, depth = float(log_probs[:, :A].min()), float(half_z2.max())
+                return (
+                    f"log_probs {low:.3g} put an action {depth:.3g} nats below the policy's mode: "
+                    "the update's ratio would overflow float32"
+                )
+        if self.learner.branches:
+            # A sampled action's log-probability is <= 0, and an honest sampler never draws one of
+            # probability e^-80 (ML-Agents' form cannot go below log(1e-7) = -16.1).
+            discrete = log_probs[:, A:]
+            if discrete.size and (discrete.min() < -80.0 or discrete.max() > 1e-4):
+                return (
+                    f"discrete log_probs in [{discrete.min():.3g}, {discrete.max():.3g}]: a sampled action's "
+                    "log-probability lies in [-80, 0]"
+                )
+            return discrete_action_problem(
+                arrays["discrete_actions"], arrays.get("action_mask"), self.learner.branches
             )
         return None
 
@@ -750,6 +841,10 @@ class PPOTrainer:
         Unity; ``impala.nets.onnx_export``) and return its path. Raises ``ExportError`` (one line) when
         onnx is not installed or the file cannot be written."""
         path = os.path.join(directory, onnx_file_name(self.env_spec))
+        if self.learner.branches:
+            raise ExportError(
+                "ONNX export covers continuous-action PPO policies; this one has discrete branches"
+            )
         return export_ppo_onnx(
             self.learner.policy,
             path,

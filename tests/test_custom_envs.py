@@ -151,30 +151,36 @@ def test_bad_custom_envs_are_one_line_errors(argv, message, tmp_path, capsys):
     assert message in lines[0], lines[0]
 
 
-def test_launch_ppo_names_launch_impala_for_discrete_actions(tmp_path, capsys):
-    rc = launch_ppo.main(
-        [
-            "--env",
-            "custom_envs:Tiny-v0",
-            "--workers",
-            "1",
-            "--in-process",
-            "--total-steps",
-            "64",
-            "--no-progress",
-            "--device",
-            "cpu",
-            "--logdir",
-            str(tmp_path / "run"),
-        ]
-    )
+def test_launch_ppo_trains_discrete_actions_and_refuses_other_spaces_in_one_line(tmp_path, capsys):
+    """A user's Discrete env trains under launch_ppo (one categorical branch); a Tuple action space,
+    which neither launcher trains, is one line and exit 2."""
+    import torch
+
+    run = [
+        "--workers",
+        "1",
+        "--in-process",
+        "--total-steps",
+        "128",
+        "--buffer-size",
+        "32",
+        "--batch-size",
+        "16",
+    ]
+    run += ["--no-progress", "--device", "cpu"]
+    rc = launch_ppo.main(["--env", "custom_envs:Tiny-v0", *run, "--logdir", str(tmp_path / "run")])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert state["agent"]["branches"] == [2] and state["agent"]["action_space"] == "Discrete"
+    capsys.readouterr()
+    rc = launch_ppo.main(["--env", "custom_envs:TinyTuple-v0", *run, "--logdir", str(tmp_path / "tuple")])
     err = capsys.readouterr().err
     lines = _error_lines(err)
     assert rc == 2 and len(lines) == 1, err[-2000:]
     assert (
-        "Tiny-v0 has a Discrete action space; launch_ppo trains continuous (Box) actions only; "
-        "launch_impala trains discrete actions" in lines[0]
-    )
+        "TinyTuple-v0 has a Tuple action space; launch_ppo trains Box, Discrete and MultiDiscrete actions"
+        in lines[0]
+    ), lines[0]
 
 
 def _script(name: str, args: list[str]) -> list[str]:

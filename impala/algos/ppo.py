@@ -243,6 +243,85 @@ def gaussian_entropy_exact(log_sigma: torch.Tensor) -> torch.Tensor:
     return torch.distributions.Normal(torch.zeros_like(log_sigma), torch.exp(log_sigma)).entropy()
 
 
+# ---------------------------------------------------------- categorical policy (discrete branches)
+
+# A blocked action's logit: ML-Agents ``MultiCategoricalDistribution._mask_branch`` and sb3-contrib's
+# ``MaskableCategorical.apply_masking`` both use -1e8.
+MASKED_LOGIT = -1e8
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Blocked actions' logits set to -1e8; allowed ones unchanged.
+
+    ML-Agents writes it ``logits * mask - 1e8 * (1 - mask)`` (Barracuda-friendly), sb3-contrib
+    ``where(mask, logits, -1e8)``: the same numbers (``x * 1 - 1e8 * 0 == x``, ``x * 0 - 1e8 == -1e8``).
+
+    Args:
+      logits: [B, n] one branch's logits; allowed: [B, n] bool (None: every action allowed).
+    """
+    if allowed is None:
+        return logits
+    return torch.where(allowed, logits, torch.full_like(logits, MASKED_LOGIT))
+
+
+def categorical_log_prob_mlagents(logits: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+    """ML-Agents ``CategoricalDistInstance.log_prob``: ``log(softmax(logits)[a] + 1e-7)``.
+
+    Args:
+      logits: [B, n] (already masked); action: [B] integer indices. Returns [B].
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.log(probs.gather(-1, action.long().unsqueeze(-1)).squeeze(-1) + MLAGENTS_DIST_EPS)
+
+
+def categorical_entropy_mlagents(logits: torch.Tensor) -> torch.Tensor:
+    """ML-Agents ``CategoricalDistInstance.entropy``: ``-sum(p * log(p + 1e-7))``. [B, n] -> [B]."""
+    probs = torch.softmax(logits, dim=-1)
+    return -(probs * torch.log(probs + MLAGENTS_DIST_EPS)).sum(-1)
+
+
+def categorical_log_prob_exact(logits: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+    """``torch.distributions.Categorical(logits=...).log_prob`` (SB3; sb3-contrib's MaskableCategorical
+    with masked logits): ``log_softmax(logits)[a]``. [B, n], [B] -> [B]."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
+
+
+def categorical_entropy_exact(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """``Categorical.entropy`` (SB3): ``-sum(p * log_softmax(logits))``; with a mask, sb3-contrib's
+    ``MaskableCategorical.entropy`` counts allowed actions only. [B, n] -> [B]."""
+    log_p = torch.log_softmax(logits, dim=-1)
+    p_log_p = log_p.exp() * log_p
+    if (
+        allowed is not None
+    ):  # sb3-contrib's step; blocked actions' p is exactly 0 already, so it changes nothing
+        p_log_p = torch.where(allowed, p_log_p, torch.zeros_like(p_log_p))
+    return -p_log_p.sum(-1)
+
+
+def reduce_hybrid_entropy(
+    continuous: torch.Tensor, discrete: torch.Tensor, *, over_dims: str
+) -> torch.Tensor:
+    """Batch-mean entropy of a policy with continuous dimensions and discrete branches (#4).
+
+    The continuous dimensions are reduced as :func:`reduce_entropy` does (ML-Agents: mean, SB3: sum);
+    the branches are summed in both libraries (ML-Agents ``ActionModel.evaluate`` sums the entropy
+    columns, one per branch and one for all continuous dimensions; SB3's ``MultiCategoricalDistribution``
+    sums its branches).
+
+    Args:
+      continuous: [B, A] per-dimension entropies (A may be 0); discrete: [B, nb] per-branch entropies.
+    """
+    per_sample = discrete.sum(-1)
+    if continuous.shape[-1]:
+        if over_dims == "mean":
+            per_sample = per_sample + continuous.mean(-1)
+        elif over_dims == "sum":
+            per_sample = per_sample + continuous.sum(-1)
+        else:
+            raise ValueError(f"over_dims must be 'mean' or 'sum', got {over_dims!r}")
+    return per_sample.mean()
+
+
 # ------------------------------------------------------------------------ losses
 
 

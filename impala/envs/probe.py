@@ -4,7 +4,7 @@ The launchers (``launch_impala``, ``launch_ppo``), ``frameskip_check`` and the a
 hello all learn an env's observation and action spaces and its measured fingerprint
 here, so they cannot disagree on what "the env" is. What each learner *needs* of the
 env (discrete actions for IMPALA, vector observations and Box actions for PPO) is
-checked by :meth:`EnvInfo.require_discrete` / :meth:`EnvInfo.require_continuous_vector`,
+checked by :meth:`EnvInfo.require_discrete` / :meth:`EnvInfo.require_ppo_spaces`,
 with the message naming the launcher that would work instead.
 """
 
@@ -53,6 +53,8 @@ class EnvInfo:
     description: str = ""
     action_meanings: tuple[str, ...] = ()  # Atari: what each action index does (multi-task runs compare them)
     obs_sizes: tuple[int, ...] = ()  # Unity: each sensor's size in spec order (obs: their concatenation)
+    action_branches: tuple[int, ...] = ()  # MultiDiscrete / Unity: each discrete branch's action count
+    action_mask: bool = False  # Unity discrete branches: the env masks actions
 
     @property
     def obs_dim(self) -> int:
@@ -81,14 +83,18 @@ class EnvInfo:
                 f"discrete (Discrete) actions only; {fits}"
             )
 
-    def require_continuous_vector(self, launcher: str) -> None:
-        """PPO's policy is a Gaussian over a ``Box`` of actions, fed vector observations."""
-        if self.action_low is None:
-            discrete = self.action_space == "Discrete"
-            fits = "launch_impala trains discrete actions" if discrete else "neither launcher does"
+    @property
+    def ppo_branches(self) -> tuple[int, ...]:
+        """The discrete branches of a PPO policy: ``Discrete(n)`` is one branch of n actions."""
+        return (self.num_actions,) if self.num_actions else self.action_branches
+
+    def require_ppo_spaces(self, launcher: str) -> None:
+        """PPO's policy is a Gaussian over a ``Box`` of actions and/or categoricals over ``Discrete`` /
+        ``MultiDiscrete`` ones (Unity: both), fed vector observations."""
+        if self.action_low is None and not self.ppo_branches:
             raise ConfigError(
-                f"{self.spec.id} has a {self.action_space} action space; {launcher} trains "
-                f"continuous (Box) actions only; {fits}"
+                f"{self.spec.id} has a {self.action_space} action space; {launcher} trains Box, Discrete and "
+                "MultiDiscrete actions"
             )
         if self.obs_space != "Box":
             raise ConfigError(
@@ -159,12 +165,22 @@ def probe_env(spec: EnvSpec, *, seed: int = 0, check_config: bool = True) -> Env
             )
     kind = type(act_space).__name__
     num_actions = int(act_space.n) if isinstance(act_space, gym.spaces.Discrete) else 0
+    branches: tuple[int, ...] = ()
+    if isinstance(act_space, gym.spaces.MultiDiscrete):
+        if act_space.nvec.ndim != 1 or np.any(act_space.start != 0):
+            raise ConfigError(
+                f"{spec.id} has a MultiDiscrete action space of shape {act_space.nvec.shape} starting at "
+                f"{act_space.start.tolist()}; only flat ones starting at 0 are supported"
+            )
+        branches = tuple(int(n) for n in act_space.nvec)
     low = high = None
     if isinstance(act_space, gym.spaces.Box):
         low = np.broadcast_to(act_space.low, act_space.shape).reshape(-1).astype(np.float32)
         high = np.broadcast_to(act_space.high, act_space.shape).reshape(-1).astype(np.float32)
     if num_actions:
         actions = f"{num_actions} discrete actions"
+    elif branches:
+        actions = f"discrete branches {list(branches)}"
     elif low is not None:
         actions = f"{low.size} actions in [{low.min():g}, {high.max():g}]"
     else:
@@ -187,6 +203,7 @@ def probe_env(spec: EnvSpec, *, seed: int = 0, check_config: bool = True) -> Env
         None,
         description,
         action_meanings,
+        action_branches=branches,
     )
 
 

@@ -1,20 +1,26 @@
-"""Gaussian actor-critic for PPO, ML-Agents or SB3 style (docs/PPO.md #9-#12).
+"""Actor-critic for PPO, ML-Agents or SB3 style (docs/PPO.md #9-#12).
 
-Both styles use *separate* actor and critic MLP bodies and a state-independent
-log-std parameter initialized to 0. Activation, initialization, observation
+Both styles use *separate* actor and critic MLP bodies. Continuous actions are a Gaussian with a
+state-independent log-std parameter initialized to 0; discrete actions are one categorical per branch
+(``Discrete``: one branch; ``MultiDiscrete`` / Unity: several), with optional action masks; a policy
+may have both (Unity's hybrid actions). Activation, initialization, observation
 normalization and the log-prob form are independent switches:
 
 - ``init="mlagents"``: every linear ``kaiming_normal_(nonlinearity="linear") * gain``
-  with zero bias; hidden gain 1.0, mean head 0.2; the value head is
+  with zero bias; hidden gain 1.0, mean head 0.2, branch heads 0.1; the value head is
   Xavier-uniform gain 1 (``torch_entities/layers.py::linear_layer`` defaults).
-- ``init="sb3"``: orthogonal, extractor gain sqrt(2), action head 0.01, value
+- ``init="sb3"``: orthogonal, extractor gain sqrt(2), action heads 0.01, value
   head 1, zero bias (``common/policies.py::ActorCriticPolicy._build``).
 - ``obs_norm="mlagents"``: one in-network normalizer per body (actor and critic
   each own a copy, as ML-Agents does), updated by :meth:`update_normalizer`.
 - ``obs_norm="vecnormalize"``: one frozen RunningMeanStd snapshot shared by
   both bodies; the learner owns the live statistics.
-- ``log_prob_form="mlagents"``: ML-Agents' epsilon-padded Gaussian formulas;
-  ``"exact"``: ``torch.distributions.Normal``.
+- ``log_prob_form="mlagents"``: ML-Agents' epsilon-padded Gaussian and categorical formulas;
+  ``"exact"``: ``torch.distributions.Normal`` / ``Categorical`` (masked: sb3-contrib's
+  ``MaskableCategorical``).
+
+Log-probabilities are flat per action element, as ML-Agents' ``ActionLogProbs.flatten`` lays them
+out: the continuous dimensions, then one column per branch (the taken action's).
 
 Actions are returned raw (unclipped); :func:`env_action` maps them to what the
 environment receives (#10).
@@ -41,6 +47,7 @@ ACTION_CLIPS = ("mlagents", "bounds")
 
 MLAGENTS_HIDDEN_GAIN = 1.0
 MLAGENTS_MEAN_GAIN = 0.2
+MLAGENTS_BRANCH_GAIN = 0.1  # MultiCategoricalDistribution's branch layers (KaimingHeNormal, gain 0.1)
 MLAGENTS_VALUE_GAIN = 1.0
 SB3_HIDDEN_GAIN = math.sqrt(2.0)
 SB3_ACTION_GAIN = 0.01
@@ -51,17 +58,19 @@ MLAGENTS_ACTION_LIMIT = 3.0
 class ActOutput(NamedTuple):
     """An action for each env of a batch, its log-probability and the value."""
 
-    action: torch.Tensor  # [B, A] raw sample (store this; send env_action(action) to the env)
-    log_prob: torch.Tensor  # [B, A] per-dimension log-probabilities
+    action: torch.Tensor  # [B, A] raw continuous sample (store this; send env_action(action) to the env)
+    log_prob: torch.Tensor  # [B, A + nb] per-element log-probabilities (continuous dims, then branches)
     value: torch.Tensor  # [B]
+    discrete_action: torch.Tensor | None = None  # [B, nb] int64 indices, one per branch
 
 
 class EvalOutput(NamedTuple):
     """Log-probabilities, entropy and values of given actions (the update's forward pass)."""
 
-    log_prob: torch.Tensor  # [B, A]
-    entropy: torch.Tensor  # [B, A] per-dimension entropy
+    log_prob: torch.Tensor  # [B, A + nb]
+    entropy: torch.Tensor  # [B, A] per-dimension entropy of the continuous actions
     value: torch.Tensor  # [B]
+    discrete_entropy: torch.Tensor | None = None  # [B, nb] per-branch entropy
 
 
 def init_linear_mlagents(layer: nn.Linear, gain: float, generator: torch.Generator | None = None) -> None:
@@ -117,11 +126,13 @@ def env_action(action: torch.Tensor | np.ndarray, *, mode: str, low=None, high=N
 
 
 class ActorCritic(nn.Module):
-    """Separate actor and critic MLPs with a state-independent Gaussian.
+    """Separate actor and critic MLPs; a state-independent Gaussian over ``action_dim`` continuous
+    actions and/or one categorical per entry of ``branches``.
 
-    Attributes of interest: ``actor_body``, ``mu_head``, ``log_sigma`` [A],
-    ``critic_body``, ``value_head``, and the normalizers ``actor_norm`` /
-    ``critic_norm`` (ML-Agents) or ``obs_norm`` (vecnormalize).
+    Attributes of interest: ``actor_body``, ``mu_head`` and ``log_sigma`` [A] (continuous actions),
+    ``branch_head`` (discrete: one linear layer whose outputs are the branches' logits side by side),
+    ``critic_body``, ``value_head``, and the normalizers ``actor_norm`` / ``critic_norm`` (ML-Agents)
+    or ``obs_norm`` (vecnormalize).
     """
 
     def __init__(
@@ -136,6 +147,7 @@ class ActorCritic(nn.Module):
         obs_norm: str = "mlagents",
         log_prob_form: str = "mlagents",
         seed: int | None = None,
+        branches: tuple[int, ...] = (),
     ):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -146,7 +158,13 @@ class ActorCritic(nn.Module):
             raise ValueError(f"obs_norm must be one of {OBS_NORMS}, got {obs_norm!r}")
         if log_prob_form not in LOG_PROB_FORMS:
             raise ValueError(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {log_prob_form!r}")
-        self.obs_dim, self.action_dim = obs_dim, action_dim
+        branches = tuple(int(n) for n in branches)
+        if action_dim < 0 or any(n < 1 for n in branches) or not (action_dim or branches):
+            raise ValueError(
+                f"a policy needs continuous actions (action_dim >= 1) and/or discrete branches of >= 1 "
+                f"action each, got action_dim {action_dim}, branches {branches}"
+            )
+        self.obs_dim, self.action_dim, self.branches = obs_dim, action_dim, branches
         self.obs_norm_kind, self.log_prob_form = obs_norm, log_prob_form
 
         if obs_norm == "mlagents":
@@ -157,9 +175,11 @@ class ActorCritic(nn.Module):
 
         self.actor_body = mlp_body(obs_dim, hidden_units, num_layers, activation)
         self.critic_body = mlp_body(obs_dim, hidden_units, num_layers, activation)
-        self.mu_head = nn.Linear(hidden_units, action_dim)
         self.value_head = nn.Linear(hidden_units, 1)
-        self.log_sigma = nn.Parameter(torch.zeros(action_dim))
+        # Continuous-only policies keep their state-dict keys (checkpoints from before discrete actions load).
+        self.mu_head = nn.Linear(hidden_units, action_dim) if action_dim else None
+        self.log_sigma = nn.Parameter(torch.zeros(action_dim)) if action_dim else None
+        self.branch_head = nn.Linear(hidden_units, sum(branches)) if branches else None
 
         gen = None
         if seed is not None:
@@ -168,12 +188,20 @@ class ActorCritic(nn.Module):
         if init == "mlagents":
             for layer in hidden:
                 init_linear_mlagents(layer, MLAGENTS_HIDDEN_GAIN, gen)
-            init_linear_mlagents(self.mu_head, MLAGENTS_MEAN_GAIN, gen)
+            if self.mu_head is not None:
+                init_linear_mlagents(self.mu_head, MLAGENTS_MEAN_GAIN, gen)
+            if self.branch_head is not None:
+                # One layer for all branches: Kaiming-normal depends on fan-in only, so its blocks are
+                # distributed as ML-Agents' separate branch layers are.
+                init_linear_mlagents(self.branch_head, MLAGENTS_BRANCH_GAIN, gen)
             init_linear_xavier(self.value_head, MLAGENTS_VALUE_GAIN, gen)
         else:
             for layer in hidden:
                 init_linear_orthogonal(layer, SB3_HIDDEN_GAIN, gen)
-            init_linear_orthogonal(self.mu_head, SB3_ACTION_GAIN, gen)
+            # SB3's action_net: one orthogonal layer (MultiDiscrete: all branches' logits side by side).
+            for head in (self.mu_head, self.branch_head):
+                if head is not None:
+                    init_linear_orthogonal(head, SB3_ACTION_GAIN, gen)
             init_linear_orthogonal(self.value_head, SB3_VALUE_GAIN, gen)
 
     # ---------------------------------------------------------------- pieces
@@ -192,9 +220,36 @@ class ActorCritic(nn.Module):
             return self.critic_norm(obs)
         return self.obs_norm(obs)
 
+    def actor_features(self, obs: torch.Tensor, *, normalized: bool = False) -> torch.Tensor:
+        """The actor body's output [B, hidden] for observations [B, obs_dim]."""
+        return self.actor_body(self._actor_in(obs, normalized))
+
     def mean(self, obs: torch.Tensor, *, normalized: bool = False) -> torch.Tensor:
-        """Action mean [B, A] for observations [B, obs_dim]."""
-        return self.mu_head(self.actor_body(self._actor_in(obs, normalized)))
+        """Continuous action mean [B, A] for observations [B, obs_dim]."""
+        return self.mu_head(self.actor_features(obs, normalized=normalized))
+
+    def branch_logits(self, features: torch.Tensor, action_mask: torch.Tensor | None) -> list[torch.Tensor]:
+        """Each branch's masked logits [B, n_i] from actor features; ``action_mask`` [B, sum(n)] bool
+        (True: allowed) or None."""
+        logits = self.branch_head(features).split(self.branches, dim=-1)
+        masks = (None,) * len(self.branches) if action_mask is None else action_mask.split(self.branches, -1)
+        return [ppo.mask_logits(x, m) for x, m in zip(logits, masks)]
+
+    def discrete_log_probs(self, logits: list[torch.Tensor], actions: torch.Tensor) -> torch.Tensor:
+        """The taken actions' log-probabilities [B, nb] (``actions`` [B, nb] indices)."""
+        f = (
+            ppo.categorical_log_prob_mlagents
+            if self.log_prob_form == "mlagents"
+            else ppo.categorical_log_prob_exact
+        )
+        return torch.stack([f(x, actions[:, i]) for i, x in enumerate(logits)], dim=-1)
+
+    def discrete_entropy(self, logits: list[torch.Tensor], action_mask: torch.Tensor | None) -> torch.Tensor:
+        """Each branch's entropy [B, nb]."""
+        if self.log_prob_form == "mlagents":
+            return torch.stack([ppo.categorical_entropy_mlagents(x) for x in logits], dim=-1)
+        masks = (None,) * len(logits) if action_mask is None else action_mask.split(self.branches, -1)
+        return torch.stack([ppo.categorical_entropy_exact(x, m) for x, m in zip(logits, masks)], dim=-1)
 
     def value(self, obs: torch.Tensor, *, normalized: bool = False) -> torch.Tensor:
         """State value [B] for observations [B, obs_dim]."""
@@ -206,6 +261,8 @@ class ActorCritic(nn.Module):
         return ppo.gaussian_log_prob_exact(actions, mu, self.log_sigma)
 
     def entropy_per_dim(self, batch: int) -> torch.Tensor:
+        if not self.action_dim:
+            return self.value_head.weight.new_zeros(batch, 0)
         log_sigma = self.log_sigma.expand(batch, self.action_dim)
         if self.log_prob_form == "mlagents":
             return ppo.gaussian_entropy_mlagents(log_sigma)
@@ -215,32 +272,85 @@ class ActorCritic(nn.Module):
 
     @torch.no_grad()
     def act(
-        self, obs: torch.Tensor, *, deterministic: bool = False, generator: torch.Generator | None = None
+        self,
+        obs: torch.Tensor,
+        *,
+        deterministic: bool = False,
+        generator: torch.Generator | None = None,
+        action_mask: torch.Tensor | None = None,
     ) -> ActOutput:
-        """Sample actions for raw observations [B, obs_dim].
+        """Sample actions for raw observations [B, obs_dim] (with ``value``: see ``ActOutput``).
 
-        Returns the raw sample [B, A] (unclipped), its per-dimension
-        log-probability [B, A] and the value [B].
+        Continuous: the raw sample [B, A] (unclipped), or the mean if ``deterministic``. Discrete: one
+        index per branch drawn from the masked softmax (``torch.multinomial``, as ML-Agents and torch's
+        ``Categorical`` sample), or its argmax.
         """
-        mu = self.mean(obs)
-        if deterministic:
-            action = mu
-        else:
-            noise = torch.randn(mu.shape, dtype=mu.dtype, device=mu.device, generator=generator)
-            action = mu + torch.exp(self.log_sigma) * noise
-        return ActOutput(action, self.log_prob_per_dim(action, mu), self.value(obs))
+        features = self.actor_features(obs)
+        parts = self.sample_from_features(features, deterministic, generator, action_mask)
+        return ActOutput(parts[0], parts[1], self.value(obs), parts[2])
 
-    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor, *, normalized: bool = False) -> EvalOutput:
-        """Per-dimension log-probs [B, A], per-dimension entropy [B, A] and values [B].
+    def sample_from_features(
+        self,
+        features: torch.Tensor,
+        deterministic: bool,
+        generator: torch.Generator | None,
+        action_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(continuous action [B, A], log-probs [B, A + nb], discrete action [B, nb] or None)."""
+        batch = features.shape[0]
+        action = features.new_zeros(batch, 0)
+        log_probs = [features.new_zeros(batch, 0)]
+        if self.mu_head is not None:
+            mu = self.mu_head(features)
+            action = mu
+            if not deterministic:
+                noise = torch.randn(mu.shape, dtype=mu.dtype, device=mu.device, generator=generator)
+                action = mu + torch.exp(self.log_sigma) * noise
+            log_probs = [self.log_prob_per_dim(action, mu)]
+        discrete = None
+        if self.branch_head is not None:
+            logits = self.branch_logits(features, action_mask)
+            if deterministic:
+                picks = [x.argmax(-1) for x in logits]
+            else:
+                picks = [
+                    torch.multinomial(torch.softmax(x, -1), 1, generator=generator)[:, 0] for x in logits
+                ]
+            discrete = torch.stack(picks, dim=-1)
+            log_probs.append(self.discrete_log_probs(logits, discrete))
+        return action, torch.cat(log_probs, dim=-1), discrete
+
+    def evaluate(
+        self,
+        obs: torch.Tensor,
+        actions: torch.Tensor,
+        *,
+        normalized: bool = False,
+        discrete_actions: torch.Tensor | None = None,
+        action_mask: torch.Tensor | None = None,
+    ) -> EvalOutput:
+        """Per-element log-probs [B, A + nb], continuous per-dimension entropy [B, A], per-branch entropy
+        [B, nb] and values [B], for continuous ``actions`` [B, A] and ``discrete_actions`` [B, nb]
+        taken under ``action_mask`` [B, sum(n)].
 
         ``normalized=True`` when ``obs`` already went through the (vecnormalize)
         obs transform, as SB3's buffer stores them.
         """
-        mu = self.mean(obs, normalized=normalized)
+        features = self.actor_features(obs, normalized=normalized)
+        batch = obs.shape[0]
+        log_probs = [features.new_zeros(batch, 0)]
+        if self.mu_head is not None:
+            log_probs = [self.log_prob_per_dim(actions, self.mu_head(features))]
+        discrete_entropy = features.new_zeros(batch, 0)
+        if self.branch_head is not None:
+            logits = self.branch_logits(features, action_mask)
+            log_probs.append(self.discrete_log_probs(logits, discrete_actions))
+            discrete_entropy = self.discrete_entropy(logits, action_mask)
         return EvalOutput(
-            self.log_prob_per_dim(actions, mu),
-            self.entropy_per_dim(obs.shape[0]),
+            torch.cat(log_probs, dim=-1),
+            self.entropy_per_dim(batch),
             self.value(obs, normalized=normalized),
+            discrete_entropy,
         )
 
     @torch.no_grad()
@@ -261,11 +371,14 @@ class ActorCritic(nn.Module):
         return obs
 
 
-def make_policy(config: PPOConfig, obs_dim: int, action_dim: int) -> ActorCritic:
+def make_policy(
+    config: PPOConfig, obs_dim: int, action_dim: int, branches: tuple[int, ...] = ()
+) -> ActorCritic:
     """The actor-critic a learner and its actors share (same layout, same state_dict keys)."""
     return ActorCritic(
         obs_dim,
         action_dim,
+        branches=branches,
         hidden_units=config.hidden_units,
         num_layers=config.num_layers,
         activation=config.activation,

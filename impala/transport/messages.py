@@ -72,10 +72,18 @@ class ImpalaAgentSpec:
         return cls(model, _get(d, "use_lstm", bool, what), beta, stack, tasks)
 
 
+# The env action spaces a PPO actor can drive (Unity: continuous, discrete branches or both).
+PPO_ACTION_SPACES = ("Box", "Discrete", "MultiDiscrete", "Unity")
+MAX_BRANCHES = 64  # discrete branches a PPO policy may have (bounds what a peer's run info can ask for)
+MAX_BRANCH_SIZE = 4096  # actions in one branch
+
+
 @dataclass(frozen=True)
 class PPOAgentSpec:
-    """Continuous actions from the PPO policy; ``unrolls_per_update`` / ``params_wait_s`` make an
-    on-policy actor wait for new weights once it sent its share of an update."""
+    """The PPO policy's actions: ``action_dim`` continuous ones and/or one index per entry of
+    ``branches`` (``action_space``: the env's space, which says how the env takes them; ``action_mask``:
+    the env masks discrete actions). ``unrolls_per_update`` / ``params_wait_s`` make an on-policy actor
+    wait for new weights once it sent its share of an update."""
 
     config: PPOConfig
     obs_dim: int
@@ -84,14 +92,32 @@ class PPOAgentSpec:
     action_high: tuple[float, ...]
     unrolls_per_update: int = 0
     params_wait_s: float = 0.0
+    branches: tuple[int, ...] = ()
+    action_space: str = "Box"
+    action_mask: bool = False
     kind: str = dataclasses.field(default="ppo", init=False)
 
     def __post_init__(self) -> None:
-        if self.obs_dim < 1 or self.action_dim < 1:
+        if self.obs_dim < 1 or self.action_dim < 0 or not (self.action_dim or self.branches):
             raise ValueError(
-                f"ppo agent settings: obs_dim and action_dim must be >= 1, got {self.obs_dim}, "
-                f"{self.action_dim}"
+                f"ppo agent settings: obs_dim must be >= 1 and there must be continuous or discrete actions, "
+                f"got obs_dim {self.obs_dim}, action_dim {self.action_dim}, branches {self.branches}"
             )
+        if (
+            any(type(n) is not int or not 1 <= n <= MAX_BRANCH_SIZE for n in self.branches)
+            or len(self.branches) > MAX_BRANCHES
+        ):
+            raise ValueError(
+                f"ppo agent settings: up to {MAX_BRANCHES} branches of 1..{MAX_BRANCH_SIZE} actions each, "
+                f"got {self.branches}"
+            )
+        if self.action_space not in PPO_ACTION_SPACES:
+            raise ValueError(
+                f"ppo agent settings: action_space must be one of {PPO_ACTION_SPACES}, got "
+                f"{self.action_space!r}"
+            )
+        if self.action_mask and not self.branches:
+            raise ValueError("ppo agent settings: an action mask needs discrete branches")
         if len(self.action_low) != self.action_dim or len(self.action_high) != self.action_dim:
             raise ValueError(f"ppo agent settings: action bounds must have {self.action_dim} values")
         if not all(math.isfinite(x) for x in (*self.action_low, *self.action_high, self.params_wait_s)):
@@ -109,6 +135,9 @@ class PPOAgentSpec:
             "action_high": list(self.action_high),
             "unrolls_per_update": self.unrolls_per_update,
             "params_wait_s": self.params_wait_s,
+            "branches": list(self.branches),
+            "action_space": self.action_space,
+            "action_mask": self.action_mask,
         }
 
     @classmethod
@@ -133,6 +162,10 @@ class PPOAgentSpec:
             tuple(float(x) for x in bounds[1]),
             _get(d, "unrolls_per_update", int, what),
             float(_get(d, "params_wait_s", (int, float), what)),
+            # absent from the settings of runs (and checkpoints) from before discrete actions
+            tuple(_get(d, "branches", list, what)) if "branches" in d else (),
+            _get(d, "action_space", str, what) if "action_space" in d else "Box",
+            _get(d, "action_mask", bool, what) if "action_mask" in d else False,
         )
 
 

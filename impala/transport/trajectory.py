@@ -150,26 +150,43 @@ def rebuild_frame_stacks(obs_head: Any, frames: Any, first: Any) -> Any:
     return obs.numpy() if as_numpy else obs
 
 
-def ppo_unroll_schema(unroll_length: int, obs_dim: int, action_dim: int) -> TrajectorySchema:
-    """One actor unroll for PPO (continuous actions, vector observations).
+def ppo_unroll_schema(
+    unroll_length: int,
+    obs_dim: int,
+    action_dim: int,
+    branches: tuple[int, ...] = (),
+    action_mask: bool = False,
+) -> TrajectorySchema:
+    """One actor unroll for PPO (vector observations; continuous and/or discrete actions).
 
     Observations are stored **raw** (the learner normalizes them with its own
     statistics, as ML-Agents does). ``final_obs[t]`` is the last observation of
-    an episode that ended at transition t (for bootstrapping truncated
-    episodes); elsewhere it is zero. ``log_probs`` are per action dimension.
+    an episode that ended at t (for bootstrapping truncated episodes); elsewhere
+    it is zero. ``actions`` are the ``action_dim`` raw continuous samples,
+    ``discrete_actions`` one index per branch of ``branches``; ``log_probs`` are
+    per element, the continuous dimensions first, then one per branch.
+    ``action_mask`` (Unity's per-step masks; True: allowed) holds each branch's
+    actions side by side.
     """
     T = unroll_length
-    return TrajectorySchema(
-        (
-            ArraySpec("obs", "float32", (T + 1, obs_dim)),
-            ArraySpec("actions", "float32", (T, action_dim)),
-            ArraySpec("log_probs", "float32", (T, action_dim)),
-            ArraySpec("rewards", "float32", (T,)),
-            ArraySpec("terminated", "bool", (T,)),
-            ArraySpec("truncated", "bool", (T,)),
-            ArraySpec("final_obs", "float32", (T, obs_dim)),
-        )
-    )
+    nb = len(branches)
+    arrays = [ArraySpec("obs", "float32", (T + 1, obs_dim))]
+    if action_dim:
+        arrays.append(ArraySpec("actions", "float32", (T, action_dim)))
+    if nb:
+        arrays.append(ArraySpec("discrete_actions", "int64", (T, nb)))
+    if action_mask:
+        if not nb:
+            raise ValueError("ppo_unroll_schema: an action mask needs discrete branches")
+        arrays.append(ArraySpec("action_mask", "bool", (T, sum(branches))))
+    arrays += [
+        ArraySpec("log_probs", "float32", (T, action_dim + nb)),
+        ArraySpec("rewards", "float32", (T,)),
+        ArraySpec("terminated", "bool", (T,)),
+        ArraySpec("truncated", "bool", (T,)),
+        ArraySpec("final_obs", "float32", (T, obs_dim)),
+    ]
+    return TrajectorySchema(tuple(arrays))
 
 
 def stack_time_major(

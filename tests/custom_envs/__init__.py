@@ -53,5 +53,17 @@ class TinyContinuousEnv(TinyEnv):
         return super().step(int(float(np.asarray(action).reshape(-1)[0]) > 0))
 
 
+class TinyTupleEnv(TinyEnv):
+    """The same corridor with a Tuple action space (neither launcher's kind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.action_space = spaces.Tuple((spaces.Discrete(2), spaces.Discrete(2)))
+
+    def step(self, action):
+        return super().step(int(action[0]))
+
+
 gym.register("Tiny-v0", entry_point=TinyEnv)
 gym.register("TinyBox-v0", entry_point=TinyContinuousEnv)
+gym.register("TinyTuple-v0", entry_point=TinyTupleEnv)
