@@ -98,7 +98,7 @@ def export_checkpoint(ckpt: PolicyCheckpoint, out: str, obs_sizes: list[int] | N
                 f"--obs-sizes {','.join(map(str, obs_sizes))} add up to {sum(obs_sizes)}, but the policy "
                 f"takes {agent.obs_dim} observation values"
             )
-        policy = make_policy(agent.config, agent.obs_dim, agent.action_dim)
+        policy = make_policy(agent.config, agent.obs_dim, agent.action_dim, agent.branches)
         _load(policy, ckpt)
         export_ppo_onnx(
             policy.eval(),
@@ -110,10 +110,11 @@ def export_checkpoint(ckpt: PolicyCheckpoint, out: str, obs_sizes: list[int] | N
         )
         sizes = obs_sizes or [agent.obs_dim]
         inputs = ", ".join(f"obs_{i}[{n}]" for i, n in enumerate(sizes))
-        return (
-            f"PPO policy of {ckpt.env.id} ({inputs} -> {agent.action_dim} continuous action(s), "
-            f"ML-Agents model API 3)"
-        )
+        actions = [f"{agent.action_dim} continuous action(s)"] if agent.action_dim else []
+        if agent.branches:
+            inputs += f", action_masks[{sum(agent.branches)}]"
+            actions.append(f"discrete branches {list(agent.branches)}")
+        return f"PPO policy of {ckpt.env.id} ({inputs} -> {' and '.join(actions)}, ML-Agents model API 3)"
     if isinstance(agent, ImpalaAgentSpec):
         if obs_sizes:
             raise ConfigError("--obs-sizes applies to PPO checkpoints only; this one is IMPALA's")

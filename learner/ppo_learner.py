@@ -40,7 +40,7 @@ from impala.transport.messages import PPOAgentSpec
 from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
 from impala.run.ppo_config import PPOConfig, actors_wait
 from impala.transport.params import state_dict_arrays
-from impala.nets.onnx_export import ExportError, export_ppo_onnx, onnx_file_name
+from impala.nets.onnx_export import export_ppo_onnx, onnx_file_name
 from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
 
@@ -841,10 +841,6 @@ class PPOTrainer:
         Unity; ``impala.nets.onnx_export``) and return its path. Raises ``ExportError`` (one line) when
         onnx is not installed or the file cannot be written."""
         path = os.path.join(directory, onnx_file_name(self.env_spec))
-        if self.learner.branches:
-            raise ExportError(
-                "ONNX export covers continuous-action PPO policies; this one has discrete branches"
-            )
         return export_ppo_onnx(
             self.learner.policy,
             path,

@@ -509,3 +509,95 @@ def test_trainer_hook_writes_behaviour_onnx(tmp_path):
             high=ones,
         )
     np.testing.assert_allclose(det, want.numpy(), atol=ATOL)
+
+
+# --------------------------------------------------------------------------- discrete and hybrid actions
+
+BRANCHES = (3, 2)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning"
+)
+@pytest.mark.filterwarnings("ignore:The feature will be removed:DeprecationWarning")
+@pytest.mark.parametrize("continuous", [0, ACTIONS])
+def test_discrete_branches_and_masks_as_mlagents_own_export_writes_them(tmp_path, continuous):
+    """ML-Agents' SimpleActor with discrete branches (and, hybrid, continuous actions too), exported by its
+    own ModelSerializer, and ours with its weights: the same interface (action_masks input, int64 action
+    outputs, the [1, branches] shape constant) and, under masks, the same deterministic actions; sampled
+    actions never take a blocked one."""
+    from mlagents_shims import require_mlagents
+
+    require_mlagents()
+    from mlagents.trainers.settings import NetworkSettings
+    from mlagents.trainers.torch.model_serialization import ModelSerializer
+    from mlagents.trainers.torch.networks import SimpleActor
+    from mlagents_envs.base_env import ActionSpec, BehaviorSpec, DimensionProperty, ObservationSpec
+    from mlagents_envs.base_env import ObservationType
+
+    specs = [
+        ObservationSpec((n,), (DimensionProperty.NONE,), ObservationType.DEFAULT, f"vector{i}")
+        for i, n in enumerate(OBS_SIZES)
+    ]
+    action_spec = ActionSpec(continuous, BRANCHES)
+    torch.manual_seed(0)
+    actor = SimpleActor(
+        specs, NetworkSettings(normalize=False, hidden_units=HIDDEN, num_layers=2), action_spec
+    )
+    trained_looking(actor, 2)
+
+    class Policy:  # what ModelSerializer reads of a TorchPolicy
+        behavior_spec = BehaviorSpec(specs, action_spec)
+        export_memory_size = 0
+
+    Policy.actor = actor
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.onnx, "export", functools.partial(torch.onnx.export, dynamo=False))
+        ModelSerializer(Policy).export_policy_model(str(tmp_path / "mlagents"))
+
+    ours = ActorCritic(
+        sum(OBS_SIZES), continuous, hidden_units=HIDDEN, num_layers=2, obs_norm="none", branches=BRANCHES
+    )
+    theirs = dict(actor.named_parameters())
+    with torch.no_grad():
+        for i in (0, 2):
+            for p in ("weight", "bias"):
+                getattr(ours.actor_body[i], p).copy_(theirs[f"network_body._body_endoder.seq_layers.{i}.{p}"])
+        for p in ("weight", "bias"):
+            branches = [theirs[f"action_model._discrete_distribution.branches.{i}.{p}"] for i in range(2)]
+            getattr(ours.branch_head, p).copy_(torch.cat(branches))
+            if continuous:
+                getattr(ours.mu_head, p).copy_(theirs[f"action_model._continuous_distribution.mu.{p}"])
+        if continuous:
+            ours.log_sigma.copy_(theirs["action_model._continuous_distribution.log_sigma"].reshape(-1))
+    ours_path = export_ppo_onnx(ours, str(tmp_path / "ours.onnx"), obs_sizes=OBS_SIZES)
+    theirs_path = tmp_path / "mlagents.onnx"
+    assert io_signature(onnx.load(ours_path)) == io_signature(onnx.load(str(theirs_path)))
+
+    rng = np.random.default_rng(5)
+    obs = random_obs(256, sum(OBS_SIZES), 4)
+    masks = (rng.random((256, sum(BRANCHES))) < 0.6).astype(np.float32)
+    masks[np.arange(256), rng.integers(0, 3, 256)] = 1.0  # every branch keeps an allowed action
+    masks[np.arange(256), 3 + rng.integers(0, 2, 256)] = 1.0
+    feeds = {**split(obs), "action_masks": masks}
+    got = dict(zip(io_signature(onnx.load(ours_path))["output_order"], session(ours_path).run(None, feeds)))
+    want = dict(
+        zip(io_signature(onnx.load(str(theirs_path)))["output_order"], session(theirs_path).run(None, feeds))
+    )
+    assert (
+        got["discrete_action_output_shape"].tolist()
+        == want["discrete_action_output_shape"].tolist()
+        == [[3, 2]]
+    )
+    np.testing.assert_array_equal(
+        got["deterministic_discrete_actions"], want["deterministic_discrete_actions"]
+    )
+    if continuous:
+        np.testing.assert_allclose(
+            got["deterministic_continuous_actions"], want["deterministic_continuous_actions"], atol=ATOL
+        )
+    # the torch policy's greedy actions, and samples only where the mask allows
+    greedy = ours.act(torch.from_numpy(obs), deterministic=True, action_mask=torch.from_numpy(masks > 0))
+    np.testing.assert_array_equal(got["deterministic_discrete_actions"], greedy.discrete_action.numpy())
+    offsets = np.array([0, 3])
+    assert (np.take_along_axis(masks, got["discrete_actions"] + offsets, axis=1) == 1).all()

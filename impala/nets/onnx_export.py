@@ -6,9 +6,14 @@ PPO (:func:`ppo_onnx_model`, :func:`export_ppo_onnx`)
 
     - inputs ``obs_0`` .. ``obs_{n-1}`` [batch, size]: one per observation (sensor), in the
       order the behaviour spec lists them; our policy sees their concatenation;
+    - input ``action_masks`` [batch, sum of branch sizes] float32 (1: allowed) when the policy
+      has discrete branches;
     - outputs ``version_number`` [1] = 3, ``memory_size`` [1] = 0, ``continuous_actions``
       [batch, A] (a sample), ``continuous_action_output_shape`` [1] = A,
-      ``deterministic_continuous_actions`` [batch, A] (the mean), all float32;
+      ``deterministic_continuous_actions`` [batch, A] (the mean), all float32; with discrete
+      branches ``discrete_actions`` [batch, branches] int64 (a sample per branch),
+      ``discrete_action_output_shape`` [1, branches] float32 (each branch's size) and
+      ``deterministic_discrete_actions`` [batch, branches] int64 (each branch's argmax);
     - opset 9, as ML-Agents' ``SerializationSettings.onnx_opset``.
 
     The graph is built node by node from the policy's weights (no tracing): the observation
@@ -18,9 +23,9 @@ PPO (:func:`ppo_onnx_model`, :func:`export_ppo_onnx`)
     Both action outputs go through what the env received in training (``env_action``):
     ``clamp(a, -3, 3) / 3`` for ``action_clip='mlagents'``, which is what ML-Agents' graph
     does (``ActionModel.get_action_out`` with ``_clip_action_on_export``); ``clip(a, low, high)``
-    for ``'bounds'`` (SB3). Discrete actions (``discrete_actions``, ``action_masks``, ...) are not
-    written: our PPO policy has no discrete head; :class:`ActionLayout` names them so that one
-    can be added.
+    for ``'bounds'`` (SB3). Each discrete branch is masked as ML-Agents' graph masks it
+    (``logits * mask - 1e8 * (1 - mask)``), then ``Softmax``; the sample is ``Multinomial`` of
+    its log, the deterministic action its ``ArgMax``.
 
 IMPALA (:func:`export_impala_onnx`)
     Input ``obs`` [batch, *obs_shape] (uint8 frames stay uint8: the scaling is in the graph);
@@ -185,6 +190,39 @@ def _to_env(
     return g.op("Max", [g.op("Min", [a, hi]), lo], output)
 
 
+def _discrete(g: _Graph, policy: ActorCritic, x: str, branches: tuple[int, ...], seed: float | None) -> None:
+    """The discrete branches' outputs from actor features ``x``, as ML-Agents' graph computes them:
+    each branch's logits masked by its slice of ``action_masks`` (``logits * mask - 1e8 * (1 - mask)``),
+    ``Softmax``; ``Multinomial`` of the log-probabilities samples, ``ArgMax`` is the deterministic
+    action; branches side by side (``Concat``)."""
+    weights = policy.branch_head.weight.split(branches)
+    biases = policy.branch_head.bias.split(branches)
+    samples, argmaxes, start = [], [], 0
+    for i, (n, w, b) in enumerate(zip(branches, weights, biases)):
+        logits = g.op(
+            "Gemm",
+            [x, g.const(f"branch{i}.weight", _float32(w)), g.const(f"branch{i}.bias", _float32(b))],
+            transB=1,
+        )
+        mask = g.op("Slice", [ACTION_MASKS], starts=[start], ends=[start + n], axes=[1])
+        blocked = g.op("Sub", [g.const(f"branch{i}.one", 1.0), mask])
+        masked = g.op(
+            "Sub", [g.op("Mul", [logits, mask]), g.op("Mul", [blocked, g.const(f"branch{i}.big", 1e8)])]
+        )
+        log_probs = g.op("Log", [g.op("Softmax", [masked], axis=1)])
+        attrs = {"sample_size": 1, "dtype": g.onnx.TensorProto.INT64}
+        samples.append(
+            g.op("Multinomial", [log_probs], **(attrs if seed is None else {**attrs, "seed": float(seed)}))
+        )
+        argmaxes.append(g.op("ArgMax", [masked], axis=1, keepdims=1))
+        start += n
+    for name, parts in ((DISCRETE_ACTIONS, samples), (DETERMINISTIC_DISCRETE, argmaxes)):
+        if len(parts) == 1:
+            g.op("Identity", parts, name)
+        else:
+            g.op("Concat", parts, name, axis=1)
+
+
 def ppo_onnx_model(
     policy: ActorCritic,
     *,
@@ -211,7 +249,7 @@ def ppo_onnx_model(
         raise ExportError(
             f"observation sizes {sizes} must be positive and sum to the policy's {policy.obs_dim} inputs"
         )
-    A = policy.action_dim
+    A, branches = policy.action_dim, tuple(policy.branches)
     low = high = None
     if action_clip == "bounds":
         if action_low is None or action_high is None:
@@ -224,38 +262,49 @@ def ppo_onnx_model(
             or not (np.isfinite(low).all() and np.isfinite(high).all())
         ):
             raise ExportError(f"action bounds must be {A} finite values each")
-    layout = ActionLayout(continuous_size=A)
+    layout = ActionLayout(continuous_size=A, discrete_branches=branches)
 
     g = _Graph(onnx)
     h, tp = onnx.helper, onnx.TensorProto
     inputs = [h.make_tensor_value_info(f"{OBS_PREFIX}{i}", tp.FLOAT, [BATCH, n]) for i, n in enumerate(sizes)]
     x = inputs[0].name if len(inputs) == 1 else g.op("Concat", [v.name for v in inputs], axis=1)
+    if branches:
+        inputs.append(h.make_tensor_value_info(ACTION_MASKS, tp.FLOAT, [BATCH, sum(branches)]))
     x = _normalizer(g, policy, x)
     x = _mlp(g, policy.actor_body, x, "actor_body")
-    w, b = (
-        g.const("mu_head.weight", _float32(policy.mu_head.weight)),
-        g.const("mu_head.bias", _float32(policy.mu_head.bias)),
-    )
-    mu = g.op("Gemm", [x, w, b], transB=1)
-    # A state-independent sigma: exp(log_sigma) is a constant [1, A], broadcast over the batch.
-    std = g.const("action_std", _float32(torch.exp(policy.log_sigma.detach())).reshape(1, A))
-    noise_attrs = {"dtype": tp.FLOAT} if seed is None else {"dtype": tp.FLOAT, "seed": float(seed)}
-    noise = g.op("RandomNormalLike", [mu], **noise_attrs)
-    sample = g.op("Add", [mu, g.op("Mul", [noise, std])])
-    _to_env(g, sample, CONTINUOUS_ACTIONS, action_clip, low, high)
-    _to_env(g, mu, DETERMINISTIC_CONTINUOUS, action_clip, low, high)
     # The three constants are parameters in ML-Agents' actor; its graph reads them through Identity.
-    for name, value in ((VERSION_NUMBER, MODEL_EXPORT_VERSION), (MEMORY_SIZE, 0), (CONTINUOUS_SHAPE, A)):
-        g.op("Identity", [g.const(f"{name}.value", [float(value)])], name)
+    constants: list[tuple[str, Any]] = [(VERSION_NUMBER, [MODEL_EXPORT_VERSION]), (MEMORY_SIZE, [0])]
+    if A:
+        w, b = (
+            g.const("mu_head.weight", _float32(policy.mu_head.weight)),
+            g.const("mu_head.bias", _float32(policy.mu_head.bias)),
+        )
+        mu = g.op("Gemm", [x, w, b], transB=1)
+        # A state-independent sigma: exp(log_sigma) is a constant [1, A], broadcast over the batch.
+        std = g.const("action_std", _float32(torch.exp(policy.log_sigma.detach())).reshape(1, A))
+        noise_attrs = {"dtype": tp.FLOAT} if seed is None else {"dtype": tp.FLOAT, "seed": float(seed)}
+        noise = g.op("RandomNormalLike", [mu], **noise_attrs)
+        sample = g.op("Add", [mu, g.op("Mul", [noise, std])])
+        _to_env(g, sample, CONTINUOUS_ACTIONS, action_clip, low, high)
+        _to_env(g, mu, DETERMINISTIC_CONTINUOUS, action_clip, low, high)
+        constants.append((CONTINUOUS_SHAPE, [A]))
+    if branches:
+        _discrete(g, policy, x, branches, seed)
+        constants.append((DISCRETE_SHAPE, [list(branches)]))
+    for name, value in constants:
+        g.op("Identity", [g.const(f"{name}.value", np.asarray(value, np.float32))], name)
 
     shapes = {
-        VERSION_NUMBER: [1],
-        MEMORY_SIZE: [1],
-        CONTINUOUS_SHAPE: [1],
-        CONTINUOUS_ACTIONS: [BATCH, A],
-        DETERMINISTIC_CONTINUOUS: [BATCH, A],
+        VERSION_NUMBER: (tp.FLOAT, [1]),
+        MEMORY_SIZE: (tp.FLOAT, [1]),
+        CONTINUOUS_SHAPE: (tp.FLOAT, [1]),
+        CONTINUOUS_ACTIONS: (tp.FLOAT, [BATCH, A]),
+        DETERMINISTIC_CONTINUOUS: (tp.FLOAT, [BATCH, A]),
+        DISCRETE_ACTIONS: (tp.INT64, [BATCH, len(branches)]),
+        DISCRETE_SHAPE: (tp.FLOAT, [1, len(branches)]),
+        DETERMINISTIC_DISCRETE: (tp.INT64, [BATCH, len(branches)]),
     }
-    outputs = [h.make_tensor_value_info(name, tp.FLOAT, shapes[name]) for name in layout.output_names()]
+    outputs = [h.make_tensor_value_info(name, *shapes[name]) for name in layout.output_names()]
     graph = h.make_graph(g.nodes, "impala-rl PPO policy", inputs, outputs, g.initializers)
     model = h.make_model(graph, producer_name="impala-rl", opset_imports=[h.make_opsetid("", MLAGENTS_OPSET)])
     model.ir_version = MLAGENTS_IR_VERSION
