@@ -15,6 +15,8 @@ import copy
 import json
 import logging
 import os
+import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -158,9 +160,16 @@ class Checkpointer:
         progress: Progress,
         *,
         resuming: bool,
+        every_steps: int | None = None,
+        keep: int = 5,
     ) -> None:
+        """``every_steps``: also keep a numbered copy, ``<name>-<agent steps>.pt`` (and ``.onnx`` when the
+        trainer exports one), each time the agent steps pass a multiple of it; the ``keep`` newest stay
+        (ML-Agents' ``checkpoint_interval`` and ``keep_checkpoints``)."""
         self.path, self.logdir = config.checkpoint_path, config.logdir
         self.every_s = config.checkpoint_minutes * 60
+        self.every_steps, self.keep = every_steps, keep
+        self.next_numbered = (progress.agent_steps // every_steps + 1) * every_steps if every_steps else 0
         self.trainer, self.run_info, self.config_record, self.progress = (
             trainer,
             run_info,
@@ -224,9 +233,39 @@ class Checkpointer:
         log.info("best.pt: the weights at %d frames, eval mean return %.2f", at_frames, mean_return)
 
     def maybe_save(self) -> None:
-        """Save if ``--checkpoint-minutes`` have passed since the last try."""
-        if time.monotonic() - self.last_try >= self.every_s:
+        """Save if ``--checkpoint-minutes`` have passed since the last try, or (with ``every_steps``) the
+        agent steps passed the next multiple: then a numbered copy too."""
+        steps = self.progress.agent_steps
+        if self.every_steps and steps >= self.next_numbered:
+            self.next_numbered = (steps // self.every_steps + 1) * self.every_steps
+            if self.save():
+                self._numbered(steps)
+        elif time.monotonic() - self.last_try >= self.every_s:
             self.save()
+
+    def numbered_name(self) -> str:
+        """The numbered checkpoints' name: the ONNX file's stem (the behaviour), else ``checkpoint``."""
+        name_of = getattr(self.trainer, "onnx_name", None)
+        return name_of() if name_of is not None else "checkpoint"
+
+    def _numbered(self, steps: int) -> None:
+        """Copy the checkpoint just written (and its ONNX file) to ``<name>-<steps>.*``; drop the oldest
+        beyond ``keep``."""
+        name = self.numbered_name()
+        pattern = re.compile(re.escape(name) + r"-(\d+)\.(pt|onnx)")
+        try:
+            shutil.copyfile(self.path, os.path.join(self.logdir, f"{name}-{steps}.pt"))
+            onnx = os.path.join(self.logdir, f"{name}.onnx")
+            if os.path.isfile(onnx):
+                shutil.copyfile(onnx, os.path.join(self.logdir, f"{name}-{steps}.onnx"))
+            found = sorted({int(m.group(1)) for f in os.listdir(self.logdir) if (m := pattern.fullmatch(f))})
+            for old in found[: max(len(found) - self.keep, 0)]:
+                for ext in ("pt", "onnx"):
+                    path = os.path.join(self.logdir, f"{name}-{old}.{ext}")
+                    if os.path.exists(path):
+                        os.remove(path)
+        except OSError as e:
+            log.warning("numbered checkpoint %s-%d not kept: %s", name, steps, e.strerror or e)
 
     def save(self) -> bool:
         """Write the checkpoint; False (with one log line) if it could not be written."""
