@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from impala.envs import UNITY_ENGINE_KWARGS
 from impala.envs.probe import EnvInfo
 from impala.run.checkpoint import FINISHED_MARKER, CheckpointError, load_checkpoint, save_checkpoint
 from impala.run.config import RunConfig
@@ -112,9 +113,15 @@ def _differences(state: dict[str, Any], env: EnvInfo, agent: dict[str, Any]) -> 
     out = []
     saved_env = state.get("env")
     if isinstance(saved_env, dict):
+        here = env.spec.to_dict()
         for key, label in (("id", "env"), ("kwargs", "env kwargs")):
-            if key in saved_env and saved_env[key] != env.spec.to_dict()[key]:
-                out.append(f"{label} {saved_env[key]!r} there, {env.spec.to_dict()[key]!r} here")
+            there, now = saved_env.get(key), here[key]
+            if key == "kwargs" and env.spec.is_unity and isinstance(there, dict):
+                # engine settings (time scale, window size, graphics) may change between a run and its resume
+                there = {k: v for k, v in there.items() if k not in UNITY_ENGINE_KWARGS}
+                now = {k: v for k, v in now.items() if k not in UNITY_ENGINE_KWARGS}
+            if key in saved_env and there != now:
+                out.append(f"{label} {there!r} there, {now!r} here")
     saved = state.get("agent")
     if isinstance(saved, dict):
         for key in _AGENT_IDENTITY:

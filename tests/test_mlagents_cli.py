@@ -136,6 +136,35 @@ def test_mlagents_learn_command_line_against_fake_unity(tmp_path):
         .startswith("launch_ppo: error: run folder results/X/CrawlerFake")
     )
 
+    # --resume with other engine settings (they do not make it another env): the new time scale reaches Unity
+    for f in records.iterdir():
+        f.unlink()
+    resumed = subprocess.run(
+        [*cmd, "--resume", "--time-scale", "10", "--total-steps", "1100", "--no-progress"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rec = wait_records(records, [base, base + 1])
+    assert rec[base]["engine_config"]["time_scale"] == 10.0 and rec[base]["n_steps"] > 0
+    assert int(torch.load(run / "CrawlerFake" / "checkpoint.pt", weights_only=True)["agent_steps"]) >= 1100
+
+
+def test_graphics_and_env_args_reach_the_player(tmp_path):
+    """engine_settings.no_graphics: false and env_settings.env_args, as UnityVecEnv gives them to a build."""
+    from impala.envs.unity import UnityVecEnv
+
+    port = free_base_port(1)
+    build = recording_build(tmp_path / "FakeCrawler.x86_64", tmp_path / "rec")
+    env = UnityVecEnv(
+        str(build), base_port=port, timeout_wait=30, no_graphics=False, additional_args=["--mode", "x"]
+    )
+    env.close()
+    args = wait_records(tmp_path / "rec", [port])[port]["args"]
+    assert "-nographics" not in args and args[-2:] == ["--mode", "x"], args
+
 
 def test_unity_build_path_that_does_not_exist_is_one_line(tmp_path):
     out = subprocess.run(
@@ -463,6 +492,10 @@ def test_checkpoints_initialize_from_and_inference(tmp_path, capsys, caplog, mon
     assert "launch_ppo: INFERENCE: the policy acts (weights of results/A/Pendulum/checkpoint.pt)" in out
     assert "0 updates" in out and "no checkpoint written" in out
     assert not (tmp_path / "results" / "C" / "Pendulum" / "checkpoint.pt").exists()
+
+    # --force starts A over: its numbered checkpoints go with its other files
+    assert main_rc(small, "--run-id", "A", "--force", *PENDULUM) == 0
+    assert not list(folder.glob("Pendulum-v1-*")), sorted(p.name for p in folder.iterdir())
 
 
 def test_extrinsic_strength_scales_the_rewards_trained_on():
