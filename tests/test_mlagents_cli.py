@@ -524,3 +524,84 @@ def test_extrinsic_strength_scales_the_rewards_trained_on():
         returns = trainer.learner.buffer.stacked()["returns"].cpu().numpy()
         assert np.allclose(returns, strength * rewards, atol=1e-6), (strength, returns)
         assert np.array_equal(arrays["rewards"], rewards)  # the message's own array is left as sent
+
+
+# ------------------------------------------------------------------ against ML-Agents' own settings code
+
+
+def test_merge_and_a_written_configuration_as_mlagents_reads_them(tmp_path):
+    """ML-Agents 0.28's own ``RunOptions`` resolves a file with default_settings; the behaviour it trains has
+    the hyperparameters ours has, and the configuration.yaml it writes (every key, at its defaults where
+    unset) reads here with the same values."""
+    from mlagents_shims import require_mlagents
+
+    require_mlagents()
+    from mlagents.trainers.settings import RunOptions
+
+    doc = {
+        "default_settings": {
+            "trainer_type": "ppo",  # ML-Agents wants it wherever hyperparameters are given
+            "hyperparameters": {"batch_size": 32, "buffer_size": 128, "learning_rate": 1e-3, "beta": 1e-3},
+            "network_settings": {"hidden_units": 64, "normalize": True},
+            "reward_signals": {"extrinsic": {"gamma": 0.9, "strength": 0.5}},
+            "max_steps": 1000,
+        },
+        "behaviors": {
+            "B": {
+                "trainer_type": "ppo",
+                "hyperparameters": {"buffer_size": 256, "num_epoch": 5},
+                "reward_signals": {"extrinsic": {"gamma": 0.8}},
+                "time_horizon": 32,
+            }
+        },
+    }
+    try:
+        theirs = RunOptions.from_dict(json.loads(json.dumps(doc)))
+        written = theirs.as_dict()
+    finally:
+        from mlagents.trainers.settings import TrainerSettings
+
+        TrainerSettings.default_override = None  # a class attribute ML-Agents sets while reading
+    b = written["behaviors"]["B"]
+    ours = from_mlagents_yaml(write_yaml(tmp_path / "in.yaml", doc))
+    hp = b["hyperparameters"]
+    assert (ours.batch_size, ours.buffer_size, ours.learning_rate, ours.beta, ours.num_epoch) == (
+        hp["batch_size"],
+        hp["buffer_size"],
+        hp["learning_rate"],
+        hp["beta"],
+        hp["num_epoch"],
+    )
+    net = b["network_settings"]
+    assert (ours.hidden_units, ours.obs_norm != "none", ours.num_layers) == (
+        net["hidden_units"],
+        net["normalize"],
+        net["num_layers"],
+    )
+    ext = b["reward_signals"]["extrinsic"]
+    assert (ours.gamma, ours.max_steps, ours.time_horizon) == (
+        ext["gamma"],
+        b["max_steps"],
+        b["time_horizon"],
+    )
+    assert ext["strength"] == 0.5  # merged from default_settings, key by key
+
+    # mlagents-learn's configuration.yaml, every key written out: read as written
+    path = write_yaml(tmp_path / "configuration.yaml", written)
+    file = read_mlagents_yaml(path)
+    assert ppo_config_from_file(file) == ours
+    run = file.run
+    assert (run["run_id"], run["runs_dir"], run["workers"], run["unity_base_port"]) == (
+        "ppo",
+        "results",
+        1,
+        5005,
+    )
+    assert (run["graphics"], run["time_scale"], run["extrinsic_strength"], run["keep_checkpoints"]) == (
+        True,
+        20.0,
+        0.5,
+        5,
+    )
+    assert (run["summary_freq"], run["checkpoint_interval"]) == (b["summary_freq"], b["checkpoint_interval"])
+    assert 0 <= run["seed"] < 10_000  # seed -1: a random one, as mlagents-learn
