@@ -376,6 +376,23 @@ def mlagents_run_folder(config: RunConfig, behavior: str | None) -> RunConfig:
     return dataclasses.replace(config, logdir=os.path.join(config.runs_dir, run_id, name), run_id=None)
 
 
+def inference_folder(config: RunConfig, options: PPOLaunchOptions) -> tuple[RunConfig, str | None]:
+    """``--inference --resume`` plays the run's own checkpoint without touching the run: its rows go to
+    RUN_FOLDER/inference/ (replaced each time), the weights come from RUN_FOLDER/checkpoint.pt, and the run's
+    counters, metrics and finished marker stay as training left them. Returns the config and that
+    checkpoint (None for any other run)."""
+    if not (options.inference and config.resume):
+        return config, None
+    if not os.path.isfile(config.checkpoint_path):
+        raise ConfigError(f"--inference --resume: no checkpoint at {config.checkpoint_path} to play")
+    own = config.checkpoint_path
+    config = dataclasses.replace(
+        config, logdir=os.path.join(config.logdir, "inference"), resume=False, force=True
+    )
+    prepare_run_folder(config.logdir, resume=False, force=True)
+    return config, own
+
+
 def initialize_path(config: RunConfig, options: PPOLaunchOptions, file: Any) -> str | None:
     """The checkpoint ``--initialize-from RUN`` names: RUNS_DIR/RUN/<behaviour>/checkpoint.pt
     (mlagents-learn's layout) or RUNS_DIR/RUN/checkpoint.pt."""
@@ -586,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
             f"ppo-{config.env or ('unity' if options.unity_build else STAND_IN_ENV)}"
         )
         prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
-        init_path = initialize_path(config, options, file)
+        config, init_path = inference_folder(config, options)
+        init_path = init_path or initialize_path(config, options, file)
         # --max-policy-lag's default depends on --trajectory-handling: whether it was given decides
         config, note = ppo_run_config(config, ppo_config, lag_given="max_policy_lag" in args.given)
         if note:
@@ -615,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
                 "nothing is trained or checkpointed; actions are sampled as in training",
                 flush=True,
             )
-        if args.mlagents_form:
+        if args.mlagents_form and not options.inference:
             write_mlagents_configuration(config, options, ppo_config, file, args)
         plan = RunPlan(
             env,
@@ -637,7 +655,9 @@ def main(argv: list[str] | None = None) -> int:
             inference=options.inference,
         )
         result: RunResult = run(trainer, config, plan)
-        if args.mlagents_form:  # mlagents-learn leaves the last model beside the run's folders too
+        if (
+            args.mlagents_form and not options.inference
+        ):  # mlagents-learn leaves the last model beside the run's folders too
             copy_model_up(config, trainer)
     except RunFinished as e:
         print(f"launch_ppo: {e}", flush=True)

@@ -493,6 +493,15 @@ def test_checkpoints_initialize_from_and_inference(tmp_path, capsys, caplog, mon
     assert "0 updates" in out and "no checkpoint written" in out
     assert not (tmp_path / "results" / "C" / "Pendulum" / "checkpoint.pt").exists()
 
+    # --resume --inference on a finished run plays its checkpoint; the run's own files stay as they were
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()}
+    assert main_rc(small, "--run-id", "A", "--resume", "--inference", "--summary-freq", "64", *PENDULUM) == 0
+    out = capsys.readouterr().out
+    assert "launch_ppo: INFERENCE: the policy acts (weights of results/A/Pendulum/checkpoint.pt)" in out
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()} == before
+    with open(folder / "inference" / "metrics.csv") as f:
+        assert len(list(csv.DictReader(f))) >= 1  # rows without updates (summary_freq in steps)
+
     # --force starts A over: its numbered checkpoints go with its other files
     assert main_rc(small, "--run-id", "A", "--force", *PENDULUM) == 0
     assert not list(folder.glob("Pendulum-v1-*")), sorted(p.name for p in folder.iterdir())
