@@ -420,7 +420,8 @@ def write_mlagents_configuration(
     config: RunConfig, options: PPOLaunchOptions, ppo_config: PPOConfig, file: Any, args: argparse.Namespace
 ) -> None:
     """RESULTS_DIR/RUN_ID/configuration.yaml: the resolved settings in ML-Agents' shape (mlagents-learn writes
-    one there), beside the run folder's own config.yaml with every option."""
+    one there), beside the run folder's own config.yaml with every option (the semantics and PPO options
+    ML-Agents has no key for are there). It reads back as a trainer YAML."""
     import yaml
 
     behavior = os.path.basename(config.logdir)
@@ -479,7 +480,6 @@ def write_mlagents_configuration(
         },
         "torch_settings": {"device": config.device},
         "debug": config.log_level == "DEBUG",
-        "launch_ppo": {"semantics": args.ppo__semantics, "trainer_config": args.ppo__trainer_config},
     }
     path = os.path.join(os.path.dirname(config.logdir), "configuration.yaml")
     with open(path, "w") as f:

@@ -109,6 +109,9 @@ def test_mlagents_learn_command_line_against_fake_unity(tmp_path):
     assert resolved["env_settings"]["num_envs"] == 2 and resolved["env_settings"]["base_port"] == base
     assert resolved["checkpoint_settings"]["run_id"] == "X"
     assert resolved["behaviors"]["CrawlerFake"]["reward_signals"]["extrinsic"]["strength"] == 0.5
+    back = read_mlagents_yaml(str(run / "configuration.yaml"))  # reads back as a trainer YAML
+    assert ppo_config_from_file(back) == from_mlagents_yaml(str(tmp_path / "config.yaml"))
+    assert back.run["time_scale"] == 20.0 and back.run["workers"] == 2
 
     # --num-envs 2: workers on base + 0 and base + 1; the launcher's probe on base + 2 (default settings)
     rec = wait_records(records, [base, base + 1, base + 2])
