@@ -15,10 +15,13 @@ import copy
 import json
 import logging
 import os
+import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from impala.envs import UNITY_ENGINE_KWARGS
 from impala.envs.probe import EnvInfo
 from impala.run.checkpoint import FINISHED_MARKER, CheckpointError, load_checkpoint, save_checkpoint
 from impala.run.config import RunConfig
@@ -121,9 +124,15 @@ def _differences(state: dict[str, Any], env: EnvInfo, agent: dict[str, Any]) -> 
     out = []
     saved_env = state.get("env")
     if isinstance(saved_env, dict):
+        here = env.spec.to_dict()
         for key, label in (("id", "env"), ("kwargs", "env kwargs")):
-            if key in saved_env and saved_env[key] != env.spec.to_dict()[key]:
-                out.append(f"{label} {saved_env[key]!r} there, {env.spec.to_dict()[key]!r} here")
+            there, now = saved_env.get(key), here[key]
+            if key == "kwargs" and env.spec.is_unity and isinstance(there, dict):
+                # engine settings (time scale, window size, graphics) may change between a run and its resume
+                there = {k: v for k, v in there.items() if k not in UNITY_ENGINE_KWARGS}
+                now = {k: v for k, v in now.items() if k not in UNITY_ENGINE_KWARGS}
+            if key in saved_env and there != now:
+                out.append(f"{label} {there!r} there, {now!r} here")
     saved = state.get("agent")
     if isinstance(saved, dict):
         for key in _AGENT_IDENTITY:
@@ -169,9 +178,16 @@ class Checkpointer:
         progress: Progress,
         *,
         resuming: bool,
+        every_steps: int | None = None,
+        keep: int = 5,
     ) -> None:
+        """``every_steps``: also keep a numbered copy, ``<name>-<agent steps>.pt`` (and ``.onnx`` when the
+        trainer exports one), each time the agent steps pass a multiple of it; the ``keep`` newest stay
+        (ML-Agents' ``checkpoint_interval`` and ``keep_checkpoints``)."""
         self.path, self.logdir = config.checkpoint_path, config.logdir
         self.every_s = config.checkpoint_minutes * 60
+        self.every_steps, self.keep = every_steps, keep
+        self.next_numbered = (progress.agent_steps // every_steps + 1) * every_steps if every_steps else 0
         self.trainer, self.run_info, self.config_record, self.progress = (
             trainer,
             run_info,
@@ -235,9 +251,39 @@ class Checkpointer:
         log.info("best.pt: the weights at %d frames, eval mean return %.2f", at_frames, mean_return)
 
     def maybe_save(self) -> None:
-        """Save if ``--checkpoint-minutes`` have passed since the last try."""
-        if time.monotonic() - self.last_try >= self.every_s:
+        """Save if ``--checkpoint-minutes`` have passed since the last try, or (with ``every_steps``) the
+        agent steps passed the next multiple: then a numbered copy too."""
+        steps = self.progress.agent_steps
+        if self.every_steps and steps >= self.next_numbered:
+            self.next_numbered = (steps // self.every_steps + 1) * self.every_steps
+            if self.save():
+                self._numbered(steps)
+        elif time.monotonic() - self.last_try >= self.every_s:
             self.save()
+
+    def numbered_name(self) -> str:
+        """The numbered checkpoints' name: the ONNX file's stem (the behaviour), else ``checkpoint``."""
+        name_of = getattr(self.trainer, "onnx_name", None)
+        return name_of() if name_of is not None else "checkpoint"
+
+    def _numbered(self, steps: int) -> None:
+        """Copy the checkpoint just written (and its ONNX file) to ``<name>-<steps>.*``; drop the oldest
+        beyond ``keep``."""
+        name = self.numbered_name()
+        pattern = re.compile(re.escape(name) + r"-(\d+)\.(pt|onnx)")
+        try:
+            shutil.copyfile(self.path, os.path.join(self.logdir, f"{name}-{steps}.pt"))
+            onnx = os.path.join(self.logdir, f"{name}.onnx")
+            if os.path.isfile(onnx):
+                shutil.copyfile(onnx, os.path.join(self.logdir, f"{name}-{steps}.onnx"))
+            found = sorted({int(m.group(1)) for f in os.listdir(self.logdir) if (m := pattern.fullmatch(f))})
+            for old in found[: max(len(found) - self.keep, 0)]:
+                for ext in ("pt", "onnx"):
+                    path = os.path.join(self.logdir, f"{name}-{old}.{ext}")
+                    if os.path.exists(path):
+                        os.remove(path)
+        except OSError as e:
+            log.warning("numbered checkpoint %s-%d not kept: %s", name, steps, e.strerror or e)
 
     def save(self) -> bool:
         """Write the checkpoint; False (with one log line) if it could not be written."""

@@ -63,6 +63,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +75,7 @@ import torch
 
 from impala.run.checkpoint import prepare_run_folder
 from impala.run.config import (
+    RUN_ID,
     ConfigError,
     FlagParser,
     RunConfig,
@@ -79,6 +83,7 @@ from impala.run.config import (
     apply_preset,
     check_fields,
     fail,
+    flag_name,
     from_flags,
     load_preset,
     need,
@@ -86,6 +91,7 @@ from impala.run.config import (
 )
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_unity
+from impala.envs import unity
 from impala.envs.unity import UnityEnvError
 from impala.run.ppo_config import (
     MAX_UNROLL,
@@ -97,8 +103,9 @@ from impala.run.ppo_config import (
     config_to_argparse,
     ppo_run_config,
     ppo_preset_dests,
+    read_mlagents_yaml,
 )
-from learner.ppo_learner import PPOTrainer
+from learner.ppo_modes import MLAgentsPPOTrainer
 from impala.run.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, run
 
@@ -110,11 +117,25 @@ STAND_IN_ENV = "Ant-v5"
 UNITY_BASE_PORT = 5005  # mlagents-envs' UnityEnvironment.BASE_ENVIRONMENT_PORT
 
 RUN_DEFAULTS = {"env": None, "envs_per_worker": 8, "unroll_length": 0, "max_policy_lag": 0}
+# mlagents-learn's names for our flags
+RUN_ALIASES = {"workers": ["--num-envs"], "device": ["--torch-device"], "runs_dir": ["--results-dir"]}
+MLAGENTS_DEFAULTS = {"runs_dir": "results", "run_id": "ppo", "workers": 1}  # mlagents-learn's, in its form
+ENGINE_OPTIONS = (
+    "time_scale",
+    "width",
+    "height",
+    "quality_level",
+    "target_frame_rate",
+    "capture_frame_rate",
+    "graphics",
+    "env_args",
+)
 RUN_HELP = {
-    "env": "A gymnasium id (Pendulum-v1, Ant-v5, ...) instead of a Unity build. Neither: the Crawler job on "
-    f"the {STAND_IN_ENV} stand-in.",
-    "workers": "Local actor processes (Unity: one instance each, worker_id = actor index); 0 runs no local "
-    "actors and waits for remote ones (impala-actors).",
+    "env": "A gymnasium id (Pendulum-v1, Ant-v5, ...), or the path of a Unity build (an existing file or "
+    "folder, or a path such as builds/Crawler.x86_64: as --unity-build; a path to nothing is an error), as "
+    f"mlagents-learn --env. Neither: the Crawler job on the {STAND_IN_ENV} stand-in.",
+    "workers": "Local actor processes (Unity: one instance each, worker_id = actor index; mlagents-learn's "
+    "--num-envs); 0 runs no local actors and waits for remote ones (impala-actors).",
     "envs_per_worker": "Gym envs per actor, stepped with one batched forward pass (Unity: the build's agent "
     "count).",
     "unroll_length": f"Steps per env per unroll message; 0 = min(time_horizon, {MLAGENTS_UNROLL}) for "
@@ -150,9 +171,84 @@ class PPOLaunchOptions:
         "On-policy (lag 0): seconds an actor that sent its share of an update waits for the new weights "
         "before collecting more with the old ones.",
     )
+    # -- mlagents-learn's engine settings (engine_settings in a trainer YAML), sent to every Unity instance
+    time_scale: float = option(
+        unity.TIME_SCALE, "Unity: Time.timeScale of every instance (mlagents-learn --time-scale)."
+    )
+    width: int = option(unity.WIDTH, "Unity: window width in pixels (mlagents-learn --width).")
+    height: int = option(unity.HEIGHT, "Unity: window height in pixels (mlagents-learn --height).")
+    quality_level: int = option(
+        unity.QUALITY_LEVEL, "Unity: QualitySettings level (mlagents-learn --quality-level)."
+    )
+    target_frame_rate: int = option(
+        unity.TARGET_FRAME_RATE,
+        "Unity: Application.targetFrameRate, -1 unlimited (mlagents-learn --target-frame-rate).",
+    )
+    capture_frame_rate: int = option(
+        unity.CAPTURE_FRAME_RATE, "Unity: Time.captureFramerate (mlagents-learn --capture-frame-rate)."
+    )
+    graphics: bool = option(
+        False,
+        "Unity: start the builds with graphics. --no-graphics (the default here, unlike mlagents-learn) "
+        "passes -nographics: headless, enough for vector observations; engine_settings.no_graphics: false "
+        "in a trainer YAML turns graphics on.",
+    )
+    env_args: tuple[str, ...] = ()  # no flag: env_settings.env_args, passed to each Unity instance
+    # -- mlagents-learn's checkpoint settings and the behaviour's run settings
+    initialize_from: Optional[str] = option(
+        None,
+        "Start from the weights of the run RUN (its checkpoint under --runs-dir/--results-dir, "
+        "RUN/<behaviour>/checkpoint.pt or RUN/checkpoint.pt), not its counters: step 0, schedules start over "
+        "(mlagents-learn --initialize-from).",
+    )
+    inference: bool = option(
+        False,
+        "Run the policy without training: no updates, no checkpoints; actions are sampled as in training "
+        "(mlagents-learn --inference). Use with --resume or --initialize-from for trained weights; runs to "
+        "--total-steps (else max_steps) or Ctrl-C.",
+    )
+    summary_freq: Optional[int] = option(
+        None,
+        "Log a row every this many agent steps instead of every --log-interval seconds (the trainer YAML's "
+        "summary_freq).",
+    )
+    checkpoint_interval: Optional[int] = option(
+        None,
+        "Also keep a numbered checkpoint, <behaviour>-<steps>.pt and .onnx, every this many agent steps (the "
+        "trainer YAML's checkpoint_interval).",
+    )
+    keep_checkpoints: int = option(
+        5, "Numbered checkpoints kept, the newest (the trainer YAML's keep_checkpoints)."
+    )
+    extrinsic_strength: float = option(
+        1.0,
+        "Factor on the env's reward in training (the trainer YAML's reward_signals.extrinsic.strength); "
+        "logged returns stay the env's.",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
+        for name in ("width", "height", "keep_checkpoints"):
+            need(getattr(self, name) >= 1, f"{flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("summary_freq", "checkpoint_interval"):
+            value = getattr(self, name)
+            need(value is None or value >= 1, f"{flag_name(name)} must be >= 1 (or none), got {value}")
+        need(self.quality_level >= 0, f"--quality-level must be >= 0, got {self.quality_level}")
+        need(self.time_scale > 0, f"--time-scale must be > 0, got {self.time_scale}")
+        need(
+            self.target_frame_rate >= -1,
+            f"--target-frame-rate must be >= -1 (-1: unlimited), got {self.target_frame_rate}",
+        )
+        need(
+            self.capture_frame_rate >= 0, f"--capture-frame-rate must be >= 0, got {self.capture_frame_rate}"
+        )
+        need(
+            self.extrinsic_strength >= 0, f"--extrinsic-strength must be >= 0, got {self.extrinsic_strength}"
+        )
+        need(
+            self.initialize_from is None or bool(RUN_ID.fullmatch(self.initialize_from)),
+            f"--initialize-from must name a run (letters, digits and ._+=-), got {self.initialize_from!r}",
+        )
         need(self.unity_timeout > 0, f"--unity-timeout must be > 0, got {self.unity_timeout}")
         need(
             1 <= self.unity_base_port <= 65535,
@@ -183,8 +279,29 @@ def build_parser() -> argparse.ArgumentParser:
         "applied before the flags, e.g. configs/pendulum_sb3.yaml; flags given on the command line override "
         "it.",
     )
-    add_flags(parser.add_argument_group("run"), RunConfig, defaults=RUN_DEFAULTS, helps=RUN_HELP)
-    add_flags(parser.add_argument_group("Unity and actors"), PPOLaunchOptions)
+    parser.add_argument(
+        "mlagents_yaml",
+        nargs="?",
+        metavar="TRAINER.yaml",
+        default=None,
+        help="mlagents-learn's form: an ML-Agents trainer YAML, as --trainer-config, with ML-Agents' run "
+        "layout: RESULTS_DIR/RUN_ID/<behaviour>/ for the run (checkpoint.pt, metrics, <behaviour>.onnx), "
+        "RESULTS_DIR/RUN_ID/configuration.yaml and <behaviour>.onnx; --results-dir defaults to results, "
+        "--run-id to ppo, --num-envs to 1 (docs/COMING_FROM_MLAGENTS.md).",
+    )
+    add_flags(
+        parser.add_argument_group("run"),
+        RunConfig,
+        defaults=RUN_DEFAULTS,
+        helps=RUN_HELP,
+        aliases=RUN_ALIASES,
+    )
+    add_flags(
+        parser.add_argument_group("Unity and actors (mlagents-learn's flags too)"),
+        PPOLaunchOptions,
+        skip=("env_args",),
+        aliases={"unity_base_port": ["--base-port"]},
+    )
     config_to_argparse(parser)
     return parser
 
@@ -217,14 +334,247 @@ def probe(config: RunConfig, options: PPOLaunchOptions, seed: int, *, stand_in: 
     return probe_env(spec, seed=seed)
 
 
+def check_engine_options(args: argparse.Namespace, options: PPOLaunchOptions) -> None:
+    """Engine settings set (on the command line or in the file) for a run without a Unity build are
+    refused: nothing would read them."""
+    if options.unity_build:
+        return
+    defaults = PPOLaunchOptions()
+    for name in ENGINE_OPTIONS:
+        if getattr(options, name) != getattr(defaults, name):
+            raise ConfigError(
+                f"{'env_settings.env_args' if name == 'env_args' else flag_name(name)} "
+                f"{getattr(options, name)}: "
+                "engine settings apply to Unity builds only (--env PATH or --unity-build)"
+            )
+
+
+def with_engine_settings(env: EnvInfo, options: PPOLaunchOptions) -> EnvInfo:
+    """A Unity build's spec with the engine settings every actor's instance gets (the probe's own short-lived
+    instance runs with the defaults)."""
+    if not env.spec.is_unity:
+        return env
+    engine = {
+        "time_scale": options.time_scale,
+        "width": options.width,
+        "height": options.height,
+        "quality_level": options.quality_level,
+        "target_frame_rate": options.target_frame_rate,
+        "capture_frame_rate": options.capture_frame_rate,
+        "no_graphics": not options.graphics,
+    }
+    if options.env_args:
+        engine["additional_args"] = list(options.env_args)
+    spec = EnvSpec(env.spec.id, {**env.spec.kwargs, **engine}, env.spec.preprocess, env.spec.packages)
+    return dataclasses.replace(env, spec=spec)
+
+
+def mlagents_run_folder(config: RunConfig, behavior: str | None) -> RunConfig:
+    """mlagents-learn's layout: the run's folder is RESULTS_DIR/RUN_ID/<behaviour>."""
+    name = re.sub(r"[^A-Za-z0-9._+=-]+", "_", (behavior or "ppo").split("?", 1)[0])
+    run_id = config.run_id or MLAGENTS_DEFAULTS["run_id"]
+    return dataclasses.replace(config, logdir=os.path.join(config.runs_dir, run_id, name), run_id=None)
+
+
+def inference_folder(config: RunConfig, options: PPOLaunchOptions) -> tuple[RunConfig, str | None]:
+    """``--inference --resume`` plays the run's own checkpoint without touching the run: its rows go to
+    RUN_FOLDER/inference/ (replaced each time), the weights come from RUN_FOLDER/checkpoint.pt, and the run's
+    counters, metrics and finished marker stay as training left them. Returns the config and that
+    checkpoint (None for any other run)."""
+    if not (options.inference and config.resume):
+        return config, None
+    if not os.path.isfile(config.checkpoint_path):
+        raise ConfigError(f"--inference --resume: no checkpoint at {config.checkpoint_path} to play")
+    own = config.checkpoint_path
+    config = dataclasses.replace(
+        config, logdir=os.path.join(config.logdir, "inference"), resume=False, force=True
+    )
+    prepare_run_folder(config.logdir, resume=False, force=True)
+    return config, own
+
+
+def initialize_path(config: RunConfig, options: PPOLaunchOptions, file: Any) -> str | None:
+    """The checkpoint ``--initialize-from RUN`` names: RUNS_DIR/RUN/<behaviour>/checkpoint.pt
+    (mlagents-learn's layout) or RUNS_DIR/RUN/checkpoint.pt."""
+    run_id = options.initialize_from
+    if run_id is None:
+        return None
+    if config.resume:
+        raise ConfigError(f"--initialize-from {run_id} with --resume: give one")
+    folder = os.path.join(config.runs_dir, run_id)
+    names = [os.path.basename(config.logdir)] + ([file.behavior] if file and file.behavior else [])
+    candidates = [os.path.join(folder, n, "checkpoint.pt") for n in names] + [
+        os.path.join(folder, "checkpoint.pt")
+    ]
+    for path in candidates:
+        if os.path.isfile(path):
+            if os.path.abspath(path) == os.path.abspath(config.checkpoint_path):
+                raise ConfigError(f"--initialize-from {run_id} is this run; use --resume to continue it")
+            return path
+    raise ConfigError(
+        f"--initialize-from {run_id}: no checkpoint at {' or '.join(dict.fromkeys(candidates))}"
+    )
+
+
+def write_mlagents_configuration(
+    config: RunConfig, options: PPOLaunchOptions, ppo_config: PPOConfig, file: Any, args: argparse.Namespace
+) -> None:
+    """RESULTS_DIR/RUN_ID/configuration.yaml: the resolved settings in ML-Agents' shape (mlagents-learn writes
+    one there), beside the run folder's own config.yaml with every option (the semantics and PPO options
+    ML-Agents has no key for are there). It reads back as a trainer YAML."""
+    import yaml
+
+    behavior = os.path.basename(config.logdir)
+    settings = {
+        "trainer_type": "ppo",
+        "hyperparameters": {
+            "batch_size": ppo_config.batch_size,
+            "buffer_size": ppo_config.buffer_size,
+            "learning_rate": ppo_config.learning_rate,
+            "beta": ppo_config.beta,
+            "epsilon": ppo_config.epsilon,
+            "lambd": ppo_config.lambd,
+            "num_epoch": ppo_config.num_epoch,
+            "learning_rate_schedule": ppo_config.lr_schedule,
+            "beta_schedule": ppo_config.beta_schedule,
+            "epsilon_schedule": ppo_config.epsilon_schedule,
+        },
+        "network_settings": {
+            "normalize": ppo_config.obs_norm != "none",
+            "hidden_units": ppo_config.hidden_units,
+            "num_layers": ppo_config.num_layers,
+        },
+        "reward_signals": {"extrinsic": {"gamma": ppo_config.gamma, "strength": options.extrinsic_strength}},
+        "keep_checkpoints": options.keep_checkpoints,
+        "checkpoint_interval": options.checkpoint_interval,
+        "max_steps": ppo_config.max_steps,
+        "time_horizon": ppo_config.time_horizon,
+        "summary_freq": options.summary_freq,
+    }
+    doc = {
+        "default_settings": None,
+        "behaviors": {behavior: settings},
+        "env_settings": {
+            "env_path": options.unity_build or config.env,
+            "env_args": list(options.env_args) or None,
+            "base_port": options.unity_base_port,
+            "num_envs": config.workers,
+            "seed": config.seed,
+        },
+        "engine_settings": {
+            "width": options.width,
+            "height": options.height,
+            "quality_level": options.quality_level,
+            "time_scale": options.time_scale,
+            "target_frame_rate": options.target_frame_rate,
+            "capture_frame_rate": options.capture_frame_rate,
+            "no_graphics": not options.graphics,
+        },
+        "checkpoint_settings": {
+            "run_id": os.path.basename(os.path.dirname(config.logdir)),
+            "initialize_from": options.initialize_from,
+            "resume": config.resume,
+            "force": config.force,
+            "inference": options.inference,
+            "results_dir": config.runs_dir,
+        },
+        "torch_settings": {"device": config.device},
+        "debug": config.log_level == "DEBUG",
+    }
+    path = os.path.join(os.path.dirname(config.logdir), "configuration.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(doc, f, sort_keys=False)
+
+
+def copy_model_up(config: RunConfig, trainer: MLAgentsPPOTrainer) -> None:
+    """RESULTS_DIR/RUN_ID/<behaviour>.onnx: the last exported model, where mlagents-learn leaves it."""
+    name = trainer.onnx_name() + ".onnx"
+    source = os.path.join(config.logdir, name)
+    if os.path.isfile(source):
+        try:
+            shutil.copyfile(source, os.path.join(os.path.dirname(config.logdir), name))
+        except OSError as e:
+            log.warning("could not copy %s up to the results folder: %s", source, e.strerror or e)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Defaults < ``--config`` preset (run, launch and PPO options by name) < flags given on the command
-    line."""
+    """Defaults (mlagents-learn's own in its form: a positional trainer YAML) < ``--config`` preset (run,
+    launch and PPO options by name) < the trainer YAML's run settings (``env_settings``, ``engine_settings``,
+    ``checkpoint_settings``, ``torch_settings``, the behaviour's ``summary_freq`` ...) < flags given on the
+    command line. ``args.trainer_file``: the trainer YAML, read (None without one); ``args.mlagents_form``:
+    whether it came as mlagents-learn's positional argument."""
     args = build_parser().parse_args(argv)
-    if not args.config:
-        return apply_preset(args, {})
-    preset = load_preset(args.config, (PPOConfig, PPOSource, PPOLaunchOptions, RunConfig))
-    return apply_preset(args, ppo_preset_dests(preset, {f.name for f in dataclasses.fields(RunConfig)}))
+    preset: dict[str, Any] = {}
+    if args.config:
+        preset = ppo_preset_dests(
+            load_preset(args.config, (PPOConfig, PPOSource, PPOLaunchOptions, RunConfig)),
+            {f.name for f in dataclasses.fields(RunConfig)},
+        )
+    args.mlagents_form = args.mlagents_yaml is not None
+    if args.mlagents_form:
+        if "ppo__trainer_config" in args.given:
+            raise ConfigError(
+                f"the trainer YAML twice: {args.mlagents_yaml} and --trainer-config "
+                f"{args.ppo__trainer_config}; give one"
+            )
+        args.ppo__trainer_config = args.mlagents_yaml
+        args.given.add("ppo__trainer_config")
+    path = (
+        args.ppo__trainer_config if "ppo__trainer_config" in args.given else preset.get("ppo__trainer_config")
+    )
+    args.trainer_file = None
+    if path:
+        behavior = args.ppo__behavior if "ppo__behavior" in args.given else preset.get("ppo__behavior")
+        args.trainer_file = read_mlagents_yaml(path, behavior)
+        preset.update(args.trainer_file.run)
+    if args.mlagents_form:
+        defaults = dict(MLAGENTS_DEFAULTS)
+        if "logdir" in args.given or "logdir" in preset:  # a folder given: no run id
+            defaults.pop("run_id")
+        preset = {**defaults, **preset}
+    apply_preset(args, preset)
+    _resume_or_initialize(args)
+    _env_or_build(args)
+    return args
+
+
+def _resume_or_initialize(args: argparse.Namespace) -> None:
+    """mlagents-learn's rule for resume and initialize_from both set: the command line's wins over the
+    file's; both from one place cannot both be honoured and are refused."""
+    resume, init = args.resume, args.initialize_from
+    if not (resume and init):
+        return
+    if "resume" in args.given and "initialize_from" not in args.given:
+        args.initialize_from = None
+    elif "initialize_from" in args.given and "resume" not in args.given:
+        args.resume = False
+    else:
+        raise ConfigError(
+            f"--resume continues this run and --initialize-from {init} starts it from another run's weights: "
+            "give one"
+        )
+
+
+def _env_or_build(args: argparse.Namespace) -> None:
+    """``--env``: a Unity build path becomes ``--unity-build`` (mlagents-learn's --env); a gymnasium id stays.
+    A build given on the command line wins over the trainer YAML's env_path, and a command-line --env over
+    the file's build."""
+    if args.env is None:
+        return
+    build = unity.unity_build_path(args.env)
+    env_given, build_given = "env" in args.given, "unity_build" in args.given
+    if build is None:
+        if env_given and not build_given:
+            args.unity_build = None
+        elif build_given and not env_given:
+            args.env = None
+        return
+    if args.unity_build is not None and not (env_given and not build_given):
+        if build_given and not env_given:  # the file's env_path yields to --unity-build
+            args.env = None
+            return
+        raise ConfigError(f"pass either --unity-build or --env, not both (--env {args.env} is a Unity build)")
+    args.unity_build, args.env = build, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,23 +589,52 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if options.unity_build and config.env:
             raise ConfigError("pass either --unity-build or --env, not both")
+        check_engine_options(args, options)
+        file = args.trainer_file
+        if args.mlagents_form and options.unity_build and options.unity_behavior is None and file.behavior:
+            # mlagents-learn trains the build's behaviour of that name (Crawler matches Crawler?team=0)
+            options = dataclasses.replace(options, unity_behavior=file.behavior)
+        crawler_job = config.env is None and not options.unity_build
+        trainer_config = args.ppo__trainer_config or (str(CRAWLER_CONFIG) if config.env is None else None)
+        ppo_config = config_from_args(args, default_trainer_config=trainer_config, seed=config.seed)
+        if args.mlagents_form and config.logdir is None:  # RESULTS_DIR/RUN_ID/<behaviour>, as mlagents-learn
+            config = mlagents_run_folder(config, file.behavior or options.unity_behavior or config.env)
         config = config.with_run_folder(
             f"ppo-{config.env or ('unity' if options.unity_build else STAND_IN_ENV)}"
         )
         prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
-        crawler_job = config.env is None and not options.unity_build
-        trainer_config = args.ppo__trainer_config or (str(CRAWLER_CONFIG) if config.env is None else None)
-        ppo_config = config_from_args(args, default_trainer_config=trainer_config, seed=config.seed)
+        config, init_path = inference_folder(config, options)
+        init_path = init_path or initialize_path(config, options, file)
         # --max-policy-lag's default depends on --trajectory-handling: whether it was given decides
         config, note = ppo_run_config(config, ppo_config, lag_given="max_policy_lag" in args.given)
         if note:
             log.warning(note)
-        env = probe(config, options, ppo_config.seed, stand_in=crawler_job)
+        env = with_engine_settings(probe(config, options, ppo_config.seed, stand_in=crawler_job), options)
         if env.agents_per_instance:  # a Unity build decides how many agents each instance steps
             config = dataclasses.replace(config, envs_per_worker=env.agents_per_instance)
         torch.set_num_threads(config.cpu_threads(actors_wait_during_updates=actors_wait(config, ppo_config)))
-        trainer = PPOTrainer(ppo_config, config, env, params_wait_s=options.params_wait)
+        trainer = MLAgentsPPOTrainer(
+            ppo_config,
+            config,
+            env,
+            params_wait_s=options.params_wait,
+            strength=options.extrinsic_strength,
+            inference=options.inference,
+        )
+        if init_path:
+            trainer.initialize_from(init_path)
+            log.info("initialized from %s (its weights; this run's counters start at 0)", init_path)
         log_plan(env, config, ppo_config, trainer, args.ppo__semantics, trainer_config)
+        if options.inference:
+            weights = init_path or (config.checkpoint_path if config.resume else None)
+            source = f"weights of {weights}" if weights else "untrained weights"
+            print(
+                f"launch_ppo: INFERENCE: the policy acts ({source}), "
+                "nothing is trained or checkpointed; actions are sampled as in training",
+                flush=True,
+            )
+        if args.mlagents_form and not options.inference:
+            write_mlagents_configuration(config, options, ppo_config, file, args)
         plan = RunPlan(
             env,
             f"ppo/{args.ppo__semantics} {env.spec.id}",
@@ -263,14 +642,23 @@ def main(argv: list[str] | None = None) -> int:
                 "ppo": dataclasses.asdict(ppo_config),
                 "run": dataclasses.asdict(config),
                 "launch": dataclasses.asdict(options),
+                "initialize_from": init_path,
                 "semantics": args.ppo__semantics,
                 "trainer_config": trainer_config,
                 "env": env.spec.id,
                 "unroll_length": config.unroll_length,
             },
             hello_timeout=max(180.0, options.unity_timeout + 120.0),
+            log_every_steps=options.summary_freq,
+            checkpoint_every_steps=None if options.inference else options.checkpoint_interval,
+            keep_checkpoints=options.keep_checkpoints,
+            inference=options.inference,
         )
         result: RunResult = run(trainer, config, plan)
+        if (
+            args.mlagents_form and not options.inference
+        ):  # mlagents-learn leaves the last model beside the run's folders too
+            copy_model_up(config, trainer)
     except RunFinished as e:
         print(f"launch_ppo: {e}", flush=True)
         return 0
@@ -299,7 +687,7 @@ def log_plan(
     env: EnvInfo,
     config: RunConfig,
     ppo_config: Any,
-    trainer: PPOTrainer,
+    trainer: MLAgentsPPOTrainer,
     semantics: str,
     trainer_config: str | None,
 ) -> None:

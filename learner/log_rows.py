@@ -36,14 +36,29 @@ class LogRows:
     ``--log-interval``."""
 
     def __init__(
-        self, interval_s: float, task_names: tuple[str, ...], env_frames: int, since: float | None = None
+        self,
+        interval_s: float,
+        task_names: tuple[str, ...],
+        env_frames: int,
+        since: float | None = None,
+        *,
+        every_steps: int | None = None,
+        agent_steps: int = 0,
     ) -> None:
-        """``since``: when the first interval started (``time.monotonic()``; default now)."""
-        self.interval_s, self.task_names = interval_s, task_names
+        """``since``: when the first interval started (``time.monotonic()``; default now). ``every_steps``: a
+        row each time the agent steps pass a multiple of it (ML-Agents' ``summary_freq``) instead of every
+        ``interval_s`` seconds."""
+        self.interval_s, self.task_names, self.every_steps = interval_s, task_names, every_steps
         self.last_time, self.last_frames = time.monotonic() if since is None else since, env_frames
+        self.next_steps = (agent_steps // every_steps + 1) * every_steps if every_steps else 0
         self.lags: list[float] = []
 
-    def due(self) -> bool:
+    def due(self, agent_steps: int = 0) -> bool:
+        if self.every_steps:
+            if agent_steps < self.next_steps:
+                return False
+            self.next_steps = (agent_steps // self.every_steps + 1) * self.every_steps
+            return True
         return time.monotonic() - self.last_time >= self.interval_s
 
     def row(

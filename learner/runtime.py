@@ -101,6 +101,10 @@ class RunPlan:
     tasks: tuple[
         EnvInfo, ...
     ] = ()  # a multi-task run's envs in task order (``env`` is the first); actor i runs task i % N
+    log_every_steps: int | None = None  # a log row per this many agent steps instead of --log-interval
+    checkpoint_every_steps: int | None = None  # also a numbered checkpoint per this many agent steps
+    keep_checkpoints: int = 5  # numbered checkpoints kept
+    inference: bool = False  # no updates: the policy only acts (rows are logged between updates too)
 
 
 @dataclass
@@ -173,7 +177,9 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
                            time_offset_s=progress.elapsed_s, config_record=plan.config_record)  # fmt: skip
     record = plan.config_record  # stored in every checkpoint, written to config.yaml
-    checkpointer = Checkpointer(config, trainer, run_info, record, progress, resuming=config.resume)
+    checkpointer = Checkpointer(config, trainer, run_info, record, progress, resuming=config.resume,
+                                every_steps=plan.checkpoint_every_steps,
+                                keep=plan.keep_checkpoints)  # fmt: skip
     evaluator = PeriodicEval(config, run_info)
     parts = _Parts(server, pool, guard, budget, progress, checkpointer, logger, evaluator)
     interrupted = False
@@ -181,14 +187,15 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
         server.start()
         _start_actors(pool, server, guard, config, plan.hello_timeout)
         with _Stop() as stop:
-            _train(trainer, config, parts, stop.event)
+            _train(trainer, config, parts, stop.event, plan)
             interrupted = stop.event.is_set()
         if not interrupted:  # the last evaluation belongs to this run's record
             _log_eval(logger, progress, evaluator.finish(), checkpointer)
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        finished = budget.spent(progress.env_frames, progress.agent_steps)
+        # an inference run trains nothing: it never marks the run in its folder finished
+        finished = budget.spent(progress.env_frames, progress.agent_steps) and not plan.inference
         checkpoint = _shut_down(trainer, parts, finished=finished)
     dropped = {k: int(v) for k, v in server.dropped.items()}
     mean = server.stats().get("charts/mean_return_100")
@@ -283,9 +290,10 @@ def _start_actors(
     guard.check()
 
 
-def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.Event) -> None:
+def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.Event, plan: RunPlan) -> None:
     """The learner's loop: take a validated unroll, update when the trainer is ready, publish, log,
-    checkpoint."""
+    checkpoint. Rows come after updates; with ``plan.log_every_steps`` or ``plan.inference`` also between
+    them."""
     # the first interval counts from the run's start (actor start-up included), so a short run still logs a
     # row
     server, pool, guard, budget, progress = (
@@ -296,7 +304,16 @@ def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.E
         parts.progress,
     )
     checkpointer, logger, evaluator = parts.checkpointer, parts.logger, parts.evaluator
-    rows = LogRows(config.log_interval, server.task_names, progress.env_frames, since=budget.start)
+    rows = LogRows(config.log_interval, server.task_names, progress.env_frames, since=budget.start,
+                   every_steps=plan.log_every_steps, agent_steps=progress.agent_steps)  # fmt: skip
+    between_updates = bool(plan.log_every_steps or plan.inference)
+
+    def log_row() -> None:
+        logger.log(
+            progress.env_frames,
+            rows.row(progress, metrics, server.stats(), server.task_mean_returns(), pool.restarts),
+        )
+
     frames_per_unroll = int(round(config.unroll_length * trainer.frames_per_step))
     metrics: dict[str, float] = {}
     server.publish(progress.version, trainer.params())
@@ -322,6 +339,8 @@ def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.E
         if server.task_names:
             progress.task_frames[int(msg.arrays["task"][0])] += frames_per_unroll
         if not trainer.ready():
+            if between_updates and rows.due(progress.agent_steps):
+                log_row()
             continue
         metrics = trainer.update(progress.env_frames)
         progress.version += 1
@@ -330,11 +349,8 @@ def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.E
         if evaluator.maybe_start(progress.env_frames, params):
             checkpointer.remember_evaluated(progress.env_frames)  # best.pt must hold the weights evaluated
         _log_eval(logger, progress, evaluator.poll(), checkpointer)
-        if rows.due():
-            logger.log(
-                progress.env_frames,
-                rows.row(progress, metrics, server.stats(), server.task_mean_returns(), pool.restarts),
-            )
+        if rows.due(progress.agent_steps):
+            log_row()
         checkpointer.maybe_save()
         if budget.return_reached(server.full_window_mean_return()):
             break

@@ -109,9 +109,12 @@ TEXT_BAD = {
     "--task": "NoSuchEnv-v9",
     "--output": "/proc/no-such-dir/model.onnx",
     "--obs-sizes": "126,x",
+    "--results-dir": "/proc/no-such-dir/results",
+    "--torch-device": "gpu7",
+    "--initialize-from": "no-such-run",
 }
 # Numeric flags where a negative number is a legitimate value.
-ANY_SIGN = {"--stop-at-return"}
+ANY_SIGN = {"--stop-at-return", "--target-frame-rate"}  # a target frame rate of -1: unlimited
 
 
 def _flag_cases() -> list[tuple[str, str, str]]:
@@ -147,6 +150,7 @@ def test_bad_flag_value_is_one_line_and_exit_2(prog, flag, value, tmp_path, caps
     argv = list(BASE[prog])
     if prog in ("launch_impala", "launch_ppo") and flag not in (
         "--runs-dir",
+        "--results-dir",
         "--run-id",
     ):  # those name the folder instead
         argv += ["--logdir", str(tmp_path / "run")]

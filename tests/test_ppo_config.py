@@ -16,6 +16,7 @@ from impala.run.ppo_config import (
     config_from_args,
     config_to_argparse,
     from_mlagents_yaml,
+    read_mlagents_yaml,
 )
 
 CRAWLER = Path(__file__).resolve().parents[1] / "configs" / "Crawler.yaml"
@@ -142,17 +143,19 @@ def test_crawler_yaml(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the project's own file (a default launch_ppo reads it): no warnings
         cfg = from_mlagents_yaml(str(CRAWLER))
-    # ML-Agents' own Crawler.yaml has the keys the shipped one leaves out: each still warns once
+    # ML-Agents' own Crawler.yaml has the run keys the shipped one leaves out: read as launch options, the
+    # PPO settings the same, and no warning (a key is honoured or refused, never ignored)
     ml = CRAWLER.read_text().replace(
-        "    time_horizon: 1000\n", "    time_horizon: 1000\n    summary_freq: 30000\n"
+        "    time_horizon: 1000\n",
+        "    time_horizon: 1000\n    summary_freq: 30000\n    keep_checkpoints: 5\n",
     )
     ml = ml.replace("        gamma: 0.995\n", "        gamma: 0.995\n        strength: 1.0\n")
     (tmp_path / "ml.yaml").write_text(ml)
-    with pytest.warns(UserWarning) as rec:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert from_mlagents_yaml(str(tmp_path / "ml.yaml")) == cfg
-    warned = [str(w.message) for w in rec]
-    assert len(warned) == 2, warned
-    assert "behaviors.Crawler.summary_freq" in warned[0] and "extrinsic.strength" in warned[1], warned
+        run = read_mlagents_yaml(str(tmp_path / "ml.yaml")).run
+    assert run == {"summary_freq": 30000, "keep_checkpoints": 5, "extrinsic_strength": 1.0}
     assert (cfg.batch_size, cfg.buffer_size, cfg.learning_rate, cfg.lr_schedule) == (
         2048,
         20480,
@@ -279,7 +282,7 @@ def test_yaml_errors_name_the_key(tmp_path, hp, net, message):
 
 def test_yaml_structure_errors(tmp_path):
     p = _write(tmp_path, "behaviors:\n  W:\n    trainer_type: sac\n")
-    with pytest.raises(ConfigError, match=r"behaviors\.W\.trainer_type: must be 'ppo'"):
+    with pytest.raises(ConfigError, match=r"behaviors\.W\.trainer_type: sac: SAC is not implemented"):
         from_mlagents_yaml(p)
     p = _write(tmp_path, "behaviors:\n  W:\n    trainer_type: ppo\n    hyperparameters: 3\n")
     with pytest.raises(ConfigError, match=r"behaviors\.W\.hyperparameters: expected a mapping"):
@@ -294,19 +297,24 @@ def test_yaml_structure_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^behaviours: unknown key"):
         from_mlagents_yaml(p)
     p = _write(tmp_path, "behaviors:\n  A: {}\n  B: {}\n")
-    with pytest.raises(ConfigError, match="pass behavior="):
+    with pytest.raises(ConfigError, match=r"2 behaviours \(A, B\).*pass --behavior NAME"):
         from_mlagents_yaml(p)
     with pytest.raises(ConfigError, match=r"behaviors\.C: not in the file"):
         from_mlagents_yaml(p, behavior="C")
 
 
-def test_yaml_defaults_and_ignored_keys(tmp_path):
+def test_yaml_defaults_and_unsupported_keys(tmp_path):
     p = _write(
         tmp_path,
         "behaviors:\n  W:\n    trainer_type: ppo\n    threaded: true\n    checkpoint_interval: 500\n",
     )
-    with pytest.warns(UserWarning, match=r"behaviors\.W\.(threaded|checkpoint_interval)"):
-        cfg = from_mlagents_yaml(p)
+    with pytest.raises(ConfigError, match=r"^behaviors\.W\.threaded: True is not supported \(actors wait"):
+        from_mlagents_yaml(p)
+    p = _write(
+        tmp_path,
+        "behaviors:\n  W:\n    trainer_type: ppo\n    threaded: false\n    checkpoint_interval: 500\n",
+    )
+    cfg = from_mlagents_yaml(p)
     assert cfg.obs_norm == "none"  # ML-Agents: normalize defaults to false
     assert (cfg.batch_size, cfg.buffer_size, cfg.hidden_units, cfg.time_horizon) == (1024, 10240, 128, 64)
 

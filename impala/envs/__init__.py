@@ -24,6 +24,20 @@ from impala.run.config import MODULE_NAME
 
 
 UNITY_PREFIX = "unity:"
+# A Unity spec's kwargs that set how the engine runs (mlagents-learn's engine settings and player arguments),
+# not which env it is: a run may resume with others.
+UNITY_ENGINE_KWARGS = frozenset(
+    {
+        "time_scale",
+        "width",
+        "height",
+        "quality_level",
+        "target_frame_rate",
+        "capture_frame_rate",
+        "no_graphics",
+        "additional_args",
+    }
+)
 
 
 class UnknownEnvError(ValueError):

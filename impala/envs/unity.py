@@ -10,9 +10,11 @@ Construction
     The ``UnityEnvironment`` (and so the Unity process and its gRPC server on
     port ``base_port + worker_id``) is built in the constructor: build the env
     inside the process that uses it (an actor's ``run()``); it cannot be
-    pickled. Like ``mlagents-learn``, an ``EngineConfigurationChannel`` sets
-    ``time_scale`` (20 by default), ``target_frame_rate=-1`` and
-    ``capture_frame_rate=60``. The constructor resets the environment once to
+    pickled. Like ``mlagents-learn``, an ``EngineConfigurationChannel`` sends
+    the engine settings: ``width``/``height`` 84, ``quality_level`` 5,
+    ``time_scale`` 20, ``target_frame_rate`` -1 and ``capture_frame_rate`` 60
+    by default (mlagents-learn's defaults; ``launch_ppo --time-scale`` etc.).
+    The constructor resets the environment once to
     learn the behavior spec and ``K`` (rows of the first non-empty
     DecisionSteps); the first ``reset()`` returns that observation without
     resetting Unity a second time.
@@ -94,9 +96,49 @@ mlagents_proto.install()
 
 __all__ = ["UnityEnvError", "UnityVecEnv", "StepResult"]
 
-# mlagents-learn's engine settings that matter for a no-graphics build.
+# mlagents-learn's engine settings (mlagents/trainers/cli_utils.py defaults).
+WIDTH = HEIGHT = 84
+QUALITY_LEVEL = 5
+TIME_SCALE = 20.0
 TARGET_FRAME_RATE = -1
 CAPTURE_FRAME_RATE = 60
+UNITY_SUFFIXES = (".x86_64", ".x86", ".exe", ".app")
+
+
+def unity_build_path(value: str) -> str | None:
+    """``value`` (``launch_ppo --env``) as a Unity build path, or None for a gymnasium id.
+
+    A build: an existing file or folder, or a name mlagents-envs completes to one (``builds/Crawler`` for
+    ``builds/Crawler.x86_64``). A path to nothing (it ends in a Unity build suffix, or it starts with
+    ``/``, ``.`` or ``~``, or has a ``/`` and is no registered gymnasium id such as ``ALE/Pong-v5``) is a
+    ``ConfigError``."""
+    from impala.run.config import ConfigError
+
+    path = os.path.expanduser(value)
+    if os.path.exists(path):
+        return path
+    try:
+        from mlagents_envs.env_utils import validate_environment_path
+
+        if validate_environment_path(path) is not None:
+            return path
+    except ImportError:  # pragma: no cover - depends on the install
+        pass
+    pathlike = value.endswith(UNITY_SUFFIXES) or value.startswith(("/", ".", "~"))
+    if not pathlike and "/" in value:
+        from impala.envs import UnknownEnvError, check_env_id
+
+        try:
+            check_env_id(value)
+            return None
+        except UnknownEnvError:
+            pathlike = True
+    if pathlike:
+        raise ConfigError(
+            f"--env {value}: no Unity build there (no such file or folder, resolved against {os.getcwd()}); "
+            "pass the path of the build, e.g. builds/Crawler.x86_64, or a gymnasium id"
+        )
+    return None
 
 
 class UnityEnvError(RuntimeError):
@@ -150,7 +192,13 @@ class UnityVecEnv:
         seed: int = 0,
         no_graphics: bool = True,
         timeout_wait: int = 60,
-        time_scale: float = 20.0,
+        time_scale: float = TIME_SCALE,
+        width: int = WIDTH,
+        height: int = HEIGHT,
+        quality_level: int = QUALITY_LEVEL,
+        target_frame_rate: int = TARGET_FRAME_RATE,
+        capture_frame_rate: int = CAPTURE_FRAME_RATE,
+        additional_args: list[str] | tuple[str, ...] = (),
         behavior_name: str | None = None,
         max_wait_steps: int = 1000,
         fast_client: bool = True,
@@ -193,7 +241,12 @@ class UnityVecEnv:
 
         self._engine_channel = EngineConfigurationChannel()
         self._engine_channel.set_configuration_parameters(
-            time_scale=time_scale, target_frame_rate=TARGET_FRAME_RATE, capture_frame_rate=CAPTURE_FRAME_RATE
+            width=width,
+            height=height,
+            quality_level=quality_level,
+            time_scale=time_scale,
+            target_frame_rate=target_frame_rate,
+            capture_frame_rate=capture_frame_rate,
         )
         env_cls = FastUnityEnvironment if fast_client else UnityEnvironment
         try:
@@ -205,6 +258,7 @@ class UnityVecEnv:
                 no_graphics=no_graphics,
                 timeout_wait=timeout_wait,
                 side_channels=[self._engine_channel],
+                additional_args=list(additional_args) or None,
             )
         except UnityWorkerInUseException as exc:
             _close_half_built(exc, UnityEnvironment)

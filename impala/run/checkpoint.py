@@ -10,6 +10,7 @@ cannot execute code; a file that is not such a checkpoint is one ``CheckpointErr
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import tempfile
 from typing import Any
@@ -204,13 +205,21 @@ RUN_FILES = ("checkpoint.pt", "best.pt", "metrics.csv", "config.yaml", FINISHED_
 RUN_FILE_PATTERNS = ("events.out.tfevents.", "eval-")
 
 
+# numbered checkpoints (launch_ppo's checkpoint_interval): <behaviour>-<agent steps>.pt and .onnx
+NUMBERED_CHECKPOINT = re.compile(r".+-\d+\.(pt|onnx)")
+
+
 def run_files(path: str) -> list[str]:
     """The files of a run in folder ``path`` (empty: no run there)."""
     try:
         names = sorted(os.listdir(path))
     except OSError:
         return []
-    return [n for n in names if n in RUN_FILES or n.startswith(RUN_FILE_PATTERNS)]
+    return [
+        n
+        for n in names
+        if n in RUN_FILES or n.startswith(RUN_FILE_PATTERNS) or NUMBERED_CHECKPOINT.fullmatch(n)
+    ]
 
 
 def prepare_run_folder(path: str, *, resume: bool, force: bool) -> None:

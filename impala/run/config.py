@@ -184,8 +184,10 @@ def add_flags(
     skip: Iterable[str] = (),
     defaults: dict[str, Any] | None = None,
     helps: dict[str, str] | None = None,
+    aliases: dict[str, Iterable[str]] | None = None,
 ) -> None:
-    """One ``--flag`` per field of ``cls`` (``only`` / ``skip`` select fields).
+    """One ``--flag`` per field of ``cls`` (``only`` / ``skip`` select fields); ``aliases`` gives a field
+    more flag names (``{"device": ["--torch-device"]}``), each setting the same destination.
 
     ``defaults`` and ``helps`` let an entry point give a shared field its own default or text (a default
     of ``argparse.SUPPRESS`` leaves no attribute when the flag is not given: for options whose default
@@ -193,7 +195,7 @@ def add_flags(
     (:class:`FlagParser`).
     """
     keep = set(only) if only is not None else None
-    defaults, helps = defaults or {}, helps or {}
+    defaults, helps, aliases = defaults or {}, helps or {}, aliases or {}
     for f in dataclasses.fields(cls):
         if f.name in skip or (keep is not None and f.name not in keep):
             continue
@@ -213,7 +215,7 @@ def add_flags(
             if choices is not None:
                 kw["choices"] = list(choices) + ([None] if optional else [])
                 kw["metavar"] = "{" + ",".join(map(str, choices)) + "}"
-        parser.add_argument(flag_name(f.name), **kw)
+        parser.add_argument(flag_name(f.name), *aliases.get(f.name, ()), **kw)
 
 
 def from_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "", **extra: Any) -> Any:

@@ -15,7 +15,9 @@ The config is frozen and validated once, in ``__post_init__``; use
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import random
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -312,8 +314,14 @@ _append_field_docs()
 
 
 # ------------------------------------------------------------ ML-Agents YAML
+#
+# Every key of an ML-Agents 0.28 trainer config (mlagents/trainers/settings.py, RunOptions) is read here and
+# either honoured (a PPOConfig field, or a launch option the file sets as if given by --config) or refused
+# with one line naming the key and why. Keys this trainer has no use for are accepted only at ML-Agents'
+# own default (what a configuration.yaml written by mlagents-learn holds), since that value asks for
+# nothing this trainer lacks.
 
-# Keys we read: key -> PPOConfig field (None = handled specially).
+# hyperparameters key -> PPOConfig field
 _HYPER_KEYS = {
     "batch_size": "batch_size",
     "buffer_size": "buffer_size",
@@ -326,15 +334,7 @@ _HYPER_KEYS = {
     "beta_schedule": "beta_schedule",
     "epsilon_schedule": "epsilon_schedule",
 }
-_HYPER_IGNORED = {"shared_critic"}
 _NETWORK_KEYS = {"normalize", "hidden_units", "num_layers"}
-_NETWORK_IGNORED = {
-    "vis_encode_type",
-    "memory",
-    "goal_conditioning_type",
-    "deterministic",
-    "conditioning_type",
-}
 _BEHAVIOR_KEYS = {
     "trainer_type",
     "hyperparameters",
@@ -343,26 +343,82 @@ _BEHAVIOR_KEYS = {
     "max_steps",
     "time_horizon",
 }
-_BEHAVIOR_IGNORED = {
-    "summary_freq",
-    "keep_checkpoints",
-    "checkpoint_interval",
-    "even_checkpoints",
-    "threaded",
-    "init_path",
-    "self_play",
-    "behavioral_cloning",
+# key -> (the one value accepted: ML-Agents' default, why any other is refused)
+_HYPER_ONLY_DEFAULT = {"shared_critic": (False, "this trainer keeps separate actor and critic networks")}
+_NETWORK_ONLY_DEFAULT = {
+    "vis_encode_type": ("simple", "visual observations are not supported (vector observations only)"),
+    "memory": (None, "recurrent policies (LSTM memory) are not supported; remove the memory section"),
+    "goal_conditioning_type": ("hyper", "goal signals are not supported"),
+    "deterministic": (
+        False,
+        "deterministic actions are not supported: actors sample from the policy, as mlagents-learn does "
+        "by default",
+    ),
 }
-_EXTRINSIC_IGNORED = {"strength", "network_settings"}
-_TOP_IGNORED = {
-    "env_settings",
-    "engine_settings",
-    "checkpoint_settings",
-    "torch_settings",
-    "environment_parameters",
-    "debug",
-    "default_settings",
+_BEHAVIOR_ONLY_DEFAULT = {
+    "even_checkpoints": (False, "checkpoints are written every checkpoint_interval steps"),
+    "threaded": (False, "actors wait while the learner updates (ML-Agents' threaded: false)"),
+    "init_path": (None, "start from another run's weights with --initialize-from RUN"),
+    "self_play": (None, "self-play (ghost trainers) is not supported"),
+    "behavioral_cloning": (None, "behavioral cloning from demonstrations is not supported"),
 }
+_REFUSED_TRAINERS = {
+    "sac": "SAC is not implemented; launch_ppo trains PPO (trainer_type: ppo)",
+    "poca": "MA-POCA (multi-agent cooperative) is not implemented; launch_ppo trains PPO (trainer_type: ppo)",
+}
+_REFUSED_SIGNALS = {
+    "curiosity": "the curiosity reward signal is not supported; only extrinsic is",
+    "gail": "the GAIL reward signal is not supported; only extrinsic is",
+    "rnd": "the RND reward signal is not supported; only extrinsic is",
+}
+# behaviour key -> launch option (summary_freq, checkpoint_interval in agent steps)
+_BEHAVIOR_RUN_KEYS = {
+    "summary_freq": "summary_freq",
+    "checkpoint_interval": "checkpoint_interval",
+    "keep_checkpoints": "keep_checkpoints",
+}
+# section -> key -> (launch option, kind); null values leave the option as it is
+_RUN_SECTIONS: dict[str, dict[str, tuple[str, Any]]] = {
+    "env_settings": {
+        "env_path": ("env", str),
+        "env_args": ("env_args", list),
+        "base_port": ("unity_base_port", int),
+        "num_envs": ("workers", int),
+        "seed": ("seed", int),
+    },
+    "engine_settings": {
+        "width": ("width", int),
+        "height": ("height", int),
+        "quality_level": ("quality_level", int),
+        "time_scale": ("time_scale", float),
+        "target_frame_rate": ("target_frame_rate", int),
+        "capture_frame_rate": ("capture_frame_rate", int),
+        "no_graphics": ("graphics", "negated"),
+    },
+    "checkpoint_settings": {
+        "run_id": ("run_id", str),
+        "initialize_from": ("initialize_from", str),
+        "resume": ("resume", bool),
+        "load_model": ("resume", "or"),  # ML-Agents' deprecated name: resume = resume or load_model
+        "force": ("force", bool),
+        "inference": ("inference", bool),
+        "results_dir": ("runs_dir", str),
+        "train_model": (None, bool),  # deprecated in ML-Agents 0.28 and without effect there too
+    },
+    "torch_settings": {"device": ("device", str)},
+}
+_RUN_ONLY_DEFAULT = {
+    "env_settings": {
+        "num_areas": (1, "training areas per instance are the build's own; num_areas must be 1"),
+        "max_lifetime_restarts": (10, "a dead actor (and its Unity instance) is restarted without a limit"),
+        "restarts_rate_limit_n": (1, "a dead actor (and its Unity instance) is restarted without a limit"),
+        "restarts_rate_limit_period_s": (
+            60,
+            "a dead actor (and its Unity instance) is restarted without a limit",
+        ),
+    }
+}
+_TOP_KEYS = {"behaviors", "default_settings", "environment_parameters", "debug", *_RUN_SECTIONS}
 # ML-Agents defaults for keys the file may omit (mlagents/trainers/settings.py).
 _MLAGENTS_DEFAULTS = {
     "batch_size": 1024,
@@ -380,10 +436,37 @@ _MLAGENTS_DEFAULTS = {
     "max_steps": 500_000,
     "time_horizon": 64,
 }
+MLAGENTS_RANDOM_SEED = -1  # env_settings.seed: -1 asks for a random seed in 0..9999, as mlagents-learn does
 
 
-def _ignored(path: str) -> None:
-    warnings.warn(f"{path}: ML-Agents option not used by this trainer; ignored", stacklevel=3)
+@dataclass(frozen=True)
+class MLAgentsTrainerFile:
+    """An ML-Agents trainer YAML, read: the behaviour to train and the launch options the file sets.
+
+    ``settings``: that behaviour's settings with ``default_settings`` merged under them (ML-Agents'
+    ``deep_update_dict``: nested sections merge key by key, anything else is replaced). ``run``: launch
+    options (``RunConfig`` / ``launch_ppo`` option names) from ``env_settings``, ``engine_settings``,
+    ``checkpoint_settings``, ``torch_settings``, ``debug`` and the behaviour's ``summary_freq``,
+    ``checkpoint_interval``, ``keep_checkpoints`` and ``reward_signals.extrinsic.strength``.
+    """
+
+    path: str
+    behavior: Optional[str]  # None: the file has only default_settings, which any behaviour takes
+    settings: dict
+    run: dict
+
+    @property
+    def root(self) -> str:
+        return f"behaviors.{self.behavior}" if self.behavior else "default_settings"
+
+
+def _deep_update(d: dict, update: dict) -> None:
+    """ML-Agents' ``deep_update_dict``: mappings merge key by key, any other value replaces."""
+    for key, val in update.items():
+        if key in d and isinstance(d[key], dict) and isinstance(val, dict):
+            _deep_update(d[key], val)
+        else:
+            d[key] = copy.deepcopy(val)
 
 
 def _mapping(value: Any, path: str) -> dict:
@@ -401,9 +484,125 @@ def _number(value: Any, path: str, kind: type) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return value
+    if isinstance(value, str):
+        try:  # PyYAML (YAML 1.1) reads 3e-4 (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{path}: expected a number, got {value!r}")
     return float(value)
+
+
+def _only_default(value: Any, path: str, default: Any, why: str) -> None:
+    if value != default or type(value) is not type(default):
+        raise ConfigError(f"{path}: {value!r} is not supported ({why}); only {default!r} is")
+
+
+def _typed(value: Any, path: str, kind: Any) -> Any:
+    if kind in (int, float):
+        return _number(value, path, kind)
+    if kind in (bool, "negated", "or"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if kind is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{path}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _run_sections(doc: dict) -> dict[str, Any]:
+    """The launch options set by the file's env, engine, checkpoint and torch settings and ``debug``."""
+    run: dict[str, Any] = {}
+    for section, keys in _RUN_SECTIONS.items():
+        only_default = _RUN_ONLY_DEFAULT.get(section, {})
+        for key, value in _mapping(doc.get(section), section).items():
+            path = f"{section}.{key}"
+            if key in only_default:
+                _only_default(value, path, *only_default[key])
+                continue
+            if key not in keys:
+                raise ConfigError(f"{path}: unknown key (known: {', '.join([*keys, *only_default])})")
+            if value is None:
+                continue
+            option_name, kind = keys[key]
+            value = _typed(value, path, kind)
+            if option_name is None:
+                continue
+            if kind == "negated":
+                value = not value
+            if kind == "or":
+                run[option_name] = run.get(option_name, False) or value
+                continue
+            if key == "seed" and value == MLAGENTS_RANDOM_SEED:
+                value = random.randrange(10_000)
+            run[option_name] = value
+    debug = doc.get("debug")
+    if debug is not None:
+        if _typed(debug, "debug", bool):
+            run["log_level"] = "DEBUG"
+    if doc.get("environment_parameters") is not None:
+        raise ConfigError(
+            "environment_parameters: not supported (curricula and environment parameter sampling); the "
+            "build's own values apply"
+        )
+    return run
+
+
+def read_mlagents_yaml(path: str, behavior: str | None = None) -> MLAgentsTrainerFile:
+    """Read an ML-Agents trainer config: every key honoured or refused (:class:`ConfigError` naming the key
+    path and why). ``behavior`` picks one of several behaviours; a file with several and no ``behavior`` is
+    refused (one learner per run)."""
+    doc = _mapping(read_yaml(path, "--trainer-config"), "<top level>")
+    for key in doc:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"{key}: unknown key")
+    run = _run_sections(doc)
+    defaults = doc.get("default_settings")
+    behaviors = _mapping(doc.get("behaviors"), "behaviors")
+    if defaults is not None:
+        _mapping(defaults, "default_settings")
+    if not behaviors and defaults is None:
+        raise ConfigError(
+            "behaviors: missing or empty (and no default_settings); expected "
+            "behaviors.<BehaviorName>.trainer_type etc."
+        )
+    if behavior is None and len(behaviors) > 1:
+        raise ConfigError(
+            f"behaviors: the file has {len(behaviors)} behaviours ({', '.join(map(str, behaviors))}); "
+            "launch_ppo trains one per run: pass --behavior NAME (one run per behaviour)"
+        )
+    if behavior is None and behaviors:
+        behavior = next(iter(behaviors))
+    if behavior is not None and behavior not in behaviors and defaults is None:
+        raise ConfigError(f"behaviors.{behavior}: not in the file (has: {', '.join(map(str, behaviors))})")
+    settings: dict = copy.deepcopy(defaults) if defaults is not None else {}
+    if behavior is not None and behavior in behaviors:
+        _deep_update(settings, _mapping(behaviors[behavior], f"behaviors.{behavior}"))
+    file = MLAgentsTrainerFile(
+        path, behavior if behavior in behaviors else None, settings, run
+    )  # a name only default_settings serves is the build's, not the file's
+    run.update(_behavior_run_options(file))
+    return file
+
+
+def _behavior_run_options(file: MLAgentsTrainerFile) -> dict[str, Any]:
+    """The behaviour's own run settings: log and checkpoint intervals, kept checkpoints, reward strength."""
+    root, b = file.root, file.settings
+    out: dict[str, Any] = {}
+    for key, option_name in _BEHAVIOR_RUN_KEYS.items():
+        if b.get(key) is not None:
+            out[option_name] = _number(b[key], f"{root}.{key}", int)
+    ext = _mapping(_mapping(b.get("reward_signals"), f"{root}.reward_signals").get("extrinsic"), "")
+    if ext.get("strength") is not None:
+        out["extrinsic_strength"] = _number(
+            ext["strength"], f"{root}.reward_signals.extrinsic.strength", float
+        )
+    return out
 
 
 def from_mlagents_yaml(
@@ -415,39 +614,27 @@ def from_mlagents_yaml(
     take ML-Agents' defaults (so ``normalize`` missing means no obs
     normalization, as in mlagents-learn). ``network_settings.normalize: true``
     selects the preset's normalizer ('mlagents' or, for sb3 semantics,
-    'vecnormalize'). ``overrides`` win over everything.
+    'vecnormalize'). ``overrides`` win over everything. The file's run settings
+    (:func:`read_mlagents_yaml`) are checked too; launch_ppo applies them.
 
-    Raises ConfigError naming the key path for unknown or malformed keys;
-    ML-Agents keys this trainer does not use are accepted with a warning.
+    Raises ConfigError naming the key path for unknown, malformed or unsupported keys.
     """
-    doc = _mapping(read_yaml(path, "--trainer-config"), "<top level>")
-    for key in doc:
-        if key == "behaviors":
-            continue
-        if key in _TOP_IGNORED:
-            _ignored(key)
-        else:
-            raise ConfigError(f"{key}: unknown key")
-    behaviors = _mapping(doc.get("behaviors"), "behaviors")
-    if not behaviors:
-        raise ConfigError("behaviors: missing or empty; expected behaviors.<BehaviorName>.trainer_type etc.")
-    if behavior is None:
-        if len(behaviors) != 1:
-            raise ConfigError(
-                f"behaviors: {len(behaviors)} behaviors ({', '.join(behaviors)}); pass behavior=<name>"
-            )
-        behavior = next(iter(behaviors))
-    if behavior not in behaviors:
-        raise ConfigError(f"behaviors.{behavior}: not in the file (has: {', '.join(behaviors)})")
-    root = f"behaviors.{behavior}"
-    b = _mapping(behaviors[behavior], root)
+    return ppo_config_from_file(read_mlagents_yaml(path, behavior), semantics, **overrides)
 
-    for key in b:
-        if key in _BEHAVIOR_IGNORED:
-            _ignored(f"{root}.{key}")
-        elif key not in _BEHAVIOR_KEYS:
+
+def ppo_config_from_file(
+    file: MLAgentsTrainerFile, semantics: str = "mlagents", **overrides: Any
+) -> PPOConfig:
+    """The PPOConfig of a read trainer file's behaviour (see :func:`from_mlagents_yaml`)."""
+    root, b = file.root, file.settings
+    for key, value in b.items():
+        if key in _BEHAVIOR_ONLY_DEFAULT:
+            _only_default(value, f"{root}.{key}", *_BEHAVIOR_ONLY_DEFAULT[key])
+        elif key not in _BEHAVIOR_KEYS and key not in _BEHAVIOR_RUN_KEYS:
             raise ConfigError(f"{root}.{key}: unknown key")
     trainer_type = b.get("trainer_type", "ppo")
+    if trainer_type in _REFUSED_TRAINERS:
+        raise ConfigError(f"{root}.trainer_type: {trainer_type}: {_REFUSED_TRAINERS[trainer_type]}")
     if trainer_type != "ppo":
         raise ConfigError(f"{root}.trainer_type: must be 'ppo', got {trainer_type!r}")
 
@@ -455,12 +642,8 @@ def from_mlagents_yaml(
     hp = _mapping(b.get("hyperparameters"), f"{root}.hyperparameters")
     for key, value in hp.items():
         p = f"{root}.hyperparameters.{key}"
-        if key in _HYPER_IGNORED:
-            if key == "shared_critic" and value:
-                raise ConfigError(
-                    f"{p}: true is not supported (this trainer keeps separate actor and critic)"
-                )
-            _ignored(p)
+        if key in _HYPER_ONLY_DEFAULT:
+            _only_default(value, p, *_HYPER_ONLY_DEFAULT[key])
         elif key not in _HYPER_KEYS:
             raise ConfigError(f"{p}: unknown key")
         elif key.endswith("_schedule"):
@@ -473,10 +656,8 @@ def from_mlagents_yaml(
     net = _mapping(b.get("network_settings"), f"{root}.network_settings")
     for key, value in net.items():
         p = f"{root}.network_settings.{key}"
-        if key in _NETWORK_IGNORED:
-            if key == "memory" and value is not None:
-                raise ConfigError(f"{p}: recurrent policies are not supported; remove the memory section")
-            _ignored(p)
+        if key in _NETWORK_ONLY_DEFAULT:
+            _only_default(value, p, *_NETWORK_ONLY_DEFAULT[key])
         elif key not in _NETWORK_KEYS:
             raise ConfigError(f"{p}: unknown key")
         elif key == "normalize":
@@ -486,17 +667,26 @@ def from_mlagents_yaml(
         else:
             vals[key] = _number(value, p, int)
 
-    rs = _mapping(b.get("reward_signals"), f"{root}.reward_signals")
-    for key in rs:
-        if key != "extrinsic":
-            raise ConfigError(f"{root}.reward_signals.{key}: unsupported reward signal; only 'extrinsic' is")
-    ext = _mapping(rs.get("extrinsic"), f"{root}.reward_signals.extrinsic")
+    if "reward_signals" in b:
+        rs = _mapping(b.get("reward_signals"), f"{root}.reward_signals")
+        for key in rs:
+            if key in _REFUSED_SIGNALS:
+                raise ConfigError(f"{root}.reward_signals.{key}: {_REFUSED_SIGNALS[key]}")
+            if key != "extrinsic":
+                raise ConfigError(f"{root}.reward_signals.{key}: unknown reward signal; only 'extrinsic' is")
+        if "extrinsic" not in rs:
+            raise ConfigError(f"{root}.reward_signals: no extrinsic signal: nothing to train on")
+    ext = _mapping(_mapping(b.get("reward_signals"), "").get("extrinsic"), f"{root}.reward_signals.extrinsic")
     for key, value in ext.items():
         p = f"{root}.reward_signals.extrinsic.{key}"
         if key == "gamma":
             vals["gamma"] = _number(value, p, float)
-        elif key in _EXTRINSIC_IGNORED:
-            _ignored(p)
+        elif key == "strength":
+            if _number(value, p, float) < 0:
+                raise ConfigError(f"{p}: must be >= 0, got {value!r}")
+        elif key == "network_settings":
+            if value is not None:
+                _mapping(value, p)  # ML-Agents' extrinsic signal has no network: its settings change nothing
         else:
             raise ConfigError(f"{p}: unknown key")
     for key in ("max_steps", "time_horizon"):
