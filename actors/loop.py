@@ -275,6 +275,7 @@ def run_actor(
         version = params.version
         run_id = _run_id(params)
 
+        masked = getattr(agent, "masked", False) and hasattr(envs, "action_masks")
         first = np.ones(K, dtype=bool)
         episodes = EpisodeTracker(K)
         unrolls = 0
@@ -290,6 +291,8 @@ def run_actor(
             for t in range(T):
                 for name, value in agent.observation(obs, first).items():
                     buf[name][:, t] = value
+                if masked:  # the env's allowed discrete actions for this decision (Unity)
+                    agent.set_action_mask(envs.action_masks())
                 env_actions, recorded = agent.act(obs, first)
                 result = envs.step(env_actions)
                 for name, value in {**recorded, **agent.transition(result)}.items():

@@ -149,10 +149,10 @@ class PPOAgent:
                 recorded["action_mask"] = mask_np
             if self.action_space == "Discrete":
                 to_env = picks[:, 0]
-            elif self.action_space == "MultiDiscrete":
-                to_env = picks
-            else:  # Unity: continuous and discrete parts together
+            elif self.action_dim:  # Unity's hybrid actions: both parts
                 to_env = (to_env, picks)
+            else:  # MultiDiscrete, or Unity's discrete branches
+                to_env = picks
         return to_env, recorded
 
     @torch.inference_mode()

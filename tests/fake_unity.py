@@ -20,7 +20,7 @@ C# player:
 
 What it simulates (``FakeUnityConfig``): one behavior (plus optional extra
 ones), N agents, a list of vector observation specs, a continuous action size
-(or discrete branches / a visual spec, to test errors), and scripted episodes
+and/or discrete branches with action masks (or a visual spec, to test errors), and scripted episodes
 per agent (``AgentScript``). Like the real Agent.cs, an agent gets a **new
 agent id for every episode** (``AgentInfo.id`` is the episode id), reports its
 terminal row and, unless delayed, the first decision of its next episode in
@@ -34,7 +34,11 @@ of ``sum(obs_sizes)`` floats, split into the specs in order::
 where ``target_j = 0.6*sin(0.05*t + 0.9*j + 1.3*i + 0.4*e)``. The reward of an
 action ``a`` taken on that observation is ``1 - mean((a - target)**2)``
 (``step_reward``), plus ``terminal_reward`` on the step that ends an episode
-with ``end="terminate"``. So rewards depend on the actions received (tests can
+with ``end="terminate"``. With discrete branches the targets are followed by a
+one-hot of each branch's target action ``(i + e + t // 3) % n_b``; each step
+masks one other action per branch (``blocked``), and the discrete part of the
+reward is the fraction of branches whose target was chosen (the mean of both
+parts for hybrid actions). An action the mask blocked is a protocol error. So rewards depend on the actions received (tests can
 check that actions reached the player) and a PPO learner can improve on it.
 
 Two ways to use it
@@ -74,6 +78,9 @@ actions, 5 agents; agent i's episodes last ``100 + 20*i`` decisions, even
 agents are interrupted at max step (truncation), odd agents terminate with
 terminal reward -1. ``small`` = specs 5 + 3, 2 actions, 3 agents (episodes 4, 6,
 never ending; agent 0 terminates with reward +5, agent 1 is interrupted).
+``basic`` = one spec of 8, one discrete branch of 3 actions (masked), 4 agents
+with episodes of 20-35 decisions (like ML-Agents' Basic / GridWorld: discrete
+only). ``hybrid`` = one spec of 12, 2 continuous actions and branches 3 + 2.
 """
 
 from __future__ import annotations
@@ -177,7 +184,23 @@ def preset(name: str) -> FakeUnityConfig:
         return FakeUnityConfig(
             agents=[AgentScript(4, "terminate"), AgentScript(6, "interrupt"), AgentScript(None)]
         )
-    raise ValueError(f"unknown preset {name!r} (known: crawler, small)")
+    if name == "basic":
+        return FakeUnityConfig(
+            agents=[AgentScript(20 + 5 * i, "interrupt" if i % 2 else "terminate", 0.0) for i in range(4)],
+            obs_sizes=(8,),
+            action_size=0,
+            discrete_branches=(3,),
+            behavior_name="BasicFake?team=0",
+        )
+    if name == "hybrid":
+        return FakeUnityConfig(
+            agents=[AgentScript(20 + 5 * i, "interrupt" if i % 2 else "terminate", 0.0) for i in range(3)],
+            obs_sizes=(12,),
+            action_size=2,
+            discrete_branches=(3, 2),
+            behavior_name="HybridFake?team=0",
+        )
+    raise ValueError(f"unknown preset {name!r} (known: crawler, small, basic, hybrid)")
 
 
 def observation(cfg: FakeUnityConfig, i: int, e: int, t: int) -> np.ndarray:
@@ -186,6 +209,8 @@ def observation(cfg: FakeUnityConfig, i: int, e: int, t: int) -> np.ndarray:
     k = np.arange(n, dtype=np.float64)
     out = 0.5 * np.sin(0.37 * (k + 1) + 1.3 * i + 0.71 * e + 0.11 * t)
     head = [t * 0.01, i * 0.1, e * 0.01] + list(target(cfg, i, e, t))
+    for b, size in enumerate(cfg.discrete_branches):
+        head += list(np.eye(size)[discrete_target(cfg, i, e, t)[b]])
     m = min(n, len(head))
     out[:m] = head[:m]
     return out.astype(np.float32)
@@ -196,10 +221,31 @@ def target(cfg: FakeUnityConfig, i: int, e: int, t: int) -> np.ndarray:
     return (0.6 * np.sin(0.05 * t + 0.9 * j + 1.3 * i + 0.4 * e)).astype(np.float32)
 
 
-def step_reward(cfg: FakeUnityConfig, i: int, e: int, t: int, action: np.ndarray) -> float:
-    """Reward of `action` taken on observation(cfg, i, e, t) (float32 arithmetic, as sent)."""
-    a = np.asarray(action, dtype=np.float32)
-    return float(np.float32(1.0) - np.mean((a - target(cfg, i, e, t)) ** 2, dtype=np.float32))
+def discrete_target(cfg: FakeUnityConfig, i: int, e: int, t: int) -> list[int]:
+    """The rewarded action of each discrete branch."""
+    return [(i + e + t // 3) % n for n in cfg.discrete_branches]
+
+
+def blocked(cfg: FakeUnityConfig, i: int, e: int, t: int) -> list[int | None]:
+    """The action each branch's mask blocks at this decision (never the target; None for 1-action
+    branches)."""
+    goal = discrete_target(cfg, i, e, t)
+    return [None if n < 2 else (goal[b] + 1 + t % (n - 1)) % n for b, n in enumerate(cfg.discrete_branches)]
+
+
+def step_reward(
+    cfg: FakeUnityConfig, i: int, e: int, t: int, action: np.ndarray, picks: Sequence[int] = ()
+) -> float:
+    """Reward of `action` (continuous) and `picks` (one per branch) taken on observation(cfg, i, e, t)
+    (float32 arithmetic, as sent)."""
+    parts = []
+    if cfg.action_size:
+        a = np.asarray(action, dtype=np.float32)
+        parts.append(np.float32(1.0) - np.mean((a - target(cfg, i, e, t)) ** 2, dtype=np.float32))
+    if cfg.discrete_branches:
+        hits = [int(p) == g for p, g in zip(picks, discrete_target(cfg, i, e, t))]
+        parts.append(np.float32(np.mean(hits)))
+    return float(np.mean(np.asarray(parts, np.float32), dtype=np.float32))
 
 
 class _Agent:
@@ -233,6 +279,7 @@ class FakeUnityPlayer:
         self.shutdown: str | None = None
         self.error: BaseException | None = None
         self.protocol_errors: list[str] = []
+        self.discrete_actions: list[list[int]] = []  # every discrete action received, in order
         self._next_id = cfg.first_agent_id
         self._agents: list[_Agent] = []
         self._extra_ids: dict[str, int] = {}
@@ -358,11 +405,23 @@ class FakeUnityPlayer:
             rows, self._deferred = self._deferred, None
             return rows
         by_index: dict[int, np.ndarray] = {}
+        picks_of: dict[int, list[int]] = {}
         record: dict[int, np.ndarray] = {}
         for idx, act in zip(self._awaiting, got):
             a = np.array(act.continuous_actions, dtype=np.float32)
             by_index[idx] = a
+            picks_of[idx] = [int(x) for x in act.discrete_actions]
             record[self._agents[idx].id] = a
+            if cfg.discrete_branches:
+                ag = self._agents[idx]
+                no = blocked(cfg, ag.index, ag.episode, ag.t)
+                if len(picks_of[idx]) != len(cfg.discrete_branches) or any(
+                    p == b for p, b in zip(picks_of[idx], no)
+                ):
+                    self.protocol_errors.append(
+                        f"exchange {self.n_exchanges}: agent {ag.id} chose {picks_of[idx]}, blocked {no}"
+                    )
+                self.discrete_actions.append(picks_of[idx])
         self.actions.append(record)
         rows: list[tuple[_Agent, AgentInfoProto]] = []
         lone: list[tuple[_Agent, AgentInfoProto]] = []
@@ -373,7 +432,9 @@ class FakeUnityPlayer:
                     if ag.silent_for == 0:
                         rows.append((ag, self._info(ag, 0.0)))
                 continue
-            r = step_reward(cfg, ag.index, ag.episode, ag.t, by_index[ag.index][: cfg.action_size])
+            r = step_reward(
+                cfg, ag.index, ag.episode, ag.t, by_index[ag.index][: cfg.action_size], picks_of[ag.index]
+            )
             ag.t += 1
             s = ag.script
             if s.episode_length is not None and ag.t >= s.episode_length:
@@ -407,8 +468,11 @@ class FakeUnityPlayer:
             obs = ObservationProto(shape=list(cfg.visual_shape), name="CameraSensor")
             obs.float_data.data.extend([0.0] * int(np.prod(cfg.visual_shape)))
             info.observations.append(obs)
-        if cfg.discrete_branches:
-            info.action_mask.extend([False] * int(sum(cfg.discrete_branches)))
+        if cfg.discrete_branches:  # True: blocked (the protocol's sense)
+            no = blocked(cfg, ag.index, ag.episode, ag.t)
+            info.action_mask.extend(
+                [k == no[b] for b, n in enumerate(cfg.discrete_branches) for k in range(n)]
+            )
         return info
 
     def _output(self, rows: list[tuple[_Agent, AgentInfoProto]]) -> UnityMessageProto:
@@ -470,6 +534,7 @@ class FakeUnityPlayer:
             "n_steps": len(self.actions),
             "shutdown": self.shutdown,
             "protocol_errors": self.protocol_errors,
+            "n_discrete_actions": len(self.discrete_actions),
             "error": None if self.error is None else repr(self.error),
         }
 
@@ -548,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-nographics", action="store_true")
     p.add_argument("-batchmode", action="store_true")
     p.add_argument("-logFile", "-logfile", dest="log_file")
-    p.add_argument("--preset", choices=["crawler", "small"])
+    p.add_argument("--preset", choices=["crawler", "small", "basic", "hybrid"])
     p.add_argument("--agents", type=int, help="number of agents (overrides the preset)")
     p.add_argument("--obs-sizes", type=_ints, help="comma-separated vector spec sizes, e.g. 126,32")
     p.add_argument("--action-size", type=int)

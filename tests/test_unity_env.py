@@ -316,21 +316,46 @@ def test_several_behaviors(unity):
         unity(cfg, worker_id=8, behavior_name="Nope")
 
 
-@pytest.mark.parametrize(
-    "action_size,pattern",
-    [
-        (
-            0,
-            r"behavior 'FakeBehavior\?team=0' has discrete action branches \(3,\); "
-            r"only continuous actions are supported",
-        ),
-        (2, r"mixed continuous/discrete actions with discrete action branches \(3,\)"),
-    ],
-)
-def test_discrete_actions_refused(unity, action_size, pattern):
-    cfg = FakeUnityConfig(action_size=action_size, discrete_branches=(3,))
-    with pytest.raises(UnityEnvError, match=pattern):
-        unity(cfg, worker_id=9 + action_size)
+def test_discrete_and_hybrid_actions_masks_and_bad_actions(unity):
+    """Discrete branches reach the player per agent; ``action_masks`` gives each slot's allowed actions
+    (the protocol's True means blocked); hybrid actions travel as (continuous, discrete); bad discrete
+    actions are refused before anything is sent."""
+    cfg = fu.preset("hybrid")
+    env, player = unity(cfg, worker_id=9)
+    K = cfg.n_agents
+    assert (env.action_dim, env.action_branches) == (2, (3, 2))
+    env.reset()
+    for t in range(3):
+        masks = env.action_masks()
+        assert masks.shape == (K, 5) and masks.dtype == bool
+        for i in range(K):
+            no = fu.blocked(cfg, i, 0, t)
+            assert not masks[i, no[0]] and not masks[i, 3 + no[1]] and masks[i].sum() == 3
+        picks = np.stack([fu.discrete_target(cfg, i, 0, t) for i in range(K)]).astype(np.int64)
+        cont = np.stack([fu.target(cfg, i, 0, t) for i in range(K)])
+        res = env.step((cont, picks))
+        assert player.discrete_actions[-K:] == picks.tolist()
+        np.testing.assert_allclose(res.reward, 1.0, rtol=1e-6)  # both parts on target
+    with pytest.raises(ValueError, match="give \\(continuous, discrete\\)"):
+        env.step(picks)
+    with pytest.raises(ValueError, match="outside the branches"):
+        env.step((cont, np.full((K, 2), 2)))
+    with pytest.raises(ValueError, match="must be integers"):
+        env.step((cont, picks.astype(np.float32)))
+    assert player.protocol_errors == []
+
+
+def test_discrete_only_behaviour(unity):
+    cfg = fu.preset("basic")
+    env, player = unity(cfg, worker_id=10)
+    assert (env.action_dim, env.action_branches, env.obs_dim) == (0, (3,), 8)
+    obs = env.reset()
+    np.testing.assert_array_equal(
+        obs[:, 3:6], np.eye(3)[[fu.discrete_target(cfg, i, 0, 0)[0] for i in range(4)]]
+    )
+    allowed = env.action_masks().argmax(axis=1)[:, None]  # the first allowed action of each agent
+    res = env.step(allowed)
+    assert res.reward.shape == (4,) and player.discrete_actions[-4:] == allowed.tolist()
 
 
 def test_visual_observation_refused(unity):

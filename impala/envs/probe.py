@@ -275,6 +275,7 @@ def probe_unity(
         behavior_name=behavior,
     ) as env:
         obs_dim, action_dim, k, name = env.obs_dim, env.action_dim, env.num_envs, env.behavior_name
+        branches = env.action_branches
         specs = env.obs_specs
     kwargs: dict[str, Any] = {
         "file_name": build,
@@ -282,7 +283,10 @@ def probe_unity(
         "timeout_wait": timeout,
         "behavior_name": name,
     }
-    ones = np.ones(action_dim, np.float32)
+    ones = np.ones(action_dim, np.float32) if action_dim else None
+    actions = [f"{action_dim} continuous actions in [-1, 1]"] if action_dim else []
+    if branches:
+        actions.append(f"discrete branches {list(branches)} (masked)")
     return EnvInfo(
         EnvSpec("unity:" + Path(build).name, kwargs=kwargs),
         (obs_dim,),
@@ -290,11 +294,13 @@ def probe_unity(
         "Box",
         "Box",
         0,
-        -ones,
+        None if ones is None else -ones,
         ones,
         None,
         k,
         f"Unity build {build!r}: behavior {name!r}, {k} agents per instance, obs {specs} -> {obs_dim}, "
-        f"{action_dim} continuous actions in [-1, 1]",
+        + " and ".join(actions),
         obs_sizes=tuple(int(np.prod(shape)) for shape in specs),
+        action_branches=branches,
+        action_mask=bool(branches),  # Unity may mask any branch at any decision: unrolls carry the masks
     )

@@ -22,9 +22,14 @@ Construction
 Observations and actions
     ``obs`` is the concatenation of all observation specs in spec order,
     flattened (Crawler: 126 + 32 = 158), float32. Rank-3 (visual) specs are
-    refused. Only continuous actions are supported; ``step`` sends the actions
-    it is given as they are (the PPO layer clips / rescales), after checking
-    the shape ``[K, action_dim]`` and that they are finite.
+    refused. Continuous actions, discrete branches or both: ``step`` takes a
+    float array ``[K, action_dim]`` (continuous), an integer array
+    ``[K, branches]`` (discrete) or the pair ``(continuous, discrete)``
+    (hybrid) and sends them as they are (the PPO layer clips / rescales),
+    after checking shapes, that floats are finite and that indices lie in
+    their branches. ``action_masks()`` gives the allowed discrete actions of
+    the agents' last decision ``[K, sum of branch sizes]`` (True: allowed;
+    Unity's ``DecisionSteps.action_mask`` says the opposite).
 
 Agent ids and slots
     Unity gives an agent a **new id at every episode** (``AgentInfo.id`` is
@@ -178,7 +183,7 @@ def _close_half_built(exc: BaseException, env_cls: type) -> None:
 class UnityVecEnv:
     """All agents of one behavior of one Unity instance as ``num_envs`` envs.
 
-    Attributes: ``num_envs`` (K), ``obs_dim``, ``action_dim``, ``obs_specs``
+    Attributes: ``num_envs`` (K), ``obs_dim``, ``action_dim``, ``action_branches``, ``obs_specs``
     (list of shapes), ``behavior_name``, ``port``, ``episodes``
     (``EpisodeTracker`` of finished episode returns/lengths per slot).
     """
@@ -329,14 +334,8 @@ class UnityVecEnv:
         spec = specs[name]
 
         act = spec.action_spec
-        if act.discrete_size > 0:
-            kind = "mixed continuous/discrete actions with" if act.continuous_size > 0 else "has"
-            raise UnityEnvError(
-                f"behavior {name!r} {kind} discrete action branches "
-                f"{tuple(act.discrete_branches)}; only continuous actions are supported"
-            )
-        if act.continuous_size == 0:
-            raise UnityEnvError(f"behavior {name!r} has no continuous actions")
+        if act.continuous_size == 0 and act.discrete_size == 0:
+            raise UnityEnvError(f"behavior {name!r} has no actions")
         for i, o in enumerate(spec.observation_specs):
             if len(o.shape) >= 3:
                 raise UnityEnvError(
@@ -346,6 +345,7 @@ class UnityVecEnv:
         self.obs_specs: list[tuple[int, ...]] = [tuple(o.shape) for o in spec.observation_specs]
         self.obs_dim = int(sum(int(np.prod(s)) for s in self.obs_specs))
         self.action_dim = int(act.continuous_size)
+        self.action_branches = tuple(int(n) for n in act.discrete_branches)
 
         self.num_envs = 0
         obs = self._first_decisions()
@@ -386,17 +386,54 @@ class UnityVecEnv:
         self.episodes = EpisodeTracker(self.num_envs)
         return self._first_decisions()
 
-    def step(self, actions: np.ndarray) -> StepResult:
-        self._check_open()
-        K, A = self.num_envs, self.action_dim
-        acts = np.asarray(actions, dtype=np.float32)
-        if acts.shape != (K, A):
+    def action_masks(self) -> np.ndarray:
+        """The discrete actions each slot's agent may take at its next decision [K, sum(branches)], True
+        where allowed (all True when the build sets no masks)."""
+        K = self.num_envs
+        mask = np.ones((K, sum(self.action_branches)), dtype=bool)
+        dec = self._dec
+        if dec.action_mask is not None and len(dec) > 0:
+            rows = np.fromiter((self._slot_of[int(a)] for a in dec.agent_id), np.int64, len(dec))
+            mask[rows] = ~np.concatenate([np.asarray(m, bool) for m in dec.action_mask], axis=1)
+        return mask
+
+    def _split_actions(self, actions: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(continuous [K, A] float32, discrete [K, branches] int32) from what ``step`` was given, checked."""
+        K, A, B = self.num_envs, self.action_dim, len(self.action_branches)
+        if A and B:
+            if not (isinstance(actions, tuple) and len(actions) == 2):
+                raise ValueError(
+                    f"behavior {self.behavior_name!r} has continuous and discrete actions: give (continuous, "
+                    "discrete)"
+                )
+            cont, disc = actions
+        elif B:
+            cont, disc = np.zeros((K, 0), np.float32), actions
+        else:
+            cont, disc = actions, np.zeros((K, 0), np.int32)
+        cont = np.asarray(cont, dtype=np.float32)
+        if cont.shape != (K, A):
             raise ValueError(
-                f"actions must have shape ({K}, {A}) for behavior {self.behavior_name!r}, got {acts.shape}"
+                f"continuous actions must have shape ({K}, {A}) for behavior {self.behavior_name!r}, got "
+                f"{cont.shape}"
             )
-        bad = ~np.isfinite(acts).all(axis=1)
+        bad = ~np.isfinite(cont).all(axis=1)
         if bad.any():
             raise ValueError(f"actions contain NaN or inf for envs {np.flatnonzero(bad).tolist()}")
+        disc = np.asarray(disc)
+        if disc.shape != (K, B) or (B and disc.dtype.kind not in "iu"):
+            raise ValueError(
+                f"discrete actions must be integers of shape ({K}, {B}) for behavior {self.behavior_name!r}, "
+                f"got {disc.dtype} {disc.shape}"
+            )
+        if B and ((disc < 0).any() or (disc >= np.asarray(self.action_branches)).any()):
+            raise ValueError(f"discrete actions outside the branches {list(self.action_branches)}")
+        return cont, disc.astype(np.int32)
+
+    def step(self, actions: Any) -> StepResult:
+        self._check_open()
+        K = self.num_envs
+        acts, disc = self._split_actions(actions)
         self._fresh_obs = None
 
         reward = np.zeros(K, dtype=np.float32)
@@ -407,13 +444,18 @@ class UnityVecEnv:
         free: list[int] = []
         slot_of = self._slot_of
         dec = self._dec
-        zeros = np.zeros_like(acts)
+        zeros, disc_zeros = np.zeros_like(acts), np.zeros_like(disc)
 
         for _ in range(self.max_wait_steps):
             if len(dec) > 0:  # actions for every agent that asked for a decision
                 rows = np.fromiter((slot_of[int(a)] for a in dec.agent_id), np.int64, len(dec))
                 cont = np.where(ended[rows][:, None], zeros[rows], acts[rows])
-                self._call(self._env.set_actions, self.behavior_name, self._action_tuple(continuous=cont))
+                picks = np.where(ended[rows][:, None], disc_zeros[rows], disc[rows])
+                self._call(
+                    self._env.set_actions,
+                    self.behavior_name,
+                    self._action_tuple(continuous=cont, discrete=picks),
+                )
             self._call(self._env.step)
             dec, term = self._call(self._env.get_steps, self.behavior_name)
 
