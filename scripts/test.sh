@@ -7,7 +7,7 @@ if ! .venv/bin/ruff check . || ! .venv/bin/ruff format --check .; then
     echo "ruff: fix the findings above (ruff format . rewrites the formatting)" >&2
     exit 1
 fi
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=25 "$@"  # the slowest tests, so the suite's time stays visible
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: treating as failure" >&2

@@ -1,0 +1,279 @@
+#!/usr/bin/env python
+"""Where every core-millisecond of an IMPALA run goes, and the ceiling that leaves for this machine.
+
+Part 1 times each stage of the pipeline alone, on one core (one torch thread), through the project's
+own code, per agent step:
+
+- actor: the env step with its preprocessing (``GymVecEnv``), inference (``ImpalaAgent.act`` on the K
+  envs of one actor), the rest of the actor's bookkeeping per step (recording, ``transition``), and
+  encoding one unroll for the wire (``wire.encode``);
+- learner, receive side: decoding (``wire.decode`` against the schema), the finite and bound checks
+  (``check_finite``, ``ImpalaTrainer.validate``);
+- learner, update (``ImpalaTrainer.update`` on B unrolls, the defaults' epochs x minibatches), split by
+  timing the calls it makes: stacking the unrolls (``stage_host``), rebuilding frame stacks
+  (``prepare``), the network's forward pass, V-trace and the loss, backward, gradient clipping, the
+  optimizer step, PopArt's statistics, the health metrics, and the rest (minibatch indexing, metrics);
+- learner, publish: the weights as arrays (``ImpalaTrainer.params``) packed for the wire.
+
+The cost model: each agent step needs the sum of those core-milliseconds, so N cores can do at most
+N / sum steps per second (frames: x the frame skip). Part 2 runs ``launch_impala`` with the same
+settings for ``--seconds`` and prints its measured rate next to that ceiling, and the ratio.
+
+    python scripts/cost_model.py --workers 2 --seconds 60
+    python scripts/cost_model.py --skip-run            # the breakdown only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+class Clock:
+    """Seconds spent in named stages, by wrapping the callables that do them."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.stage(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, StopIteration):
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    return f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__}, GPU: none used"
+
+
+def build(args: argparse.Namespace):
+    """The run's configs, env info and trainer exactly as launch_impala resolves them."""
+    from impala.envs import EnvSpec
+    from impala.envs.probe import probe_env
+    from learner import launch_impala
+    from learner.vtrace_learner import ImpalaTrainer
+
+    flags = [
+        "--env",
+        args.env,
+        "--envs-per-worker",
+        str(args.envs_per_worker),
+        "--device",
+        "cpu",
+        *args.extra,
+    ]
+    run, impala = launch_impala.resolve(launch_impala.parse_args(flags))
+    env = probe_env(EnvSpec(args.env), seed=0)
+    return run, impala, env, ImpalaTrainer(impala, run, env)
+
+
+def actor_costs(run, trainer, env_info, unrolls_wanted: int, clock: Clock) -> list[dict[str, np.ndarray]]:
+    """One actor's work for ``unrolls_wanted`` unrolls of K envs, timed per stage; returns the unrolls."""
+    from actors.agents import make_agent
+    from impala.envs import EnvSpec
+    from impala.envs.vector import GymVecEnv
+    from impala.transport import wire
+
+    K, T = run.envs_per_worker, run.unroll_length
+    envs = GymVecEnv(EnvSpec(env_info.spec.id), K, seed=1)
+    obs = envs.reset()
+    agent = make_agent(trainer.agent, envs=envs, first_obs=obs, unroll_length=T, seed=1)
+    agent.load_params(trainer.params())
+    first = np.ones(K, dtype=bool)
+    unrolls = []
+    for _ in range(unrolls_wanted):
+        with clock.stage("actor: bookkeeping"):
+            buf = {a.name: np.empty((K, *a.shape), dtype=a.dtype) for a in agent.schema.arrays}
+            for name, value in agent.unroll_start(obs).items():
+                buf[name][:] = value
+        for t in range(T):
+            with clock.stage("actor: bookkeeping"):
+                for name, value in agent.observation(obs, first).items():
+                    buf[name][:, t] = value
+            with clock.stage("actor: inference"):
+                actions, recorded = agent.act(obs, first)
+            with clock.stage("actor: env step + preprocessing"):
+                result = envs.step(actions)
+            with clock.stage("actor: bookkeeping"):
+                for name, value in {**recorded, **agent.transition(result)}.items():
+                    buf[name][:, t] = value
+                obs, first = result.obs, result.terminated | result.truncated
+        with clock.stage("actor: bookkeeping"):
+            for name, value in agent.observation(obs, first).items():
+                buf[name][:, T] = value
+        for k in range(K):
+            unroll = {name: value[k] for name, value in buf.items()}
+            with clock.stage("actor: encode"):
+                frames = [bytes(f) for f in wire.encode("unroll", actor=0, version=0, arrays=unroll)]
+            unrolls.append(frames)
+    envs.close()
+    return unrolls
+
+
+def receive_costs(trainer, encoded: list[list[bytes]], clock: Clock) -> list[Any]:
+    """Decoding and checking every unroll as the learner's receive thread does."""
+    from impala.transport import wire
+
+    messages = []
+    for frames in encoded:
+        with clock.stage("learner: receive (decode)"):
+            msg = wire.decode(frames, schema=trainer.schema)
+        with clock.stage("learner: receive (checks)"):
+            assert wire.check_finite(msg.arrays) is None and trainer.validate(msg.arrays) is None
+        messages.append(msg)
+    return messages
+
+
+@contextlib.contextmanager
+def timed_update_parts(trainer, clock: Clock):
+    """Wrap what ``VTraceLearner.step`` / ``ImpalaTrainer.update`` call, for the length of the block."""
+    import torch
+
+    from learner import vtrace_learner
+
+    learner = trainer.learner
+    saved = []
+
+    def patch(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+        saved.append((owner, name, original, name in vars(owner)))
+        setattr(owner, name, clock.wrap(label, original))
+
+    patch(learner, "stage_host", "update: stack unrolls")
+    patch(learner, "prepare", "update: rebuild frame stacks")
+    patch(learner.model, "forward", "update: forward")
+    patch(vtrace_learner, "popart_impala_loss", "update: V-trace + loss")
+    patch(vtrace_learner, "impala_loss", "update: V-trace + loss")
+    patch(torch.Tensor, "backward", "update: backward")
+    patch(torch.nn.utils, "clip_grad_norm_", "update: clip grad norm")
+    patch(learner.optimizer, "step", "update: optimizer step")
+    patch(learner.model.baseline, "update", "update: PopArt statistics")
+    patch(learner, "_measure_health", "update: health metrics")
+    try:
+        yield
+    finally:
+        for owner, name, original, own in reversed(saved):
+            if own:  # a module or class attribute: put it back
+                setattr(owner, name, original)
+            else:  # an instance attribute shadowing its class's method: remove it
+                delattr(owner, name)
+
+
+def learner_costs(trainer, messages: list[Any], updates: int, clock: Clock) -> int:
+    """``updates`` updates on the received unrolls (reused round-robin); returns the agent steps trained."""
+    from impala.transport import wire
+
+    B = trainer.config.batch_size
+    T = messages[0].arrays["actions"].shape[0]
+    with timed_update_parts(trainer, clock):
+        for u in range(updates + 1):
+            for i in range(B):
+                trainer.ingest(messages[(u * B + i) % len(messages)], 0)
+            t0 = time.perf_counter()
+            trainer.update(frames_done=0)
+            if u == 0:  # warm-up: allocations, first-call costs
+                clock.seconds.clear()
+                continue
+            clock.seconds["update: total"] += time.perf_counter() - t0
+            with clock.stage("learner: publish weights"):
+                wire.encode_packed("params", actor=0, version=u, arrays=trainer.params())
+    return updates * B * T
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", default="PongDeterministic-v4")
+    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="cores the run gets (default: all)")
+    ap.add_argument("--envs-per-worker", type=int, default=4)
+    ap.add_argument("--updates", type=int, default=4, help="timed learner updates (default: 4)")
+    ap.add_argument("--seconds", type=float, default=60.0, help="end-to-end run length (default: 60)")
+    ap.add_argument("--skip-run", action="store_true", help="the breakdown only, no end-to-end run")
+    ap.add_argument("extra", nargs="*", help="more launch_impala flags (after --)")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)  # core-milliseconds: one core per stage
+    run, impala, env_info, trainer = build(args)
+    K, T, B = run.envs_per_worker, run.unroll_length, impala.batch_size
+    skip = env_info.frames_per_step
+    print(f"machine: {machine()}")
+    print(
+        f"{args.env}: K={K} envs per actor, T={T}, B={B}, {impala.epochs} epochs x {impala.minibatches} "
+        f"minibatches, model {impala.model}, frame skip {skip:g}"
+    )
+    clock = Clock()
+    unrolls_wanted = max(1, -(-B // K))  # enough for one batch
+    encoded = actor_costs(run, trainer, env_info, unrolls_wanted, clock)
+    actor_steps = unrolls_wanted * K * T
+    messages = receive_costs(trainer, encoded, clock)
+    received_steps = len(messages) * T
+    actor = {k: v for k, v in clock.seconds.items()}
+    clock.seconds.clear()
+    trained = learner_costs(trainer, messages, args.updates, clock)
+
+    rows: list[tuple[str, float]] = []  # (stage, core-ms per agent step)
+    for name, s in actor.items():
+        steps = received_steps if name.startswith("learner") else actor_steps
+        rows.append((name, 1e3 * s / steps))
+    total_update = clock.seconds.pop("update: total")
+    parts = {k: v for k, v in clock.seconds.items() if k.startswith("update: ")}
+    for name, s in parts.items():
+        rows.append((name, 1e3 * s / trained))
+    rows.append(
+        ("update: other (indexing, metrics, Python)", 1e3 * (total_update - sum(parts.values())) / trained)
+    )
+    rows.append(("learner: publish weights", 1e3 * clock.seconds["learner: publish weights"] / trained))
+    total = sum(ms for _, ms in rows)
+    print(f"\n{'stage':<44} {'core-ms / agent step':>22} {'share':>7}")
+    for name, ms in rows:
+        print(f"{name:<44} {ms:>22.4f} {100 * ms / total:>6.1f}%")
+    print(f"{'total':<44} {total:>22.4f}")
+    ceiling_steps = args.workers * 1e3 / total
+    print(
+        f"\ncost-model ceiling on {args.workers} cores: {ceiling_steps:,.0f} agent steps/s = "
+        f"{ceiling_steps * skip:,.0f} frames/s"
+    )
+    if args.skip_run:
+        return 0
+    from bench_throughput import system_throughput
+
+    flags = ["--envs-per-worker", str(K), "--device", "cpu", *args.extra]
+    frames, lag, done = system_throughput(args.env, args.workers, args.seconds + 20, flags)
+    print(f"launch_impala --workers {args.workers}: {frames:,.0f} frames/s (mean policy lag {lag:.1f})")
+    print(f"    {done}")
+    print(f"measured / ceiling = {frames / (ceiling_steps * skip):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
