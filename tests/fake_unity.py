@@ -38,8 +38,9 @@ with ``end="terminate"``. With discrete branches the targets are followed by a
 one-hot of each branch's target action ``(i + e + t // 3) % n_b``; each step
 masks one other action per branch (``blocked``), and the discrete part of the
 reward is the fraction of branches whose target was chosen (the mean of both
-parts for hybrid actions). An action the mask blocked is a protocol error. So rewards depend on the actions received (tests can
-check that actions reached the player) and a PPO learner can improve on it.
+parts for hybrid actions). An action the mask blocked is a protocol error. So
+rewards depend on the actions received (tests can check that actions reached
+the player) and a PPO learner can improve on it.
 
 Two ways to use it
 ------------------

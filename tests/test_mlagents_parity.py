@@ -29,6 +29,20 @@ after each update the learning rate, epsilon and beta, every parameter and Adam'
 
 The tests have teeth: ``PLANTED_BUGS`` flips one option of ours (or perturbs the ingest order)
 and the same comparison must fail, every CI run.
+
+Discrete actions (``DISCRETE_CASES``): the same trainer, rounds and comparison for a behaviour with
+``ActionSpec(0, (3, 2))`` and a hybrid one with ``ActionSpec(2, (3, 2))``. Every step carries an action
+mask that blocks about a third of the actions (some branches down to one choice); ML-Agents' policy
+samples the actions under those masks, its trajectories carry them as the env protocol does (one array
+per branch, True = blocked: ``AgentExperience.action_mask``), ours as ``TrajectoryPiece.action_mask``
+(True = allowed, what ML-Agents' buffer stores as ``ACTION_MASK`` and its optimizer hands to
+``evaluate_actions``; checked). Log-probs are ML-Agents' flat layout (continuous dims, then the taken
+action's per branch); our ``branch_head`` is ML-Agents' branch layers side by side. Also compared: our
+``act`` draws the very actions ML-Agents' ``sample_actions`` drew, from the same seed.
+``DISCRETE_PLANTED_BUGS`` patch our discrete math (entropy averaged over branches, masks ignored or
+inverted) and must break the comparison. Not among them, because this comparison cannot see it:
+dropping the ``+ 1e-7`` inside the categorical log (``log_prob_form='exact'``) leaves every difference
+at float32 noise (< 2e-6 relative, as without it).
 """
 
 from __future__ import annotations
@@ -103,24 +117,47 @@ RTOL = 1e-5
 
 # Our update() metric -> the decayed value ML-Agents' optimizer reports per minibatch ("Policy/<name>").
 SCHEDULE_STATS = {"learning_rate": "Learning Rate", "epsilon": "Epsilon", "beta": "Beta"}
-# Our parameter -> (ML-Agents module, its parameter). log_sigma is [1, A] there, [A] here.
-PARAMS = {
-    **{
-        f"actor_body.{i}.{p}": ("actor", f"network_body._body_endoder.seq_layers.{i}.{p}")
-        for i in (0, 2, 4)
-        for p in ("weight", "bias")
-    },
-    **{
-        f"critic_body.{i}.{p}": ("critic", f"network_body._body_endoder.seq_layers.{i}.{p}")
-        for i in (0, 2, 4)
-        for p in ("weight", "bias")
-    },
-    "mu_head.weight": ("actor", "action_model._continuous_distribution.mu.weight"),
-    "mu_head.bias": ("actor", "action_model._continuous_distribution.mu.bias"),
-    "log_sigma": ("actor", "action_model._continuous_distribution.log_sigma"),
-    "value_head.weight": ("critic", "value_heads.value_heads.extrinsic.weight"),
-    "value_head.bias": ("critic", "value_heads.value_heads.extrinsic.bias"),
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """The behaviour's actions: ``continuous`` dimensions and/or discrete ``branches`` (ML-Agents'
+    ``ActionSpec(continuous, branches)``). Discrete behaviours carry action masks on every step."""
+
+    name: str
+    continuous: int
+    branches: tuple[int, ...] = ()
+
+
+CONTINUOUS = Case("continuous", ACTIONS)  # Crawler's
+# Discrete: two branches, masks blocking some actions; hybrid: the same branches next to 2 continuous dims.
+DISCRETE_CASES = {c.name: c for c in (Case("discrete", 0, (3, 2)), Case("hybrid", 2, (3, 2)))}
+CASES = {CONTINUOUS.name: CONTINUOUS, **DISCRETE_CASES}
+
+
+def params(case: Case) -> dict[str, tuple[str, list[str]]]:
+    """Our parameter -> (ML-Agents module, its parameters). log_sigma is [1, A] there, [A] here; our
+    ``branch_head`` is ML-Agents' branch layers side by side (their rows concatenated)."""
+    out = {
+        **{
+            f"{body}_body.{i}.{p}": (body, [f"network_body._body_endoder.seq_layers.{i}.{p}"])
+            for body in ("actor", "critic")
+            for i in (0, 2, 4)
+            for p in ("weight", "bias")
+        },
+        "value_head.weight": ("critic", ["value_heads.value_heads.extrinsic.weight"]),
+        "value_head.bias": ("critic", ["value_heads.value_heads.extrinsic.bias"]),
+    }
+    if case.continuous:
+        out["mu_head.weight"] = ("actor", ["action_model._continuous_distribution.mu.weight"])
+        out["mu_head.bias"] = ("actor", ["action_model._continuous_distribution.mu.bias"])
+        out["log_sigma"] = ("actor", ["action_model._continuous_distribution.log_sigma"])
+    for p in ("weight", "bias") if case.branches else ():
+        out[f"branch_head.{p}"] = (
+            "actor",
+            [f"action_model._discrete_distribution.branches.{i}.{p}" for i in range(len(case.branches))],
+        )
+    return out
 
 
 # --------------------------------------------------------------------------- settings
@@ -145,7 +182,7 @@ def our_config(**overrides: Any) -> PPOConfig:
         return from_mlagents_yaml(str(path), **overrides)
 
 
-def behavior_spec() -> BehaviorSpec:
+def behavior_spec(case: Case) -> BehaviorSpec:
     obs = [
         ObservationSpec(
             shape=(n,),
@@ -155,7 +192,7 @@ def behavior_spec() -> BehaviorSpec:
         )
         for i, n in enumerate(OBS_SIZES)
     ]
-    return BehaviorSpec(obs, ActionSpec.create_continuous(ACTIONS))
+    return BehaviorSpec(obs, ActionSpec(case.continuous, case.branches))
 
 
 # --------------------------------------------------------------------------- data
@@ -165,30 +202,38 @@ def behavior_spec() -> BehaviorSpec:
 class TrajectoryArrays:
     obs: np.ndarray  # [T + 1, OBS_DIM]: T observations, then the one after the last step
     actions: np.ndarray  # [T, A] raw samples
-    log_probs: np.ndarray  # [T, A] per dimension, at action time
+    log_probs: np.ndarray  # [T, A + nb] per dimension, then per branch (the taken action's), at action time
     rewards: np.ndarray  # [T]
     end: str  # 'done' | 'interrupted' | 'cut'
     agent: str
+    branches: tuple[int, ...] = ()
+    discrete: np.ndarray | None = None  # [T, nb] int64 taken actions, one per branch
+    allowed: np.ndarray | None = None  # [T, sum(branches)] bool action masks, True = allowed
 
     def split(self, row: int) -> list[np.ndarray]:
         return list(np.split(self.obs[row], np.cumsum(OBS_SIZES)[:-1]))
 
     def to_mlagents(self) -> Trajectory:
-        T = len(self.rewards)
+        T, A, nb = len(self.rewards), self.actions.shape[1], len(self.branches)
+        discrete = np.zeros((T, 0), np.int32) if self.discrete is None else self.discrete.astype(np.int32)
         steps = []
         for t in range(T):
             last = t == T - 1
+            # The env protocol's mask (DecisionStep.action_mask): one array per branch, True = blocked.
+            blocked = (
+                None if self.allowed is None else np.split(~self.allowed[t], np.cumsum(self.branches)[:-1])
+            )
             steps.append(
                 AgentExperience(
                     obs=self.split(t),
                     reward=float(self.rewards[t]),
                     done=last and self.end in ("done", "interrupted"),
-                    action=ActionTuple(continuous=self.actions[t], discrete=np.zeros(0, np.int32)),
+                    action=ActionTuple(continuous=self.actions[t], discrete=discrete[t]),
                     action_probs=LogProbsTuple(
-                        continuous=self.log_probs[t], discrete=np.zeros(0, np.float32)
+                        continuous=self.log_probs[t, :A], discrete=self.log_probs[t, A:]
                     ),
-                    action_mask=None,
-                    prev_action=np.zeros(0, np.int32),
+                    action_mask=blocked,
+                    prev_action=discrete[t - 1] if t else np.zeros(nb, np.int32),
                     interrupted=last and self.end == "interrupted",
                     memory=None,
                     group_status=[],
@@ -218,12 +263,27 @@ class TrajectoryArrays:
             truncated=truncated,
             next_obs=self.obs[1:],
             source=self.agent,
+            discrete_actions=self.discrete,
+            action_mask=self.allowed,
         )
 
 
-def sample_round(policy: TorchPolicy, k: int) -> list[TrajectoryArrays]:
-    """One round of trajectories; actions sampled by ML-Agents' policy as it stands (at action time)."""
+def random_masks(rng: np.random.Generator, T: int, branches: tuple[int, ...]) -> np.ndarray:
+    """[T, sum(branches)] bool, True = allowed: each action blocked with probability 0.4, at least one
+    allowed per branch (a branch of two then often has one choice: probability 1, entropy 0)."""
+    allowed = rng.random((T, sum(branches))) > 0.4
+    for lo, n in zip(np.cumsum((0,) + branches[:-1]), branches):
+        none = ~allowed[:, lo : lo + n].any(1)
+        allowed[np.flatnonzero(none), lo + rng.integers(0, n, none.sum())] = True
+    return allowed
+
+
+def sample_round(policy: TorchPolicy, k: int, case: Case) -> list[TrajectoryArrays]:
+    """One round of trajectories; actions sampled by ML-Agents' policy as it stands (at action time),
+    under the steps' action masks (``TorchPolicy`` takes them as its ``_extract_masks`` makes them:
+    1 = allowed)."""
     rng = np.random.default_rng(100 + k)
+    mask_rng = np.random.default_rng(200 + k)
     scale = rng.uniform(0.2, 3.0, OBS_DIM)
     out = []
     for j, (T, end) in enumerate(ROUNDS[k]):
@@ -231,18 +291,24 @@ def sample_round(policy: TorchPolicy, k: int) -> list[TrajectoryArrays]:
         offset = rng.normal(0.0, 1.5, OBS_DIM) + 2.0 * j
         obs = (offset + scale * rng.normal(size=(T + 1, OBS_DIM))).astype(np.float32)
         parts = [torch.as_tensor(p) for p in np.split(obs[:T], np.cumsum(OBS_SIZES)[:-1], axis=1)]
+        allowed = random_masks(mask_rng, T, case.branches) if case.branches else None
+        masks = None if allowed is None else torch.as_tensor(allowed, dtype=torch.float32)
         torch.manual_seed(1000 * k + j)
         with torch.no_grad():
-            action, log_probs, _, _ = policy.sample_actions(parts)
+            action, log_probs, _, _ = policy.sample_actions(parts, masks=masks)
         rewards = rng.normal(0.1, 1.0, T).astype(np.float32)
         out.append(
             TrajectoryArrays(
                 obs,
-                action.continuous_tensor.numpy().copy(),
-                log_probs.continuous_tensor.numpy().copy(),
+                action.continuous_tensor.numpy().copy() if case.continuous else np.zeros((T, 0), np.float32),
+                log_probs.flatten().numpy().copy(),
                 rewards,
                 end,
                 f"agent-{k}-{j}",
+                case.branches,
+                # as the trajectory stores it (TorchPolicy.evaluate's run_out['action'])
+                action.to_action_tuple().discrete.astype(np.int64) if case.branches else None,
+                allowed,
             )
         )
     return out
@@ -329,17 +395,21 @@ def shuffle_as(buffer: AgentBuffer, perms: list[np.ndarray]) -> None:
 
 
 def mlagents_named(
-    trainer: MLAgentsPPOTrainer, read: Callable[[torch.nn.Parameter], torch.Tensor | None]
+    trainer: MLAgentsPPOTrainer, case: Case, read: Callable[[torch.nn.Parameter], torch.Tensor | None]
 ) -> dict[str, torch.Tensor | None]:
     """``read(parameter)`` for every parameter, under our names and shapes."""
-    params = {
+    theirs = {
         "actor": dict(trainer.policy.actor.named_parameters()),
         "critic": dict(trainer.optimizer.critic.named_parameters()),
     }
     out: dict[str, torch.Tensor | None] = {}
-    for ours, (side, name) in PARAMS.items():
-        t = read(params[side][name])
-        out[ours] = None if t is None else t.detach().reshape(-1) if ours == "log_sigma" else t.detach()
+    for ours, (side, names) in params(case).items():
+        ts = [read(theirs[side][name]) for name in names]
+        if any(t is None for t in ts):
+            out[ours] = None
+            continue
+        t = torch.cat([t.detach() for t in ts])
+        out[ours] = t.reshape(-1) if ours == "log_sigma" else t
     return out
 
 
@@ -355,12 +425,12 @@ def mlagents_normalizers(trainer: MLAgentsPPOTrainer) -> dict[str, np.ndarray]:
     return out
 
 
-def build_mlagents(tmp: Path) -> MLAgentsPPOTrainer:
+def build_mlagents(tmp: Path, case: Case) -> MLAgentsPPOTrainer:
     settings = TrainerSettings.structure(trainer_doc()["behaviors"][BEHAVIOR], TrainerSettings)
     settings.checkpoint_interval = 10**12  # never write a checkpoint
     trainer = MLAgentsPPOTrainer(BEHAVIOR, 100, settings, True, False, 0, str(tmp))
     behavior_id = BehaviorIdentifiers.from_name_behavior_id(f"{BEHAVIOR}?team=0")
-    trainer.add_policy(behavior_id, trainer.create_policy(behavior_id, behavior_spec()))
+    trainer.add_policy(behavior_id, trainer.create_policy(behavior_id, behavior_spec(case)))
     # Warm the normalizers up, so that the statistics we copy are not a fresh normalizer's.
     rng = np.random.default_rng(7)
     warm = AgentBuffer()
@@ -386,6 +456,7 @@ def build_mlagents(tmp: Path) -> MLAgentsPPOTrainer:
 
 @dataclasses.dataclass
 class Reference:
+    case: Case
     initial_params: dict[str, torch.Tensor]
     initial_norms: dict[str, np.ndarray]
     rounds: list[list[TrajectoryArrays]]
@@ -394,16 +465,16 @@ class Reference:
     clip_binds: float  # round 1: share of samples whose |V - V_old| exceeds epsilon when the update starts
 
 
-def run_mlagents(tmp: Path, seed: int, epochs: int) -> Reference:
+def run_mlagents(tmp: Path, seed: int, epochs: int, case: Case) -> Reference:
     """ML-Agents' PPOTrainer through both rounds: _process_trajectory, then _update_policy."""
-    trainer = build_mlagents(tmp)
+    trainer = build_mlagents(tmp, case)
     opt = trainer.optimizer
-    initial_params = {k: v.clone() for k, v in mlagents_named(trainer, lambda p: p).items()}
+    initial_params = {k: v.clone() for k, v in mlagents_named(trainer, case, lambda p: p).items()}
     initial_norms = mlagents_normalizers(trainer)
     perms = permutations(seed, epochs)
     rec, rounds, clip_binds = Record(), [], float("nan")
     for k in range(len(ROUNDS)):
-        data = sample_round(trainer.policy, k)
+        data = sample_round(trainer.policy, k, case)
         rounds.append(data)
         values: list[np.ndarray] = []
         estimate = opt.get_trajectory_value_estimates
@@ -418,6 +489,13 @@ def run_mlagents(tmp: Path, seed: int, epochs: int) -> Reference:
                 trainer._process_trajectory(traj.to_mlagents())
         buf = trainer.update_buffer
         assert buf.num_experiences == N_STEPS
+        if case.branches:
+            # What the trainer's buffer stores as the action mask (and its optimizer hands to
+            # evaluate_actions): 1 - the env's mask, i.e. 1 = allowed, as our TrajectoryPiece.action_mask.
+            stored = np.asarray(buf[BufferKey.ACTION_MASK].get_batch())
+            np.testing.assert_array_equal(
+                stored, np.concatenate([t.allowed for t in data]).astype(stored.dtype)
+            )
         rec.ingest.append(
             {
                 **mlagents_normalizers(trainer),
@@ -471,7 +549,7 @@ def run_mlagents(tmp: Path, seed: int, epochs: int) -> Reference:
         shuffle_as(buf, perms)
         with (
             log.backward_hook(),
-            log.step_hook(opt.optimizer, lambda: mlagents_named(trainer, lambda p: p.grad)),
+            log.step_hook(opt.optimizer, lambda: mlagents_named(trainer, case, lambda p: p.grad)),
             mock.patch.object(opt, "update", opt_update),
             mock.patch.object(ModelUtils, "trust_region_value_loss", staticmethod(vl)),
             mock.patch.object(ModelUtils, "trust_region_policy_loss", staticmethod(pl)),
@@ -482,9 +560,11 @@ def run_mlagents(tmp: Path, seed: int, epochs: int) -> Reference:
         rec.minibatches.append(log.rows)
         rec.after.append(
             {
-                "params": {n: v.clone() for n, v in mlagents_named(trainer, lambda p: p).items()},
-                "exp_avg": mlagents_named(trainer, lambda p: opt.optimizer.state[p]["exp_avg"].clone()),
-                "exp_avg_sq": mlagents_named(trainer, lambda p: opt.optimizer.state[p]["exp_avg_sq"].clone()),
+                "params": {n: v.clone() for n, v in mlagents_named(trainer, case, lambda p: p).items()},
+                "exp_avg": mlagents_named(trainer, case, lambda p: opt.optimizer.state[p]["exp_avg"].clone()),
+                "exp_avg_sq": mlagents_named(
+                    trainer, case, lambda p: opt.optimizer.state[p]["exp_avg_sq"].clone()
+                ),
                 "adam_lr": float(opt.optimizer.param_groups[0]["lr"]),
                 "adam_eps": float(opt.optimizer.param_groups[0]["eps"]),
                 **{
@@ -493,7 +573,7 @@ def run_mlagents(tmp: Path, seed: int, epochs: int) -> Reference:
                 },
             }
         )
-    return Reference(initial_params, initial_norms, rounds, rec, epochs, clip_binds)
+    return Reference(case, initial_params, initial_norms, rounds, rec, epochs, clip_binds)
 
 
 # --------------------------------------------------------------------------- our side
@@ -507,7 +587,10 @@ def pieces(data: list[TrajectoryArrays], joined: tuple[int, ...]) -> list[Trajec
         if j in joined and j - 1 in joined:
             prev = out.pop()
             piece = TrajectoryPiece(
-                *(np.concatenate([a, b]) for a, b in zip(prev[:7], piece[:7])), None, prev.source
+                *(np.concatenate([a, b]) for a, b in zip(prev[:7], piece[:7])),
+                None,
+                prev.source,
+                *(None if a is None else np.concatenate([a, b]) for a, b in zip(prev[9:], piece[9:])),
             )
         out.append(piece)
     return out
@@ -528,15 +611,24 @@ def late_normalizer_ingest(learner: PPOLearner, piece: TrajectoryPiece) -> bool:
     return ok
 
 
-def run_ours(
-    ref: Reference, config: PPOConfig, ingest: Callable[[PPOLearner, TrajectoryPiece], bool] | None = None
-) -> Record:
-    """Our PPOLearner, from ML-Agents' initial weights and normalizers, through the same rounds."""
-    learner = PPOLearner(config, OBS_DIM, ACTIONS)
+def our_learner(ref: Reference, config: PPOConfig) -> PPOLearner:
+    """Our PPOLearner with ML-Agents' initial weights and normalizers."""
+    case = ref.case
+    learner = PPOLearner(
+        config, OBS_DIM, case.continuous, branches=case.branches, action_mask=bool(case.branches)
+    )
     state = learner.policy.state_dict()
     state.update({k: v.clone().reshape(state[k].shape) for k, v in ref.initial_params.items()})
     state.update({k: torch.as_tensor(v).reshape(state[k].shape) for k, v in ref.initial_norms.items()})
     learner.policy.load_state_dict(state)
+    return learner
+
+
+def run_ours(
+    ref: Reference, config: PPOConfig, ingest: Callable[[PPOLearner, TrajectoryPiece], bool] | None = None
+) -> Record:
+    """Our PPOLearner, from ML-Agents' initial weights and normalizers, through the same rounds."""
+    learner = our_learner(ref, config)
     ingest = ingest or PPOLearner.ingest
     named = dict(learner.policy.named_parameters())
     rec = Record()
@@ -629,11 +721,26 @@ def failures(diffs: dict[str, float]) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Reference:
-    config = our_config()
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return run_mlagents(tmp_path_factory.mktemp("mlagents"), config.seed, config.num_epoch)
+def references(tmp_path_factory) -> Callable[[str], Reference]:
+    """ML-Agents' run of a case (``CASES``), made the first time a test asks for it."""
+    made: dict[str, Reference] = {}
+
+    def get(name: str) -> Reference:
+        if name not in made:
+            config = our_config()
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                made[name] = run_mlagents(
+                    tmp_path_factory.mktemp(f"mlagents-{name}"), config.seed, config.num_epoch, CASES[name]
+                )
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> Reference:
+    return references(CONTINUOUS.name)
 
 
 def test_our_yaml_reading_is_the_mlagents_preset_with_the_files_values():
@@ -753,3 +860,100 @@ def test_normalizer_counts_past_2_24_like_mlagents():
     np.testing.assert_array_equal(ours.m2.numpy(), theirs.running_variance.numpy())
     x = torch.as_tensor(rng.normal(0.0, 2.0, (5, D)).astype(np.float32))
     np.testing.assert_array_equal(ours(x).numpy(), theirs(x).numpy())
+
+
+# --------------------------------------------------------------------------- discrete branches, masks
+
+
+@pytest.mark.parametrize("name", sorted(DISCRETE_CASES))
+def test_discrete_updates_match_mlagents_trainer(references, name):
+    """The same comparison for discrete branches (3, 2) under action masks, alone and next to 2 continuous
+    dimensions: ingest and two updates equal ML-Agents' PPOTrainer to 1e-5."""
+    ref = references(name)
+    diffs = compare(run_ours(ref, our_config(**HANDED_OVER)), ref.record)
+    worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+    print(f"{name}: largest relative differences:", ", ".join(f"{k} {v:.1e}" for k, v in worst))
+    assert not failures(diffs), failures(diffs)
+    # Not vacuous: the masks block actions (a third of them; some branches down to one choice), ML-Agents'
+    # policy sampled only allowed ones and spread over them, and the first update moved the branch layers
+    # (the second runs at the learning-rate floor, 1e-10: its gradients and Adam moments are compared).
+    steps = [t for data in ref.rounds for t in data]
+    allowed = np.concatenate([t.allowed for t in steps])
+    taken = np.concatenate([t.discrete for t in steps])
+    assert 0.25 < 1 - allowed.mean() < 0.5
+    lo = np.cumsum((0,) + ref.case.branches[:-1])
+    assert allowed[np.arange(len(taken))[:, None], lo + taken].all()
+    assert (allowed[:, lo[1] :].sum(1) == 1).mean() > 0.2  # branch 2: one allowed action, entropy 0
+    for b, n in enumerate(ref.case.branches):
+        assert np.bincount(taken[:, b], minlength=n).min() > 10
+    after = ref.record.after[0]["params"]["branch_head.weight"]
+    assert rel_diff(after, ref.initial_params["branch_head.weight"]) > 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sampling_matches_mlagents_policy(references, name):
+    """Our policy's ``act`` draws what ML-Agents' ``TorchPolicy.sample_actions`` drew for the first round
+    (same weights and normalizers, same torch seed, same masks): the same random stream (continuous noise,
+    then one ``multinomial`` per branch), so the same discrete actions, the same continuous samples and the
+    same log-probabilities at action time, to 1e-5."""
+    ref = references(name)
+    policy = our_learner(ref, our_config()).policy
+    for j, traj in enumerate(ref.rounds[0]):
+        T = len(traj.rewards)
+        mask = None if traj.allowed is None else torch.as_tensor(traj.allowed)
+        torch.manual_seed(j)  # sample_round's seed for round 1, trajectory j
+        out = policy.act(torch.as_tensor(traj.obs[:T]), action_mask=mask)
+        assert rel_diff(out.action, traj.actions) <= RTOL
+        assert rel_diff(out.log_prob, traj.log_probs) <= RTOL
+        if ref.case.branches:
+            np.testing.assert_array_equal(out.discrete_action.numpy(), traj.discrete)
+
+
+def branch_mean_entropy() -> contextlib.AbstractContextManager:
+    """Planted bug: the branches' entropies averaged (as ML-Agents averages continuous dims), not summed."""
+    reduce = impala.algos.ppo.reduce_hybrid_entropy
+
+    def mean_over_branches(continuous, discrete, *, over_dims):
+        return reduce(continuous, discrete.mean(-1, keepdim=True), over_dims=over_dims)
+
+    return mock.patch.object(impala.algos.ppo, "reduce_hybrid_entropy", mean_over_branches)
+
+
+def masks_ignored() -> contextlib.AbstractContextManager:
+    """Planted bug: the update evaluates the taken actions without their masks."""
+    return mock.patch.object(impala.algos.ppo, "mask_logits", lambda logits, allowed: logits)
+
+
+def masks_inverted() -> contextlib.AbstractContextManager:
+    """Planted bug: the stored masks read with the env protocol's convention (True = blocked)."""
+    mask_logits = impala.algos.ppo.mask_logits
+    return mock.patch.object(
+        impala.algos.ppo,
+        "mask_logits",
+        lambda logits, allowed: mask_logits(logits, None if allowed is None else ~allowed),
+    )
+
+
+DISCRETE_PLANTED_BUGS: dict[
+    str, tuple[dict[str, Any], Callable[[], contextlib.AbstractContextManager] | None, str, tuple[str, ...]]
+] = {
+    # name: (our config overrides, a patch of our code, a quantity that must then differ, the cases)
+    "entropy averaged over branches": ({}, branch_mean_entropy, "entropy", ("discrete", "hybrid")),
+    "action masks ignored in the update": ({}, masks_ignored, "grad/branch_head", ("discrete", "hybrid")),
+    "action masks read as True = blocked": ({}, masks_inverted, "policy_loss", ("discrete", "hybrid")),
+    # The continuous dims' mean next to the branches' sum ('discrete' has no continuous dim to reduce).
+    "entropy summed over continuous dims": ({"entropy_reduce": "sum"}, None, "entropy", ("hybrid",)),
+}
+
+
+@pytest.mark.parametrize(
+    "name, bug", [(name, bug) for bug, (*_, cases) in sorted(DISCRETE_PLANTED_BUGS.items()) for name in cases]
+)
+def test_discrete_planted_bug_breaks_parity(references, name, bug):
+    """Each planted discrete bug must make the discrete comparison fail, where the bug lives."""
+    overrides, patch, where, _ = DISCRETE_PLANTED_BUGS[bug]
+    ref = references(name)
+    with patch() if patch else contextlib.nullcontext():
+        failed = failures(compare(run_ours(ref, our_config(**HANDED_OVER, **overrides)), ref.record))
+    assert failed, f"planted bug {bug!r} went unnoticed"
+    assert any(where in k for k in failed), sorted(failed)[:10]
