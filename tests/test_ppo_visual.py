@@ -228,3 +228,17 @@ def test_image_env_runs_under_sb3_and_refuses_vecnormalize(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "launch_ppo: done" in run.stdout
+
+
+def test_env_layouts_and_atari_refusal():
+    from impala.envs import EnvSpec
+    from impala.envs.probe import EnvInfo
+
+    img = EnvInfo(EnvSpec("CartPole-v1"), (36, 36, 1), "uint8", "Box", "Discrete", num_actions=2)
+    img.require_ppo_spaces("launch_ppo")
+    assert img.obs_layout == ObsLayout(((36, 36, 1),), channels_last=True, image_scale=1 / 255)
+    unity = EnvInfo(EnvSpec("unity:V"), (1202,), "float32", "Box", "Box", obs_shapes=((2,), (20, 20, 3)))
+    assert unity.obs_layout.visual and unity.obs_layout.image_scale == 1.0
+    pong = EnvInfo(EnvSpec("ALE/Pong-v5"), (4, 84, 84), "uint8", "Box", "Discrete", num_actions=6)
+    with pytest.raises(ConfigError, match=r"^ALE/Pong-v5 is an Atari game; launch_ppo does not train Atari"):
+        pong.require_ppo_spaces("launch_ppo")

@@ -113,6 +113,11 @@ class EnvInfo:
                 f"{self.spec.id} has a {self.obs_space} observation space; {launcher} needs a Box (vector) "
                 "observation"
             )
+        if self.spec.atari:
+            raise ConfigError(
+                f"{self.spec.id} is an Atari game; {launcher} does not train Atari (its unrolls would carry "
+                "84x84x4 frames as float32 and count one frame per step); use launch_impala"
+            )
         if len(self.obs_shape) not in (1, 3) and not self.obs_shapes:
             raise ConfigError(
                 f"{self.spec.id} has observations of shape {self.obs_shape}; {launcher} takes vectors "
