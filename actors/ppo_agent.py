@@ -69,7 +69,7 @@ class PPOAgent:
                 f"PPOAgent: the env's discrete branches are {list(got_b)}, the learner expects "
                 f"{list(self.branches)}"
             )
-        self.policy = make_policy(self.config, self.obs_dim, self.action_dim, self.branches)
+        self.policy = make_policy(self.config, self.obs_dim, self.action_dim, self.branches, spec.obs_layout)
         self.policy.eval()
         self.schema = ppo_unroll_schema(
             unroll_length, self.obs_dim, self.action_dim, self.branches, self.masked

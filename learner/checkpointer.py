@@ -195,6 +195,7 @@ class Checkpointer:
             progress,
         )
         self.start_version = progress.version  # nothing trained yet: never overwrite a checkpoint with it
+        self._export_failures: set[str] = set()
         self.last_try = self.last_success = time.monotonic()
         self.failing_since: float | None = None
         self.best_return = float("-inf")  # best.pt's evaluation, this run
@@ -333,7 +334,9 @@ class Checkpointer:
         try:
             export(self.logdir)
         except Exception as e:  # noqa: BLE001 - an export that fails must not cost the run
-            log.warning("ONNX export beside %s failed: %s", self.path, e)
+            if str(e) not in self._export_failures:  # the same reason at every checkpoint: say it once
+                self._export_failures.add(str(e))
+                log.warning("ONNX export beside %s failed: %s", self.path, e)
 
     def final(self, *, finished: bool) -> str:
         """At exit: save if anything was trained; mark the run finished if its budget was used up. Returns the

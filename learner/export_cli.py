@@ -98,7 +98,7 @@ def export_checkpoint(ckpt: PolicyCheckpoint, out: str, obs_sizes: list[int] | N
                 f"--obs-sizes {','.join(map(str, obs_sizes))} add up to {sum(obs_sizes)}, but the policy "
                 f"takes {agent.obs_dim} observation values"
             )
-        policy = make_policy(agent.config, agent.obs_dim, agent.action_dim, agent.branches)
+        policy = make_policy(agent.config, agent.obs_dim, agent.action_dim, agent.branches, agent.obs_layout)
         _load(policy, ckpt)
         export_ppo_onnx(
             policy.eval(),

@@ -443,6 +443,12 @@ def write_mlagents_configuration(
             "normalize": ppo_config.obs_norm != "none",
             "hidden_units": ppo_config.hidden_units,
             "num_layers": ppo_config.num_layers,
+            # ML-Agents' EncoderType; SB3's NatureCNN has no key there (config.yaml keeps it)
+            **(
+                {"vis_encode_type": ppo_config.vis_encode_type}
+                if ppo_config.vis_encode_type != "sb3_nature_cnn"
+                else {}
+            ),
         },
         "reward_signals": {"extrinsic": {"gamma": ppo_config.gamma, "strength": options.extrinsic_strength}},
         "keep_checkpoints": options.keep_checkpoints,

@@ -41,6 +41,7 @@ from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
 from impala.run.ppo_config import PPOConfig, actors_wait
 from impala.transport.params import state_dict_arrays
 from impala.nets.onnx_export import export_ppo_onnx, onnx_file_name
+from impala.nets.obs_layout import ObsLayout
 from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
 
@@ -216,6 +217,7 @@ class PPOLearner:
       device: torch device for the networks and the update.
       branches: each discrete branch's action count (empty: continuous actions only).
       action_mask: pieces carry the env's action masks (``TrajectoryPiece.action_mask``).
+      obs_layout: which parts of the flat observation are images (``impala.nets.obs_layout``).
     """
 
     def __init__(
@@ -228,6 +230,7 @@ class PPOLearner:
         device: str | torch.device = "cpu",
         branches: tuple[int, ...] = (),
         action_mask: bool = False,
+        obs_layout: ObsLayout | None = None,
     ):
         self.config = config
         self.obs_dim, self.action_dim = obs_dim, action_dim
@@ -235,7 +238,7 @@ class PPOLearner:
         self.action_low = np.broadcast_to(np.asarray(action_low, np.float32), (action_dim,)).copy()
         self.action_high = np.broadcast_to(np.asarray(action_high, np.float32), (action_dim,)).copy()
         self.device = torch.device(device)
-        self.policy = make_policy(config, obs_dim, action_dim, self.branches).to(self.device)
+        self.policy = make_policy(config, obs_dim, action_dim, self.branches, obs_layout).to(self.device)
         # One Adam over actor + critic + log-sigma (#7); normalizer stats are buffers, not parameters.
         self.optimizer = torch.optim.Adam(
             self.policy.parameters(), lr=config.learning_rate, eps=config.adam_eps
@@ -731,6 +734,7 @@ class PPOTrainer:
             resolve_device(run.device),
             branches=branches,
             action_mask=env.action_mask,
+            obs_layout=env.obs_layout,
         )
         self.schema = ppo_unroll_schema(T, env.obs_dim, env.action_dim, branches, env.action_mask)
         self.n_envs = max(run.workers, 1) * run.envs_per_worker
@@ -746,6 +750,7 @@ class PPOTrainer:
             branches,
             "Unity" if env.spec.is_unity else env.action_space,
             env.action_mask,
+            env.obs_layout,
         )
         self.frames_per_step = 1.0  # gym control tasks and Unity: one frame per agent step
         self.max_abs_value = run.max_abs_value

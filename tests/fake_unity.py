@@ -35,7 +35,8 @@ where ``target_j = 0.6*sin(0.05*t + 0.9*j + 1.3*i + 0.4*e)``. The reward of an
 action ``a`` taken on that observation is ``1 - mean((a - target)**2)``
 (``step_reward``), plus ``terminal_reward`` on the step that ends an episode
 with ``end="terminate"``. With discrete branches the targets are followed by a
-one-hot of each branch's target action ``(i + e + t // 3) % n_b``; each step
+one-hot of each branch's target action ``(i + e + t // 3) % n_b`` (with a camera: drawn in the image
+instead, ``image``); each step
 masks one other action per branch (``blocked``), and the discrete part of the
 reward is the fraction of branches whose target was chosen (the mean of both
 parts for hybrid actions). An action the mask blocked is a protocol error. So
@@ -81,7 +82,9 @@ terminal reward -1. ``small`` = specs 5 + 3, 2 actions, 3 agents (episodes 4, 6,
 never ending; agent 0 terminates with reward +5, agent 1 is interrupted).
 ``basic`` = one spec of 8, one discrete branch of 3 actions (masked), 4 agents
 with episodes of 20-35 decisions (like ML-Agents' Basic / GridWorld: discrete
-only). ``hybrid`` = one spec of 12, 2 continuous actions and branches 3 + 2.
+only). ``hybrid`` = one spec of 12, 2 continuous actions and branches 3 + 2. ``visual`` = a vector spec
+of 2 and a 20x20x3 camera (HWC, like ML-Agents' GridWorld), one masked branch of 3, 4 agents as in
+``basic``: the target action is seen only in the image (``image``: the lit band), not in the vector.
 """
 
 from __future__ import annotations
@@ -160,7 +163,7 @@ class FakeUnityConfig:
     obs_sizes: tuple[int, ...] = (5, 3)
     action_size: int = 2
     discrete_branches: tuple[int, ...] = ()
-    visual_shape: tuple[int, int, int] | None = None  # adds a rank-3 spec after the vector ones
+    visual_shape: tuple[int, int, int] | None = None  # adds a rank-3 (HWC) spec after the vector ones
     behavior_name: str = "FakeBehavior?team=0"
     extra_behaviors: tuple[str, ...] = ()  # each gets one never-ending agent, same specs
     first_agent_id: int = 0
@@ -193,6 +196,15 @@ def preset(name: str) -> FakeUnityConfig:
             discrete_branches=(3,),
             behavior_name="BasicFake?team=0",
         )
+    if name == "visual":
+        return FakeUnityConfig(
+            agents=[AgentScript(20 + 5 * i, "interrupt" if i % 2 else "terminate", 0.0) for i in range(4)],
+            obs_sizes=(2,),
+            action_size=0,
+            discrete_branches=(3,),
+            visual_shape=(20, 20, 3),
+            behavior_name="VisualFake?team=0",
+        )
     if name == "hybrid":
         return FakeUnityConfig(
             agents=[AgentScript(20 + 5 * i, "interrupt" if i % 2 else "terminate", 0.0) for i in range(3)],
@@ -201,7 +213,7 @@ def preset(name: str) -> FakeUnityConfig:
             discrete_branches=(3, 2),
             behavior_name="HybridFake?team=0",
         )
-    raise ValueError(f"unknown preset {name!r} (known: crawler, small, basic, hybrid)")
+    raise ValueError(f"unknown preset {name!r} (known: crawler, small, basic, hybrid, visual)")
 
 
 def observation(cfg: FakeUnityConfig, i: int, e: int, t: int) -> np.ndarray:
@@ -210,11 +222,22 @@ def observation(cfg: FakeUnityConfig, i: int, e: int, t: int) -> np.ndarray:
     k = np.arange(n, dtype=np.float64)
     out = 0.5 * np.sin(0.37 * (k + 1) + 1.3 * i + 0.71 * e + 0.11 * t)
     head = [t * 0.01, i * 0.1, e * 0.01] + list(target(cfg, i, e, t))
-    for b, size in enumerate(cfg.discrete_branches):
+    for b, size in enumerate(cfg.discrete_branches if cfg.visual_shape is None else ()):
         head += list(np.eye(size)[discrete_target(cfg, i, e, t)[b]])
     m = min(n, len(head))
     out[:m] = head[:m]
     return out.astype(np.float32)
+
+
+def image(cfg: FakeUnityConfig, i: int, e: int, t: int) -> np.ndarray:
+    """The camera observation [H, W, C] in [0, 1]: for the first branch's target action g of n, the g-th of n
+    vertical bands is lit (channel g % C, value 1) on a dim background; nothing else tells the target."""
+    h, w, c = cfg.visual_shape  # type: ignore[misc]
+    img = np.full((h, w, c), 0.1, np.float32)
+    if cfg.discrete_branches:
+        n, g = cfg.discrete_branches[0], discrete_target(cfg, i, e, t)[0]
+        img[:, g * w // n : (g + 1) * w // n, g % c] = 1.0
+    return img
 
 
 def target(cfg: FakeUnityConfig, i: int, e: int, t: int) -> np.ndarray:
@@ -467,7 +490,7 @@ class FakeUnityPlayer:
             off += n
         if cfg.visual_shape is not None:
             obs = ObservationProto(shape=list(cfg.visual_shape), name="CameraSensor")
-            obs.float_data.data.extend([0.0] * int(np.prod(cfg.visual_shape)))
+            obs.float_data.data.extend(image(cfg, ag.index, ag.episode, ag.t).reshape(-1).tolist())
             info.observations.append(obs)
         if cfg.discrete_branches:  # True: blocked (the protocol's sense)
             no = blocked(cfg, ag.index, ag.episode, ag.t)
@@ -614,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-nographics", action="store_true")
     p.add_argument("-batchmode", action="store_true")
     p.add_argument("-logFile", "-logfile", dest="log_file")
-    p.add_argument("--preset", choices=["crawler", "small", "basic", "hybrid"])
+    p.add_argument("--preset", choices=["crawler", "small", "basic", "hybrid", "visual"])
     p.add_argument("--agents", type=int, help="number of agents (overrides the preset)")
     p.add_argument("--obs-sizes", type=_ints, help="comma-separated vector spec sizes, e.g. 126,32")
     p.add_argument("--action-size", type=int)

@@ -358,14 +358,16 @@ def test_discrete_only_behaviour(unity):
     assert res.reward.shape == (4,) and player.discrete_actions[-4:] == allowed.tolist()
 
 
-def test_visual_observation_refused(unity):
-    cfg = FakeUnityConfig(visual_shape=(8, 8, 3))
-    with pytest.raises(
-        UnityEnvError,
-        match=r"visual observation \(spec 2 'CameraSensor', "
-        r"shape \(8, 8, 3\)\)",
-    ):
-        unity(cfg, worker_id=12)
+def test_visual_observation_flattened_hwc(unity):
+    """A camera spec (rank 3, HWC) travels flattened after the vector spec, in C order: the policy reshapes
+    it back from ``obs_specs`` (impala.nets.obs_layout)."""
+    cfg = fu.preset("visual")
+    env, player = unity(cfg, worker_id=12)
+    assert env.obs_specs == [(2,), (20, 20, 3)] and env.obs_dim == 2 + 1200
+    obs = env.reset()
+    for i in range(cfg.n_agents):
+        np.testing.assert_array_equal(obs[i, 2:].reshape(20, 20, 3), fu.image(cfg, i, 0, 0))
+    assert player.protocol_errors == []
 
 
 # -- executable mode: mlagents-envs launches the fake build as a subprocess, no patching ---------

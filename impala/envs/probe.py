@@ -19,6 +19,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from impala.nets.obs_layout import ObsLayout, image_layout
 from impala.run.config import ConfigError
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import (
@@ -55,6 +56,17 @@ class EnvInfo:
     obs_sizes: tuple[int, ...] = ()  # Unity: each sensor's size in spec order (obs: their concatenation)
     action_branches: tuple[int, ...] = ()  # MultiDiscrete / Unity: each discrete branch's action count
     action_mask: bool = False  # Unity discrete branches: the env masks actions
+    obs_shapes: tuple[tuple[int, ...], ...] = ()  # Unity: each sensor's shape in spec order (cameras HWC)
+
+    @property
+    def obs_layout(self) -> ObsLayout:
+        """How a PPO policy cuts the flat observation into sensors: Unity's specs (cameras are HWC floats in
+        [0, 1]); a rank-3 gymnasium Box is one image (uint8: scaled by 1/255); other envs one vector."""
+        if self.obs_shapes:
+            return ObsLayout(self.obs_shapes, channels_last=True, image_scale=1.0)
+        if len(self.obs_shape) == 3:
+            return image_layout(self.obs_shape, self.obs_dtype)
+        return ObsLayout()
 
     @property
     def obs_dim(self) -> int:
@@ -90,7 +102,7 @@ class EnvInfo:
 
     def require_ppo_spaces(self, launcher: str) -> None:
         """PPO's policy is a Gaussian over a ``Box`` of actions and/or categoricals over ``Discrete`` /
-        ``MultiDiscrete`` ones (Unity: both), fed vector observations."""
+        ``MultiDiscrete`` ones (Unity: both), fed vector observations, images (rank 3) or both (Unity)."""
         if self.action_low is None and not self.ppo_branches:
             raise ConfigError(
                 f"{self.spec.id} has a {self.action_space} action space; {launcher} trains Box, Discrete and "
@@ -101,10 +113,15 @@ class EnvInfo:
                 f"{self.spec.id} has a {self.obs_space} observation space; {launcher} needs a Box (vector) "
                 "observation"
             )
-        if len(self.obs_shape) >= 3:
+        if self.spec.atari:
             raise ConfigError(
-                f"{self.spec.id} has image observations {self.obs_shape}; {launcher} supports vector "
-                "observations only"
+                f"{self.spec.id} is an Atari game; {launcher} does not train Atari (its unrolls would carry "
+                "84x84x4 frames as float32 and count one frame per step); use launch_impala"
+            )
+        if len(self.obs_shape) not in (1, 3) and not self.obs_shapes:
+            raise ConfigError(
+                f"{self.spec.id} has observations of shape {self.obs_shape}; {launcher} takes vectors "
+                "(rank 1) and images (rank 3: HWC or CHW)"
             )
 
 
@@ -301,6 +318,7 @@ def probe_unity(
         f"Unity build {build!r}: behavior {name!r}, {k} agents per instance, obs {specs} -> {obs_dim}, "
         + " and ".join(actions),
         obs_sizes=tuple(int(np.prod(shape)) for shape in specs),
+        obs_shapes=tuple(tuple(int(n) for n in shape) for shape in specs),
         action_branches=branches,
         action_mask=bool(branches),  # Unity may mask any branch at any decision: unrolls carry the masks
     )

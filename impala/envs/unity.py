@@ -22,7 +22,9 @@ Construction
 Observations and actions
     ``obs`` is the concatenation of all observation specs in spec order,
     flattened (Crawler: 126 + 32 = 158), float32. Rank-3 (visual) specs are
-    refused. Continuous actions, discrete branches or both: ``step`` takes a
+    flattened too (HWC, C order; ``obs_specs`` gives the shapes back to the
+    policy); other ranks (grid / variable-length sensors) are refused.
+    Continuous actions, discrete branches or both: ``step`` takes a
     float array ``[K, action_dim]`` (continuous), an integer array
     ``[K, branches]`` (discrete) or the pair ``(continuous, discrete)``
     (hybrid) and sends them as they are (the PPO layer clips / rescales),
@@ -337,10 +339,10 @@ class UnityVecEnv:
         if act.continuous_size == 0 and act.discrete_size == 0:
             raise UnityEnvError(f"behavior {name!r} has no actions")
         for i, o in enumerate(spec.observation_specs):
-            if len(o.shape) >= 3:
+            if len(o.shape) not in (1, 3):
                 raise UnityEnvError(
-                    f"behavior {name!r} has a visual observation (spec {i} {o.name!r}, shape "
-                    f"{tuple(o.shape)}); only vector observations are supported"
+                    f"behavior {name!r} has an observation of rank {len(o.shape)} (spec {i} {o.name!r}, "
+                    f"shape {tuple(o.shape)}); vector (rank 1) and visual (rank 3, HWC) obs are taken"
                 )
         self.obs_specs: list[tuple[int, ...]] = [tuple(o.shape) for o in spec.observation_specs]
         self.obs_dim = int(sum(int(np.prod(s)) for s in self.obs_specs))

@@ -241,6 +241,11 @@ def ppo_onnx_model(
         ``None``: one input ``obs_0`` of ``obs_dim`` values.
       seed: fixes ``RandomNormalLike``'s seed (tests); ``None`` leaves it unseeded, as ML-Agents does.
     """
+    if getattr(policy, "visual", False):
+        raise ExportError(
+            f"ONNX export of policies with visual observations ({policy.vis_encode_type} encoders) is not "
+            "written yet; the checkpoint holds the weights"
+        )
     onnx = require_onnx()
     if action_clip not in ACTION_CLIPS:
         raise ExportError(f"action_clip must be one of {ACTION_CLIPS}, got {action_clip!r}")

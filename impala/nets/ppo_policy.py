@@ -37,6 +37,9 @@ from torch import nn
 
 from impala.algos import ppo
 from impala.algos.normalizers import FrozenObsNormalizer, MLAgentsNormalizer
+from impala.nets.obs_layout import ObsLayout
+from impala.nets.visual import make_encoder
+from impala.run.config import ConfigError
 from impala.run.ppo_config import PPOConfig
 
 ACTIVATIONS = {"swish": nn.SiLU, "tanh": nn.Tanh, "relu": nn.ReLU}
@@ -148,6 +151,8 @@ class ActorCritic(nn.Module):
         log_prob_form: str = "mlagents",
         seed: int | None = None,
         branches: tuple[int, ...] = (),
+        obs_layout: ObsLayout | None = None,
+        vis_encode_type: str = "simple",
     ):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -166,24 +171,58 @@ class ActorCritic(nn.Module):
             )
         self.obs_dim, self.action_dim, self.branches = obs_dim, action_dim, branches
         self.obs_norm_kind, self.log_prob_form = obs_norm, log_prob_form
+        layout = obs_layout if obs_layout is not None else ObsLayout()
+        if layout.shapes and sum(layout.sizes) != obs_dim:
+            raise ValueError(f"observation layout {layout.shapes} does not add up to obs_dim {obs_dim}")
+        self.obs_layout, self.visual, self.vis_encode_type = layout, layout.visual, vis_encode_type
+        norm_dim, body_in = obs_dim, obs_dim
+        if self.visual:
+            if obs_norm == "vecnormalize":
+                raise ConfigError(
+                    "obs_norm: 'vecnormalize' does not take image observations (SB3's image setups run "
+                    "without VecNormalize); use --obs-norm none (uint8 images are scaled by 1/255) or "
+                    "mlagents"
+                )
+            is_vec = [len(s) == 1 for s in layout.shapes]
+            offsets = np.cumsum((0,) + layout.sizes)
+            vec_index = [i for k, v in enumerate(is_vec) if v for i in range(offsets[k], offsets[k + 1])]
+            # ML-Agents normalizes vector sensors only; images reach the encoders as they are (scaled).
+            self.register_buffer("vector_index", torch.tensor(vec_index, dtype=torch.long), persistent=False)
+            norm_dim = len(vec_index)
+            body_in = norm_dim
 
-        if obs_norm == "mlagents":
-            self.actor_norm = MLAgentsNormalizer(obs_dim)
-            self.critic_norm = MLAgentsNormalizer(obs_dim)
+        if obs_norm == "mlagents" and norm_dim:
+            self.actor_norm = MLAgentsNormalizer(norm_dim)
+            self.critic_norm = MLAgentsNormalizer(norm_dim)
         elif obs_norm == "vecnormalize":
             self.obs_norm = FrozenObsNormalizer(obs_dim)
+        self._norms = obs_norm == "mlagents" and norm_dim > 0
 
-        self.actor_body = mlp_body(obs_dim, hidden_units, num_layers, activation)
-        self.critic_body = mlp_body(obs_dim, hidden_units, num_layers, activation)
+        gen = None
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+        if self.visual:
+            # One encoder per image sensor and per body (ML-Agents' actor and critic each own an
+            # ObservationEncoder; SB3's share_features_extractor=False); encodings are concatenated with
+            # the vector sensors in spec order and feed the body MLP.
+            self.actor_encoders, self.critic_encoders = nn.ModuleList(), nn.ModuleList()
+            for shape in layout.shapes:
+                if len(shape) == 3:
+                    chw = layout.chw(shape)
+                    n = len(layout.shapes)
+                    enc, size = make_encoder(vis_encode_type, chw, hidden_units, n, gen)
+                    self.actor_encoders.append(enc)
+                    self.critic_encoders.append(make_encoder(vis_encode_type, chw, hidden_units, n, gen)[0])
+                    body_in += size
+
+        self.actor_body = mlp_body(body_in, hidden_units, num_layers, activation)
+        self.critic_body = mlp_body(body_in, hidden_units, num_layers, activation)
         self.value_head = nn.Linear(hidden_units, 1)
         # Continuous-only policies keep their state-dict keys (checkpoints from before discrete actions load).
         self.mu_head = nn.Linear(hidden_units, action_dim) if action_dim else None
         self.log_sigma = nn.Parameter(torch.zeros(action_dim)) if action_dim else None
         self.branch_head = nn.Linear(hidden_units, sum(branches)) if branches else None
 
-        gen = None
-        if seed is not None:
-            gen = torch.Generator().manual_seed(seed)
         hidden = [m for body in (self.actor_body, self.critic_body) for m in body if isinstance(m, nn.Linear)]
         if init == "mlagents":
             for layer in hidden:
@@ -207,6 +246,8 @@ class ActorCritic(nn.Module):
     # ---------------------------------------------------------------- pieces
 
     def _actor_in(self, obs: torch.Tensor, normalized: bool) -> torch.Tensor:
+        if self.visual:
+            return self._encode(obs, self.actor_norm if self._norms else None, self.actor_encoders)
         if normalized or self.obs_norm_kind == "none":
             return obs
         if self.obs_norm_kind == "mlagents":
@@ -214,11 +255,42 @@ class ActorCritic(nn.Module):
         return self.obs_norm(obs)
 
     def _critic_in(self, obs: torch.Tensor, normalized: bool) -> torch.Tensor:
+        if self.visual:
+            return self._encode(obs, self.critic_norm if self._norms else None, self.critic_encoders)
         if normalized or self.obs_norm_kind == "none":
             return obs
         if self.obs_norm_kind == "mlagents":
             return self.critic_norm(obs)
         return self.obs_norm(obs)
+
+    def images(self, obs: torch.Tensor) -> list[torch.Tensor]:
+        """Each image sensor of flat observations [B, obs_dim] as channel-first, scaled [B, C, H, W]."""
+        layout, out = self.obs_layout, []
+        for shape, part in zip(layout.shapes, obs.split(layout.sizes, dim=-1)):
+            if len(shape) == 3:
+                img = part.reshape(-1, *shape)
+                if layout.channels_last:
+                    img = img.permute(0, 3, 1, 2)
+                out.append(img * layout.image_scale if layout.image_scale != 1.0 else img)
+        return out
+
+    def _encode(self, obs: torch.Tensor, norm: nn.Module | None, encoders: nn.ModuleList) -> torch.Tensor:
+        """ML-Agents' ObservationEncoder: every sensor processed (vectors normalized, images encoded), the
+        results concatenated in spec order."""
+        vec = obs.index_select(-1, self.vector_index)
+        if norm is not None:
+            vec = norm(vec)
+        vec_sizes = [n for s, n in zip(self.obs_layout.shapes, self.obs_layout.sizes) if len(s) == 1]
+        vecs, imgs = iter(vec.split(vec_sizes, dim=-1)), iter(self.images(obs))
+        parts = [
+            next(vecs) if len(s) == 1 else enc(next(imgs))
+            for s, enc in zip(self.obs_layout.shapes, self._per_sensor(encoders))
+        ]
+        return torch.cat(parts, dim=-1)
+
+    def _per_sensor(self, encoders: nn.ModuleList) -> list[nn.Module | None]:
+        it = iter(encoders)
+        return [None if len(s) == 1 else next(it) for s in self.obs_layout.shapes]
 
     def actor_features(self, obs: torch.Tensor, *, normalized: bool = False) -> torch.Tensor:
         """The actor body's output [B, hidden] for observations [B, obs_dim]."""
@@ -360,7 +432,9 @@ class ActorCritic(nn.Module):
         A no-op for other obs_norm kinds: the vecnormalize snapshot is set by
         the learner, which owns the running statistics.
         """
-        if self.obs_norm_kind == "mlagents":
+        if self._norms:
+            if self.visual:
+                obs = obs.index_select(-1, self.vector_index)
             self.actor_norm.update(obs)
             self.critic_norm.update(obs)
 
@@ -372,13 +446,20 @@ class ActorCritic(nn.Module):
 
 
 def make_policy(
-    config: PPOConfig, obs_dim: int, action_dim: int, branches: tuple[int, ...] = ()
+    config: PPOConfig,
+    obs_dim: int,
+    action_dim: int,
+    branches: tuple[int, ...] = (),
+    obs_layout: ObsLayout | None = None,
 ) -> ActorCritic:
-    """The actor-critic a learner and its actors share (same layout, same state_dict keys)."""
+    """The actor-critic a learner and its actors share (same layout, same state_dict keys). ``obs_layout``
+    says which parts of the flat observation are images (None: one vector)."""
     return ActorCritic(
         obs_dim,
         action_dim,
         branches=branches,
+        obs_layout=obs_layout,
+        vis_encode_type=config.vis_encode_type,
         hidden_units=config.hidden_units,
         num_layers=config.num_layers,
         activation=config.activation,

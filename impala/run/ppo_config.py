@@ -121,6 +121,12 @@ class PPOConfig:
     activation: Literal["swish", "tanh", "relu"] = _f(
         "swish", "#11. Hidden activation: swish/SiLU (ML-Agents), tanh (SB3)."
     )
+    vis_encode_type: Literal["simple", "nature_cnn", "resnet", "sb3_nature_cnn"] = _f(
+        "simple",
+        "#11. Encoder of each image sensor: ML-Agents' 'simple', 'nature_cnn' or 'resnet' (dense layer of "
+        "hidden_units), or SB3's NatureCNN 'sb3_nature_cnn' (512 features; 256 beside other sensors). "
+        "Vector-only envs ignore it.",
+    )
     obs_norm: Literal["mlagents", "vecnormalize", "none"] = _f(
         "mlagents",
         "#12. 'mlagents': in-network normalizer per body, raw obs in the buffer, updated per trajectory "
@@ -274,6 +280,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         action_clip="bounds",
         init="sb3",
         activation="tanh",
+        vis_encode_type="sb3_nature_cnn",
         obs_norm="vecnormalize",
         reward_norm=True,
         gae_form="sb3",
@@ -334,7 +341,10 @@ _HYPER_KEYS = {
     "beta_schedule": "beta_schedule",
     "epsilon_schedule": "epsilon_schedule",
 }
-_NETWORK_KEYS = {"normalize", "hidden_units", "num_layers"}
+_NETWORK_KEYS = {"normalize", "hidden_units", "num_layers", "vis_encode_type"}
+# ML-Agents' EncoderType values this trainer builds (impala/nets/visual.py) and the ones it refuses.
+_VIS_ENCODE_TYPES = ("simple", "nature_cnn", "resnet")
+_REFUSED_VIS_ENCODE_TYPES = ("match3", "fully_connected")
 _BEHAVIOR_KEYS = {
     "trainer_type",
     "hyperparameters",
@@ -346,7 +356,6 @@ _BEHAVIOR_KEYS = {
 # key -> (the one value accepted: ML-Agents' default, why any other is refused)
 _HYPER_ONLY_DEFAULT = {"shared_critic": (False, "this trainer keeps separate actor and critic networks")}
 _NETWORK_ONLY_DEFAULT = {
-    "vis_encode_type": ("simple", "visual observations are not supported (vector observations only)"),
     "memory": (None, "recurrent policies (LSTM memory) are not supported; remove the memory section"),
     "goal_conditioning_type": ("hyper", "goal signals are not supported"),
     "deterministic": (
@@ -664,6 +673,14 @@ def ppo_config_from_file(
             if not isinstance(value, bool):
                 raise ConfigError(f"{p}: expected true or false, got {value!r}")
             vals[key] = value
+        elif key == "vis_encode_type":
+            if value in _REFUSED_VIS_ENCODE_TYPES:
+                raise ConfigError(
+                    f"{p}: {value!r} is not built here; use one of {', '.join(_VIS_ENCODE_TYPES)}"
+                )
+            if value not in _VIS_ENCODE_TYPES:
+                raise ConfigError(f"{p}: must be one of {', '.join(_VIS_ENCODE_TYPES)}, got {value!r}")
+            vals[key] = value
         else:
             vals[key] = _number(value, p, int)
 
@@ -724,6 +741,8 @@ def ppo_config_from_file(
         "time_horizon": full["time_horizon"],
         "obs_norm": (preset["obs_norm"] if full["normalize"] else "none"),
     }
+    if "vis_encode_type" in full:  # a file that names none keeps the semantics' encoder
+        mapped["vis_encode_type"] = full["vis_encode_type"]
     mapped.update(overrides)
     try:
         return PPOConfig.preset(semantics, **mapped)
@@ -740,6 +759,7 @@ _YAML_PATHS = {
     **{field: f"hyperparameters.{key}" for key, field in _HYPER_KEYS.items()},
     "hidden_units": "network_settings.hidden_units",
     "num_layers": "network_settings.num_layers",
+    "vis_encode_type": "network_settings.vis_encode_type",
     "gamma": "reward_signals.extrinsic.gamma",
     "max_steps": "max_steps",
     "time_horizon": "time_horizon",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
 from impala.envs import EnvSpec
+from impala.nets.obs_layout import ObsLayout
 from impala.run.config import MAX_TASKS
 from impala.run.ppo_config import PPOConfig
 
@@ -95,9 +96,15 @@ class PPOAgentSpec:
     branches: tuple[int, ...] = ()
     action_space: str = "Box"
     action_mask: bool = False
+    obs_layout: ObsLayout = ObsLayout()  # which parts of the flat observation are images
     kind: str = dataclasses.field(default="ppo", init=False)
 
     def __post_init__(self) -> None:
+        if self.obs_layout.shapes and sum(self.obs_layout.sizes) != self.obs_dim:
+            raise ValueError(
+                f"ppo agent settings: observation layout {self.obs_layout.shapes} does not add up to obs_dim "
+                f"{self.obs_dim}"
+            )
         if self.obs_dim < 1 or self.action_dim < 0 or not (self.action_dim or self.branches):
             raise ValueError(
                 f"ppo agent settings: obs_dim must be >= 1 and there must be continuous or discrete actions, "
@@ -138,6 +145,7 @@ class PPOAgentSpec:
             "branches": list(self.branches),
             "action_space": self.action_space,
             "action_mask": self.action_mask,
+            "obs_layout": self.obs_layout.to_dict(),
         }
 
     @classmethod
@@ -166,6 +174,8 @@ class PPOAgentSpec:
             tuple(_get(d, "branches", list, what)) if "branches" in d else (),
             _get(d, "action_space", str, what) if "action_space" in d else "Box",
             _get(d, "action_mask", bool, what) if "action_mask" in d else False,
+            # absent from runs (and checkpoints) from before visual observations: one vector
+            ObsLayout.from_dict(_get(d, "obs_layout", Mapping, what)) if "obs_layout" in d else ObsLayout(),
         )
 
 

@@ -64,6 +64,35 @@ class TinyTupleEnv(TinyEnv):
         return super().step(int(action[0]))
 
 
+class TinyImageEnv(gym.Env):
+    """A uint8 camera (36x36x1, HWC: the smallest NatureCNN takes) showing a lit bar in the left or the
+    right half; action 0 / 1 naming that half earns +1. Episodes last 8 steps: the best return is 8, a
+    random policy's 4. For launch_ppo's image path (tests/test_ppo_visual.py)."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0, 255, shape=(36, 36, 1), dtype=np.uint8)
+        self.action_space = spaces.Discrete(2)
+        self.side, self.t = 0, 0
+
+    def _obs(self) -> np.ndarray:
+        obs = np.full((36, 36, 1), 20, dtype=np.uint8)
+        obs[8:28, 4 + 18 * self.side : 14 + 18 * self.side] = 255
+        return obs
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.side, self.t = int(self.np_random.integers(2)), 0
+        return self._obs(), {}
+
+    def step(self, action):
+        reward = float(int(action) == self.side)
+        self.side, self.t = int(self.np_random.integers(2)), self.t + 1
+        return self._obs(), reward, False, self.t >= 8, {}
+
+
 gym.register("Tiny-v0", entry_point=TinyEnv)
+gym.register("TinyImage-v0", entry_point=TinyImageEnv)
 gym.register("TinyBox-v0", entry_point=TinyContinuousEnv)
 gym.register("TinyTuple-v0", entry_point=TinyTupleEnv)
