@@ -65,6 +65,28 @@ def main_rc(*argv: str) -> int:
 # ------------------------------------------------------------------ the Unity command line, end to end
 
 
+def _onnx_plays_the_checkpoint(run: Path) -> None:
+    """The run's <behaviour>.onnx, in onnxruntime, gives the checkpoint's torch policy's deterministic
+    actions (one input per Crawler sensor: 126 + 32 values)."""
+    import numpy as np
+
+    ort = pytest.importorskip("onnxruntime")
+    from impala.evaluation import read_policy_checkpoint
+    from impala.nets.ppo_policy import env_action, make_policy
+    from impala.transport.params import load_state_arrays
+
+    ck = read_policy_checkpoint(str(run))
+    agent = ck.agent
+    policy = make_policy(agent.config, agent.obs_dim, agent.action_dim, agent.branches, agent.obs_layout)
+    load_state_arrays(policy, ck.params)
+    obs = np.random.default_rng(0).normal(0.0, 2.0, (16, agent.obs_dim)).astype(np.float32)
+    session = ort.InferenceSession(str(run / "CrawlerFake.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(["deterministic_continuous_actions"], {"obs_0": obs[:, :126], "obs_1": obs[:, 126:]})[0]
+    with torch.no_grad():
+        want = env_action(policy.mean(torch.from_numpy(obs)), mode=agent.config.action_clip)
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=0)
+
+
 def test_mlagents_learn_command_line_against_fake_unity(tmp_path):
     """``launch_ppo config.yaml --run-id X --num-envs 2 --env BUILD --time-scale 20`` as typed for
     mlagents-learn: two Unity instances on base_port + 0/1 get the engine settings (the command line's time
@@ -104,6 +126,7 @@ def test_mlagents_learn_command_line_against_fake_unity(tmp_path):
     run = tmp_path / "results" / "X"
     assert (run / "CrawlerFake" / "checkpoint.pt").is_file()
     assert (run / "CrawlerFake.onnx").is_file() and (run / "CrawlerFake" / "CrawlerFake.onnx").is_file()
+    _onnx_plays_the_checkpoint(run / "CrawlerFake")
     resolved = yaml.safe_load((run / "configuration.yaml").read_text())
     assert resolved["engine_settings"]["time_scale"] == 20.0 and resolved["engine_settings"]["width"] == 100
     assert resolved["env_settings"]["num_envs"] == 2 and resolved["env_settings"]["base_port"] == base
