@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -402,6 +403,8 @@ def test_a_directory_put_at_the_checkpoint_path_mid_run_costs_nothing(tmp_path):
         os.mkdir(ckpt)
         time.sleep(4)  # several checkpoint intervals (0.6 s) fail meanwhile
         os.rmdir(ckpt)
+        assert wait_for(ckpt.is_file, 30), "no checkpoint written once the path was free again"
+        proc.send_signal(signal.SIGINT)  # a user's stop (the run's 30 s are only a bound)
         out, _ = proc.communicate(timeout=90)
     finally:
         kill_group(proc)

@@ -317,8 +317,9 @@ PARTITION_S = 15.0
 def impala_run(make_net_module, tmp_path_factory):
     """One learner (namespace L, bound to 10.77.0.1, --workers 0) and two actor hosts (one actor each),
     all over CURVE. Timeline: both hosts train; both host links go down for 15 s and come back;
-    then host 1 is killed outright (SIGKILL to every process in its namespace); the learner runs to
-    its --max-seconds. Returns what each phase saw."""
+    then host 1 is killed outright (SIGKILL to every process in its namespace); once host 0 has sent
+    25 more unrolls the learner is stopped (SIGTERM; --max-seconds bounds it). Returns what each phase
+    saw."""
     tmp = tmp_path_factory.mktemp("impala-netns")
     net = make_net_module(2)
     learner_keys, logdir, hook_log = tmp / "learner-keys", tmp / "run", tmp / "ingested.jsonl"
@@ -402,15 +403,17 @@ def impala_run(make_net_module, tmp_path_factory):
     # Phase 3: host 1 dies outright.
     t["kill"] = time.time()
     kill_netns(net.hosts[1])
-    assert wait_for(lambda: seen(1000, t["kill"] + 1.0, 8), 60), (
+    assert wait_for(lambda: seen(1000, t["kill"] + 1.0, 25), 60), (
         "host 0's actors stopped after host 1 was killed"
     )
     t["phases_done"] = time.time()
     print(
         f"netns IMPALA: phases done {t['phases_done'] - t['start']:.1f} s after the learner started "
-        f"(--max-seconds {IMPALA_SECONDS})"
+        f"(--max-seconds {IMPALA_SECONDS}); stopping it"
     )
-    learner_rc = learner.wait(timeout=IMPALA_SECONDS + 60)
+    # Stopped as a user stops a run (it would train on to --max-seconds): a clean stop, exit 0.
+    learner.send_signal(signal.SIGTERM)
+    learner_rc = learner.wait(timeout=60)
     return {
         "tmp": tmp,
         "net": net,
@@ -494,7 +497,7 @@ def test_partition_of_15s_then_training_resumes_in_the_same_run(impala_run):
 
 def test_killed_actor_host_leaves_the_learner_running(impala_run):
     """Host 1 killed outright (SIGKILL to every process in its namespace): host 0 goes on feeding the
-    learner, which trains on to its --max-seconds and exits 0."""
+    learner, which trains on until it is stopped and exits 0."""
     r = impala_run
     t, rows = r["t"], r["rows"]
     assert r["learner_rc"] == 0, r["learner_log"][-3000:]
@@ -503,7 +506,12 @@ def test_killed_actor_host_leaves_the_learner_running(impala_run):
     assert len(later) > 20 and later[-1]["learner_version"] > later[0]["learner_version"], len(later)
     assert r["actors_alive_after"][0] and not r["actors_alive_after"][1]
     metrics = metrics_rows(r["logdir"])
-    assert metrics[-1]["time"] >= IMPALA_SECONDS - 5, "the learner did not run to its --max-seconds"
+    # its metrics go on past the kill: the last row counts more frames than were trained on before it
+    frames_at_kill = 20 * sum(1 for x in rows if x["t"] <= t["kill"])
+    assert metrics[-1]["charts/env_frames"] > frames_at_kill, (
+        metrics[-1]["charts/env_frames"],
+        frames_at_kill,
+    )
 
 
 # --------------------------------------------------------------------------- PPO
