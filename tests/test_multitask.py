@@ -32,9 +32,11 @@ from learner.vtrace_learner import VTraceLearner
 from procs import run
 
 TASKS = "CartPole-v1,CartPoleX1000-v1"
-# The README's CartPole recipe (T=20, B=8, lr 2e-3); 64k frames = 32k per task. Measured (seeds 1, 2): with
-# PopArt
-# 232/235,860 and 235/225,640 at ~57k frames; without, 9.3/9,320 and 9.3/9,460 (both tasks collapse).
+# The README's CartPole recipe (T=20, B=8, lr 2e-3); FRAMES = 80k frames = 40k per task. Measured (seeds 1, 2)
+# at 64k: with PopArt 232/235,860 and 235/225,640 at ~57k frames; without, 9.3/9,320 and 9.3/9,460 (both
+# tasks collapse). One fresh-clone CI run saw 171.9 at 61k with PopArt (asynchronous actors: the same
+# seed is not the same run), hence the margin of 80k.
+FRAMES = "80000"
 RECIPE = [
     "--workers",
     "2",
@@ -67,7 +69,7 @@ def _last_row(logdir) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def popart_run(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("popart")
-    out = run(["launch_impala", *RECIPE, "--total-frames", "64000", "--logdir", str(logdir)], timeout=240)
+    out = run(["launch_impala", *RECIPE, "--total-frames", FRAMES, "--logdir", str(logdir)], timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     return logdir, out
 
@@ -92,7 +94,7 @@ def test_with_popart_both_scales_are_solved_and_each_sigma_tracks_its_own_return
 
 def test_without_popart_the_small_scale_task_lags(tmp_path, popart_run):
     out = run(
-        ["launch_impala", *RECIPE, "--total-frames", "64000", "--no-popart", "--logdir", str(tmp_path)],
+        ["launch_impala", *RECIPE, "--total-frames", FRAMES, "--no-popart", "--logdir", str(tmp_path)],
         timeout=240,
     )
     assert out.returncode == 0, out.stderr[-2000:]
