@@ -17,7 +17,9 @@ own code, per agent step:
 
 The cost model: each agent step needs the sum of those core-milliseconds, so N cores can do at most
 N / sum steps per second (frames: x the frame skip). Part 2 runs ``launch_impala`` with the same
-settings for ``--seconds`` and prints its measured rate next to that ceiling, and the ratio.
+settings for ``--seconds`` (after a 20 s warm-up) and prints its measured rate next to that ceiling, the
+ratio, and where the cores went meanwhile: each process's CPU time (all its threads) and the time its
+threads were runnable but waiting for a CPU, from /proc, per second and per agent step.
 
     python scripts/cost_model.py --workers 2 --seconds 60
     python scripts/cost_model.py --skip-run            # the breakdown only
@@ -265,14 +267,108 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.skip_run:
         return 0
-    from bench_throughput import system_throughput
-
     flags = ["--envs-per-worker", str(K), "--device", "cpu", *args.extra]
-    frames, lag, done = system_throughput(args.env, args.workers, args.seconds + 20, flags)
-    print(f"launch_impala --workers {args.workers}: {frames:,.0f} frames/s (mean policy lag {lag:.1f})")
+    frames, usage, done = end_to_end(args.env, args.workers, args.seconds, flags)
+    steps = frames / skip
+    print(f"launch_impala --workers {args.workers}: {frames:,.0f} frames/s ({steps:,.0f} agent steps/s)")
     print(f"    {done}")
     print(f"measured / ceiling = {frames / (ceiling_steps * skip):.2f}")
+    print(f"\nwhere the {os.cpu_count()} cores went over the measured {args.seconds:.0f} s (per process):")
+    busy = 0.0
+    for name, (cpu_s, wait_s) in sorted(usage.items()):
+        busy += cpu_s
+        print(
+            f"  {name:<28} {cpu_s / args.seconds:5.2f} cores busy, {wait_s / args.seconds:5.2f} core-s/s "
+            f"waiting for a CPU, {1e3 * cpu_s / args.seconds / steps:.3f} core-ms per agent step"
+        )
+    print(
+        f"  all: {busy / args.seconds:.2f} of {os.cpu_count()} cores busy; "
+        f"{1e3 * busy / args.seconds / steps:.3f} core-ms per agent step measured vs {total:.3f} modelled"
+    )
     return 0
+
+
+def _proc_times(pid: int) -> tuple[float, float] | None:
+    """(CPU seconds used, seconds spent runnable but waiting for a CPU) of one process, all its threads."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        wait = 0.0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                wait += int(f.read().split()[1]) / 1e9
+        return cpu, wait
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _tree(root: int) -> dict[int, str]:
+    """``root`` and its descendants: pid -> a short name (learner / actor-N / other)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children[ppid].append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        out[pid] = "learner" if pid == root else "other"
+        todo += children.get(pid, [])
+    actors = sorted(p for p in out if p != root and _is_actor(p))
+    for i, pid in enumerate(actors):
+        out[pid] = f"actor process {i}"
+    return out
+
+
+def _is_actor(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read() and _proc_times(pid) is not None  # not the resource tracker
+    except OSError:
+        return False
+
+
+def end_to_end(env: str, workers: int, seconds: float, flags: list[str]) -> tuple[float, dict, str]:
+    """``launch_impala`` for ``seconds`` after a 20 s warm-up: frames/s between two metrics rows, and each
+    process's CPU use and CPU wait over the same window."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as logdir:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "launch_impala"), "--env", env, "--workers"]
+        cmd += [str(workers), "--logdir", logdir, "--no-progress", "--log-interval", "1", "--total-frames"]
+        cmd += [str(10**12), "--max-seconds", str(seconds + 30), *flags]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        time.sleep(20)  # start-up and the queue filling
+        tree = _tree(proc.pid)
+        start = {pid: _proc_times(pid) for pid in tree}
+        rows0 = _metrics(logdir)
+        time.sleep(seconds)
+        end = {pid: _proc_times(pid) for pid in tree}
+        rows1 = _metrics(logdir)
+        out, _ = proc.communicate(timeout=120)
+    usage: dict[str, tuple[float, float]] = defaultdict(lambda: (0.0, 0.0))
+    for pid, name in tree.items():
+        if start.get(pid) and end.get(pid):
+            cpu, wait = usage[name]
+            usage[name] = (cpu + end[pid][0] - start[pid][0], wait + end[pid][1] - start[pid][1])
+    (f0, t0), (f1, t1) = rows0, rows1
+    done = [line for line in out.splitlines() if line.startswith("launch_impala: done")]
+    return (f1 - f0) / (t1 - t0), dict(usage), done[-1] if done else "(no done line)"
+
+
+def _metrics(logdir: str) -> tuple[float, float]:
+    """(env frames, seconds) of the newest metrics row."""
+    import csv
+
+    with open(os.path.join(logdir, "metrics.csv")) as f:
+        row = list(csv.DictReader(f))[-1]
+    return float(row["charts/env_frames"]), float(row["time"])
 
 
 if __name__ == "__main__":
