@@ -16,6 +16,7 @@ import torch
 
 from impala.algos import ppo
 from impala.nets.ppo_policy import ActorCritic
+from sb3_reference import assert_same_step, sb3_layer_names, sb3_weights_for_us
 
 RNG = np.random.default_rng(7)
 BRANCHES = (3, 2, 4)
@@ -254,17 +255,8 @@ def test_one_update_matches_sb3_train_step_on_cartpole():
     )
     learner = PPOLearner(cfg, 4, 0, np.zeros(0), np.zeros(0), branches=(2,))
     sd = model.policy.state_dict()
-    mapping = {
-        "actor_body.0": "mlp_extractor.policy_net.0",
-        "actor_body.2": "mlp_extractor.policy_net.2",
-        "critic_body.0": "mlp_extractor.value_net.0",
-        "critic_body.2": "mlp_extractor.value_net.2",
-        "branch_head": "action_net",
-        "value_head": "value_net",
-    }
-    learner.policy.load_state_dict(
-        {f"{k}.{p}": sd[f"{v}.{p}"].clone() for k, v in mapping.items() for p in ("weight", "bias")}
-    )
+    mapping = sb3_layer_names("branch_head")
+    learner.policy.load_state_dict(sb3_weights_for_us(sd, mapping))
     obs = RNG.normal(size=(N, 4)).astype(np.float32)
     with torch.no_grad():
         out = learner.policy.act(torch.as_tensor(obs), generator=torch.Generator().manual_seed(1))
@@ -296,18 +288,7 @@ def test_one_update_matches_sb3_train_step_on_cartpole():
     )
     model.train()
     metrics = learner.update()
-    after = model.policy.state_dict()
-    for k, v in mapping.items():
-        for p in ("weight", "bias"):
-            np.testing.assert_allclose(
-                learner.policy.state_dict()[f"{k}.{p}"].numpy(),
-                after[f"{v}.{p}"].numpy(),
-                atol=1e-6,
-                err_msg=k,
-            )
-    logged = model.logger.name_to_value
-    assert metrics["policy_loss"] == pytest.approx(logged["train/policy_gradient_loss"], abs=1e-5)
-    assert -metrics["entropy"] == pytest.approx(logged["train/entropy_loss"], abs=1e-5)
+    assert_same_step(learner, model, mapping, metrics)
 
 
 # ------------------------------------------------------------------------------ what a peer may send
