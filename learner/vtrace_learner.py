@@ -25,7 +25,8 @@ from impala.envs.probe import EnvInfo
 from impala.transport.messages import ImpalaAgentSpec
 from impala.nets.impala_net import ImpalaNet, build_model
 from impala.transport.params import state_dict_arrays
-from impala.algos.impala_losses import impala_loss, popart_impala_loss
+from impala.algos.impala_losses import BatchTargets, impala_loss, popart_impala_loss, vtrace_targets
+from impala.algos.popart import unnormalize
 from impala.transport.trajectory import (
     TrajectorySchema,
     impala_unroll_schema,
@@ -114,6 +115,11 @@ def untrainable_behaviour(logits: np.ndarray, actions: np.ndarray) -> str | None
             f"{MIN_BEHAVIOUR_LOG_PROB:g}: the update's importance ratio would overflow"
         )
     return None
+
+
+# The learner's torch threads where --torch-threads is not given: the cores its local actors leave, and at
+# least this many (RunConfig.cpu_threads says why; launch_impala makes idle threads sleep, not spin).
+LEARNER_THREADS = 2
 
 
 class VTraceLearner:
@@ -211,6 +217,8 @@ class VTraceLearner:
         cfg = self.config
         B = batch["actions"].shape[1]
         metrics: dict[str, float] = {}
+        if cfg.targets == "per_batch" and cfg.epochs * cfg.minibatches > 1:
+            batch = {**batch, **self._batch_targets(batch)}
         for _ in range(cfg.epochs):
             if cfg.minibatches == 1:
                 metrics = self.step(batch, frames_done=frames_done)
@@ -222,13 +230,54 @@ class VTraceLearner:
                 )
         return metrics
 
+    def _rewards_discounts(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        rewards = batch["rewards"]
+        if cfg.reward_clip > 0:
+            rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
+        return rewards, (~batch["dones"]).float() * cfg.discount
+
+    @staticmethod
+    def _core_state(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if "core_state" not in batch:
+            return None
+        cs = batch["core_state"]  # [2, B, H] after time-major stacking of [2, H]
+        return cs[0].unsqueeze(0).contiguous(), cs[1].unsqueeze(0).contiguous()
+
+    @staticmethod
+    def _task_ids(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        if "task" not in batch:  # [1, B]: one task per unroll, for every step of it and its bootstrap
+            return None
+        return batch["task"].expand(batch["first"].shape[0], -1)
+
+    @torch.no_grad()
+    def _batch_targets(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``--targets per_batch``: V-trace's targets and advantages from the network as the batch
+        arrives, in return units, for every step of every pass (``target_vs``, ``target_pg_adv``)."""
+        cfg = self.config
+        task_ids = self._task_ids(batch)
+        out, _ = self.model(batch["obs"], batch["first"], self._core_state(batch), task_ids)
+        values = out.values.float()
+        if cfg.popart:
+            values = unnormalize(self.model.baseline.state, values, 0 if task_ids is None else task_ids)
+        rewards, discounts = self._rewards_discounts(batch)
+        targets = vtrace_targets(
+            batch["behaviour_logits"],
+            out.policy_logits.float()[:-1],
+            batch["actions"],
+            discounts,
+            rewards,
+            values[:-1],
+            values[-1],
+            pg_clip=cfg.pg_clip or None,
+            lambda_=cfg.vtrace_lambda,
+        )
+        return {"target_vs": targets.vs, "target_pg_adv": targets.pg_advantages}
+
     def step(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
         """One update. ``batch`` holds the impala_unroll_schema arrays stacked as [T(+1), B, ...]."""
         cfg = self.config
-        core_state = None
-        if "core_state" in batch:
-            cs = batch["core_state"]  # [2, B, H] after time-major stacking of [2, H]
-            core_state = (cs[0].unsqueeze(0).contiguous(), cs[1].unsqueeze(0).contiguous())
+        core_state = self._core_state(batch)
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if cfg.autocast_bf16 and self.device.type == "cuda"
@@ -239,18 +288,14 @@ class VTraceLearner:
         # every few seconds: measure them on every HEALTH_EVERY-th update and repeat the last values.
         measure = self.updates % self.HEALTH_EVERY == 0
         torso.track_activity = measure
-        task_ids = None
-        if "task" in batch:  # [1, B]: one task per unroll, for every step of it and its bootstrap
-            task_ids = batch["task"].expand(batch["first"].shape[0], -1)
+        task_ids = self._task_ids(batch)
         with autocast:
             out, _ = self.model(batch["obs"], batch["first"], core_state, task_ids)
         torso.track_activity = False
         logits = out.policy_logits.float()
         values = out.values.float()
-        rewards = batch["rewards"]
-        if cfg.reward_clip > 0:
-            rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
-        discounts = (~batch["dones"]).float() * cfg.discount
+        rewards, discounts = self._rewards_discounts(batch)
+        fixed = BatchTargets(batch["target_vs"], batch["target_pg_adv"]) if "target_vs" in batch else None
         common = dict(
             baseline_cost=cfg.baseline_cost,
             entropy_cost=cfg.entropy_cost,
@@ -259,6 +304,7 @@ class VTraceLearner:
             normalize_advantages=cfg.advantage_norm,
             lambda_=cfg.vtrace_lambda,
             allreduce=self.group.allreduce_sum if self.group else None,
+            targets=fixed,
         )
         if cfg.popart:
             loss = popart_impala_loss(
@@ -587,7 +633,7 @@ def follower_main(
     by rank 0."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner-{rank} %(levelname)s %(message)s")
     exit_when_orphaned(parent_pid)
-    torch.set_num_threads(max(1, run.cpu_threads() // run.learners))
+    torch.set_num_threads(max(1, run.cpu_threads(at_least=LEARNER_THREADS) // run.learners))
     trainer = ImpalaTrainer(
         impala, run, env, group=init_group(rank, run.learners, store, backend), tasks=tasks
     )

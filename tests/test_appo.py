@@ -175,3 +175,120 @@ def test_minibatches_split_whole_unrolls_and_cover_the_batch_each_epoch():
         torch.testing.assert_close(got, batch["rewards"][0].sort().values)  # every unroll once per epoch
     with pytest.raises(ConfigError, match="--minibatches"):
         ImpalaConfig(batch_size=6, minibatches=4)
+
+
+def _on_policy_batch(model, T=7, B=4, seed=2):
+    """A CartPole-shaped batch whose behaviour logits are ``model``'s own (on-policy), with episode ends."""
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(T + 1, B, 4, generator=g)
+    dones = torch.zeros(T, B, dtype=torch.bool)
+    dones[2, 0] = dones[5, 1] = dones[T - 1, 2] = True
+    first = torch.zeros(T + 1, B, dtype=torch.bool)
+    first[1:] = dones
+    with torch.no_grad():
+        out, _ = model(obs, first)
+    return {
+        "obs": obs,
+        "first": first,
+        "actions": torch.randint(0, 2, (T, B), generator=g),
+        "rewards": torch.rand(T, B, generator=g) * 2 - 1,  # inside the reward clip
+        "dones": dones,
+        "behaviour_logits": out.policy_logits[:-1].clone(),
+    }
+
+
+def test_per_batch_targets_on_policy_are_sb3_gae_advantages_and_returns():
+    """On-policy, V-trace(lambda)'s fixed targets are PPO's: SB3's RolloutBuffer computes the same GAE
+    advantages and returns from the same rewards, values and episode starts."""
+    from gymnasium import spaces
+    from stable_baselines3.common.buffers import RolloutBuffer
+
+    torch.manual_seed(0)
+    T, B, gamma, lam = 7, 4, 0.97, 0.9
+    config = ImpalaConfig(batch_size=B, epochs=2, minibatches=2, discount=gamma, vtrace_lambda=lam)
+    learner = VTraceLearner(build_model("mlp", (4,), 2), config, torch.device("cpu"), total_frames=1000)
+    batch = _on_policy_batch(learner.model, T, B)
+    got = learner._batch_targets(batch)
+
+    with torch.no_grad():
+        values = learner.model(batch["obs"], batch["first"])[0].values
+    buf = RolloutBuffer(T, spaces.Box(-1, 1, (4,)), spaces.Discrete(2), "cpu", lam, gamma, n_envs=B)
+    for t in range(T):
+        buf.add(
+            batch["obs"][t].numpy(),
+            batch["actions"][t].numpy(),
+            batch["rewards"][t].numpy(),
+            (batch["first"][t].numpy() if t else np.zeros(B, bool)),
+            values[t],
+            torch.zeros(B),
+        )
+    buf.compute_returns_and_advantage(values[T], batch["dones"][T - 1].numpy())
+    np.testing.assert_allclose(got["target_pg_adv"].numpy(), buf.advantages, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["target_vs"].numpy(), buf.returns, rtol=1e-5, atol=1e-6)
+
+
+def _ppo_update_from_the_equations(model, batch, config, seed):
+    """PPO's update restated: GAE(lambda) advantages and returns once, from the network before the
+    update (explicit backward recursion, float64); then epochs x minibatches of whole unrolls (the
+    learner's shuffle), each minibatch's advantages standardized, clipped surrogate against the
+    behaviour policy, 0.5 * baseline_cost * MSE to the fixed returns, entropy bonus, grad-norm clip,
+    Adam."""
+    T, B = batch["actions"].shape
+    with torch.no_grad():
+        v = model(batch["obs"], batch["first"])[0].values.double()
+    disc = (~batch["dones"]).double() * config.discount
+    adv = torch.zeros(T, B, dtype=torch.float64)
+    running = torch.zeros(B, dtype=torch.float64)
+    for t in reversed(range(T)):
+        delta = batch["rewards"][t].double() + disc[t] * v[t + 1] - v[t]
+        running = delta + disc[t] * config.vtrace_lambda * running
+        adv[t] = running
+    returns = (adv + v[:-1]).float()
+    adv = adv.float()
+    opt = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+    shuffle = torch.Generator().manual_seed(seed)
+    mu_lp = torch.log_softmax(batch["behaviour_logits"], -1).gather(-1, batch["actions"][..., None])[..., 0]
+    for _ in range(config.epochs):
+        for idx in torch.randperm(B, generator=shuffle).chunk(config.minibatches):
+            out = model(batch["obs"][:, idx], batch["first"][:, idx])[0]
+            log_p = torch.log_softmax(out.policy_logits[:-1], -1)
+            lp = log_p.gather(-1, batch["actions"][:, idx][..., None])[..., 0]
+            a = adv[:, idx]
+            a = (a - a.mean()) / (a.std() + 1e-8)
+            ratio = torch.exp(lp - mu_lp[:, idx])
+            eps = config.pg_clip
+            pg = -torch.min(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a).mean()
+            vf = 0.5 * ((returns[:, idx] - out.values[:-1]) ** 2).mean()
+            ent = -(log_p.exp() * log_p).sum(-1).mean()
+            loss = pg + config.baseline_cost * vf - config.entropy_cost * ent
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_norm_clip)
+            opt.step()
+
+
+@pytest.mark.parametrize("targets", ["per_batch", "per_step"])
+def test_per_batch_update_is_ppos_update_with_fixed_targets(targets):
+    """--targets per_batch: the whole update on a batch (2 passes x 2 minibatches) equals PPO's, written
+    from its equations, to float precision. per_step (targets recomputed with the moving network) is a
+    different update, which shows the comparison can fail."""
+    import copy
+
+    torch.manual_seed(0)
+    config = ImpalaConfig(
+        batch_size=4, epochs=2, minibatches=2, learning_rate=3e-3, targets=targets, lr_decay=False
+    )
+    learner = VTraceLearner(build_model("mlp", (4,), 2), config, torch.device("cpu"), total_frames=1000)
+    reference = copy.deepcopy(learner.model)
+    before = copy.deepcopy(reference.state_dict())
+    batch = _on_policy_batch(learner.model)
+    learner.train(batch, frames_done=0)
+    _ppo_update_from_the_equations(reference, batch, config, seed=0)
+    got, want = learner.model.state_dict(), reference.state_dict()
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    moved = max(float((want[k] - before[k]).abs().max()) for k in want)
+    assert moved > 1e-3, moved  # four Adam steps of 3e-3: the weights did move
+    if targets == "per_batch":
+        assert worst < 1e-5, worst
+    else:
+        assert worst > 1e-4, worst

@@ -35,6 +35,8 @@ __all__ = [
     "normalized",
     "impala_loss",
     "popart_impala_loss",
+    "BatchTargets",
+    "vtrace_targets",
 ]
 
 
@@ -60,6 +62,15 @@ class ImpalaLoss(NamedTuple):
     vtrace: vtrace.VTraceFromLogitsReturns
     pg_advantages: torch.Tensor
     value_targets: torch.Tensor
+
+
+class BatchTargets(NamedTuple):
+    """V-trace's value targets and the policy term's advantages for a batch, in return units, computed
+    once (PPO computes its advantages and returns once per rollout, before the first epoch) and then
+    held fixed over every pass and minibatch. Shapes [T, B, ...]; no gradient."""
+
+    vs: torch.Tensor
+    pg_advantages: torch.Tensor
 
 
 REDUCTIONS = ("sum", "mean")
@@ -169,6 +180,62 @@ def normalized(advantages: torch.Tensor, allreduce: Allreduce | None = None) -> 
     return ((x - mean) / (std + 1e-8)).to(advantages.dtype)
 
 
+def vtrace_targets(
+    behaviour_policy_logits: torch.Tensor,
+    target_policy_logits: torch.Tensor,
+    actions: torch.Tensor,
+    discounts: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    bootstrap_value: torch.Tensor,
+    *,
+    clip_rho_threshold: float | None = 1.0,
+    clip_pg_rho_threshold: float | None = 1.0,
+    pg_clip: float | None = None,
+    lambda_: float = 1.0,
+) -> BatchTargets:
+    """The targets and advantages :func:`impala_loss` would use with these logits and (unnormalized)
+    values: V-trace's ``vs``, and its ``pg_advantages`` (IMPALA's term) or, with ``pg_clip``, the
+    advantages without the rho factor that the clipped surrogate takes. Pass the result as
+    ``targets=`` to the losses to hold them fixed while the network moves."""
+    with torch.no_grad():
+        v = vtrace.from_logits(
+            behaviour_policy_logits,
+            target_policy_logits,
+            actions,
+            discounts,
+            rewards,
+            values,
+            bootstrap_value,
+            clip_rho_threshold,
+            clip_pg_rho_threshold,
+            lambda_,
+        )
+        adv = (
+            _td_advantages(v.vs, rewards, discounts, values, bootstrap_value, lambda_)
+            if pg_clip
+            else v.pg_advantages
+        )
+    return BatchTargets(v.vs, adv)
+
+
+def _fixed(
+    behaviour_policy_logits: torch.Tensor,
+    target_policy_logits: torch.Tensor,
+    actions: torch.Tensor,
+    targets: BatchTargets,
+) -> vtrace.VTraceFromLogitsReturns:
+    """V-trace's outputs with the given targets: only the log-probabilities (and so the ratio the
+    clipped surrogate uses) come from the current policy."""
+    actions = actions.long()
+    # In float32 under autocast, as V-trace takes them: the ratio divides small probabilities.
+    target_lp = vtrace.action_log_probs(target_policy_logits.float(), actions)
+    behaviour_lp = vtrace.action_log_probs(behaviour_policy_logits.float(), actions)
+    return vtrace.VTraceFromLogitsReturns(
+        targets.vs.detach(), targets.pg_advantages.detach(), target_lp - behaviour_lp, behaviour_lp, target_lp
+    )
+
+
 def _assemble(
     v: vtrace.VTraceFromLogitsReturns,
     target_policy_logits: torch.Tensor,
@@ -218,6 +285,7 @@ def impala_loss(
     normalize_advantages: bool = False,
     lambda_: float = 1.0,
     allreduce: Allreduce | None = None,
+    targets: BatchTargets | None = None,
 ) -> ImpalaLoss:
     """IMPALA loss (Espeholt et al. 2018), reduced over T*B by ``reduction``.
 
@@ -235,27 +303,28 @@ def impala_loss(
       pg_clip, normalize_advantages: the APPO variant of the policy term, see :func:`_assemble`.
       lambda_: V-trace's trace decay (:func:`impala.algos.vtrace.from_importance_weights`).
       allreduce: sums a tensor over a learner group (advantage normalization over the whole batch).
+      targets: :func:`vtrace_targets` computed earlier (PPO's fixed targets); then ``bootstrap_value``,
+        the clips and ``lambda_`` are not used and ``values`` only enters the regression.
 
     Returns:
       :class:`ImpalaLoss`.
     """
-    v = vtrace.from_logits(
-        behaviour_policy_logits,
-        target_policy_logits,
-        actions,
-        discounts,
-        rewards,
-        values,
-        bootstrap_value,
-        clip_rho_threshold,
-        clip_pg_rho_threshold,
-        lambda_,
-    )
-    pg_advantages = (
-        _td_advantages(v.vs, rewards, discounts, values, bootstrap_value, lambda_)
-        if pg_clip
-        else v.pg_advantages
-    )
+    if targets is None:
+        targets = vtrace_targets(
+            behaviour_policy_logits,
+            target_policy_logits,
+            actions,
+            discounts,
+            rewards,
+            values.detach(),
+            bootstrap_value,
+            clip_rho_threshold=clip_rho_threshold,
+            clip_pg_rho_threshold=clip_pg_rho_threshold,
+            pg_clip=pg_clip,
+            lambda_=lambda_,
+        )
+    v = _fixed(behaviour_policy_logits, target_policy_logits, actions, targets)
+    pg_advantages = targets.pg_advantages
     return _assemble(
         v,
         target_policy_logits,
@@ -291,6 +360,7 @@ def popart_impala_loss(
     normalize_advantages: bool = False,
     lambda_: float = 1.0,
     allreduce: Allreduce | None = None,
+    targets: BatchTargets | None = None,
 ) -> ImpalaLoss:
     """PopArt-IMPALA loss (Hessel et al. 2018, Sec. 3), reduced over T*B by ``reduction``.
 
@@ -315,6 +385,8 @@ def popart_impala_loss(
       reduction: "sum" (the paper's and TorchBeast's units) or "mean" over T*B.
       pg_clip, normalize_advantages: the APPO variant of the policy term, see :func:`_assemble`.
       lambda_: V-trace's trace decay (:func:`impala.algos.vtrace.from_importance_weights`).
+      targets: :func:`vtrace_targets` in return units computed earlier (PPO's fixed targets); they are
+        normalized with today's ``state``.
 
     Returns:
       :class:`ImpalaLoss`; ``vtrace.vs`` are unnormalized targets for the ART update.
@@ -324,25 +396,22 @@ def popart_impala_loss(
     else:
         boot_task = task_ids
     # The critic's output is detached inside V-trace; only the regression sees n(x_s).
-    values = unnormalize(state, normalized_values.detach(), task_ids)
-    bootstrap_value = unnormalize(state, normalized_bootstrap_value.detach(), boot_task)
-    v = vtrace.from_logits(
-        behaviour_policy_logits,
-        target_policy_logits,
-        actions,
-        discounts,
-        rewards,
-        values,
-        bootstrap_value,
-        clip_rho_threshold,
-        clip_pg_rho_threshold,
-        lambda_,
-    )
-    raw = (
-        _td_advantages(v.vs, rewards, discounts, values, bootstrap_value, lambda_)
-        if pg_clip
-        else v.pg_advantages
-    )
+    if targets is None:
+        targets = vtrace_targets(
+            behaviour_policy_logits,
+            target_policy_logits,
+            actions,
+            discounts,
+            rewards,
+            unnormalize(state, normalized_values.detach(), task_ids),
+            unnormalize(state, normalized_bootstrap_value.detach(), boot_task),
+            clip_rho_threshold=clip_rho_threshold,
+            clip_pg_rho_threshold=clip_pg_rho_threshold,
+            pg_clip=pg_clip,
+            lambda_=lambda_,
+        )
+    v = _fixed(behaviour_policy_logits, target_policy_logits, actions, targets)
+    raw = targets.pg_advantages
     pg_advantages = raw / task_stat(state.sigma, task_ids, raw)
     value_targets = normalize(state, v.vs, task_ids)
     return _assemble(
