@@ -254,8 +254,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _join_option_values(argv: list[str]) -> list[str]:
+    """``--thresholds -15,0,18`` as ``--thresholds=-15,0,18``: argparse would read a value that starts
+    with a minus sign (and is not a plain number) as an unknown option."""
+    out, it = [], iter(argv)
+    for a in it:
+        if a == "--thresholds":
+            nxt = next(it, None)
+            out.append(a if nxt is None else f"{a}={nxt}")
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_option_values(sys.argv[1:] if argv is None else argv))
     try:
         return sweep(args)
     except SweepError as e:

@@ -74,3 +74,10 @@ def test_a_sweep_archives_its_runs_and_resumes_without_rerunning(sweep, tmp_path
     resumed = capsys.readouterr().out
     assert "sweep: resume: " in resumed and resumed.count("sweep: finished /") == 1, resumed
     assert len(json.loads((tmp_path / "archive.json").read_text())) == 2
+
+
+def test_negative_thresholds_are_values_not_options(sweep, tmp_path, capsys):
+    """Pong's thresholds start below zero: ``--thresholds -15,0,18`` is the values, as the docs write it."""
+    argv = ["--env", "CartPole-v1", "--frames", "1000", "--lever", "epochs=1,2", "--runs", str(tmp_path)]
+    assert sweep.main([*argv, "--thresholds", "-15,0,18", "--dry-run"]) == 0
+    assert "launch_impala" in capsys.readouterr().out
