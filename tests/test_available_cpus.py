@@ -127,3 +127,29 @@ def test_cgroup_v1_with_combined_controllers_optional_fields_and_an_escaped_spac
         f"33 25 0:29 /docker/abc {escaped}/docker/abc rw - cgroup cgroup rw,cpu,cpuacct\n",
     )
     assert cgroup_cpu_quota(proc2) == 0.5
+
+
+def test_the_impala_learner_takes_the_cores_its_actors_leave_and_at_least_two():
+    """With 2 local actors on one core the learner gets 1 thread; on two cores, 2 (a second thread that
+    sleeps when idle: launch_impala sets OMP_WAIT_POLICY=PASSIVE unless the user set it); a user's
+    --torch-threads and OMP_WAIT_POLICY win."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    code = (
+        "import os, learner.launch_impala as li\n"
+        "from impala.run.config import RunConfig\n"
+        "print(RunConfig(workers=2).cpu_threads(at_least=li.LEARNER_THREADS), "
+        "RunConfig(workers=2, torch_threads=3).cpu_threads(at_least=li.LEARNER_THREADS), "
+        "RunConfig(workers=2).cpu_threads(), os.environ['OMP_WAIT_POLICY'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for cores, policy, want in (("0", None, "1 3 1 PASSIVE"), ("0,1", "ACTIVE", "2 3 1 ACTIVE")):
+        out = subprocess.run(
+            ["taskset", "-c", cores, sys.executable, "-c", code],
+            cwd=ROOT,
+            env={**env, "OMP_WAIT_POLICY": policy} if policy else env,
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == want.split(), (cores, out.stdout)

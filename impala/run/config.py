@@ -461,8 +461,9 @@ class RunConfig:
     device: str = option("auto", "Learner device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.")
     torch_threads: int = option(
         0,
-        "CPU threads for the learner's torch ops; 0 = the cores left after the actors (at least 1). More "
-        "would fight the actors for cores.",
+        "CPU threads for the learner's torch ops; 0 = the cores left after the actors (launch_impala: at "
+        "least 2 where there are 2, its idle threads sleeping instead of spinning; launch_ppo: at least 1). "
+        "More would fight the actors for cores.",
     )
     logdir: Optional[str] = option(
         None,
@@ -698,18 +699,22 @@ class RunConfig:
             self, logdir=os.path.join(self.runs_dir, name), run_id=None
         )  # the folder now names it
 
-    def cpu_threads(self, *, actors_wait_during_updates: bool = False) -> int:
-        """The learner's torch threads: ``--torch-threads``, else the cores the local actors leave.
+    def cpu_threads(self, *, actors_wait_during_updates: bool = False, at_least: int = 1) -> int:
+        """The learner's torch threads: ``--torch-threads``, else the cores the local actors leave, and
+        at least ``at_least`` where the machine has that many cores.
 
         Each actor is single-threaded; a learner with as many threads as cores would make the OS
         time-slice them against each other (several times slower on a small machine). Actors that
-        wait for new weights during an update (on-policy PPO) leave every core to it then.
+        wait for new weights during an update (on-policy PPO) leave every core to it then. IMPALA's
+        learner asks for at least 2: where it is the bottleneck its actors spend most of their time
+        blocked on its back pressure, and a second learner thread that sleeps while idle uses the part
+        of their cores they leave (launch_impala sets ``OMP_WAIT_POLICY=PASSIVE``; BENCHMARKS.md).
         """
         if self.torch_threads:
             return self.torch_threads
         cores = available_cpus()
         local = 0 if (self.in_process or actors_wait_during_updates) else self.workers
-        return max(1, cores - local)
+        return max(min(at_least, cores), cores - local)
 
 
 # --------------------------------------------------------------------------- ImpalaConfig
@@ -757,6 +762,13 @@ class ImpalaConfig:
         4,
         "Split each batch into this many minibatches of whole unrolls per pass (PPO-style); must divide "
         "--batch-size.",
+    )
+    targets: Literal["per_step", "per_batch"] = option(
+        "per_step",
+        "When V-trace's value targets and advantages are computed (with --epochs/--minibatches > 1): "
+        "'per_step' recomputes them with the current network at every minibatch step (APPO, as Sample "
+        "Factory); 'per_batch' computes them once per batch with the network as the batch arrives and "
+        "holds them fixed over every pass (PPO's advantages and returns, computed once per rollout).",
     )
     pg_clip: float = option(
         0.1,
