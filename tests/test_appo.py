@@ -197,21 +197,32 @@ def _on_policy_batch(model, T=7, B=4, seed=2):
     }
 
 
-def test_per_batch_targets_on_policy_are_sb3_gae_advantages_and_returns():
+@pytest.mark.parametrize("with_popart", [False, True])
+def test_per_batch_targets_on_policy_are_sb3_gae_advantages_and_returns(with_popart):
     """On-policy, V-trace(lambda)'s fixed targets are PPO's: SB3's RolloutBuffer computes the same GAE
-    advantages and returns from the same rewards, values and episode starts."""
+    advantages and returns from the same rewards, values and episode starts. Under PopArt (statistics
+    away from identity) the targets are in return units: from sigma * n(x) + mu."""
     from gymnasium import spaces
     from stable_baselines3.common.buffers import RolloutBuffer
 
     torch.manual_seed(0)
     T, B, gamma, lam = 7, 4, 0.97, 0.9
-    config = ImpalaConfig(batch_size=B, epochs=2, minibatches=2, discount=gamma, vtrace_lambda=lam)
+    config = ImpalaConfig(
+        batch_size=B, epochs=2, minibatches=2, discount=gamma, vtrace_lambda=lam, popart=with_popart
+    )
     learner = VTraceLearner(build_model("mlp", (4,), 2), config, torch.device("cpu"), total_frames=1000)
+    head = learner.model.baseline
+    if with_popart:
+        head.mu.fill_(0.7)
+        head.nu.fill_(0.7**2 + 2.5**2)
+        head.sigma.fill_(2.5)
     batch = _on_policy_batch(learner.model, T, B)
     got = learner._batch_targets(batch)
 
     with torch.no_grad():
         values = learner.model(batch["obs"], batch["first"])[0].values
+        if with_popart:
+            values = values * 2.5 + 0.7
     buf = RolloutBuffer(T, spaces.Box(-1, 1, (4,)), spaces.Discrete(2), "cpu", lam, gamma, n_envs=B)
     for t in range(T):
         buf.add(
