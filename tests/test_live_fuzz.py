@@ -250,16 +250,17 @@ def _attacks(port: int, stop, counts: dict) -> None:
 
 
 def test_an_honest_cartpole_run_learns_to_195_with_the_attacks_mixed_in(tmp_path):
-    """The honest actor's run reaches --stop-at-return 195 on its own episodes (the claimed ones would have
-    ended it at once), trains through a flooding id, forged hellos, logits at the bound and garbage, and
-    the checkpoint it leaves plays CartPole well."""
+    """The honest actors' run reaches --stop-at-return 195 on their own episodes (the claimed ones would
+    have ended it at once), trains through a flooding id, forged hellos, logits at the bound and garbage,
+    and the checkpoint it leaves plays CartPole well. Two honest actors: the flooder's fair share is a
+    third of the batches, not half, so the run needs fewer frames (it still trains on the flood)."""
     import threading
 
     from learner.eval_cli import main as impala_eval
 
     port = free_port_pair()
     learner = start(
-        ["launch_impala", "--env", "CartPole-v1", "--workers", "1", "--unroll-length", str(T),
+        ["launch_impala", "--env", "CartPole-v1", "--workers", "2", "--unroll-length", str(T),
          "--batch-size", "8", "--learning-rate", "2e-3", "--port", str(port), "--total-frames", "3000000",
          "--max-seconds", "300", "--stop-at-return", "195", "--no-progress", "--log-interval", "2",
          "--logdir", str(tmp_path / "run")]
