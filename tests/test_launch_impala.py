@@ -474,7 +474,9 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
     assert _frames(_done_line(out)) >= at_forgery + 4000  # actor 0 kept training after the forgeries
 
 
-@pytest.mark.parametrize("name", ["atari.yaml", "atari_deep.yaml", "pong_small_cpu.yaml", "cartpole.yaml"])
+@pytest.mark.parametrize(
+    "name", ["atari.yaml", "atari_deep.yaml", "pong_small_cpu.yaml", "pong_fast_cpu.yaml", "cartpole.yaml"]
+)
 def test_shipped_presets_load_and_validate(name):
     """Every preset in configs/ names only real options with valid values, and says where its numbers come
     from."""
@@ -504,6 +506,11 @@ def test_shipped_presets_load_and_validate(name):
         default_run, default_impala = resolve(parse_args(["--env", "PongDeterministic-v4"]))
         assert dataclasses.replace(impala, model="auto") == default_impala
         assert run_config == default_run
+    elif name == "pong_fast_cpu.yaml":  # the defaults but for the two settings its comment names
+        default_run, default_impala = resolve(parse_args(["--env", "PongDeterministic-v4"]))
+        assert (impala.targets, impala.learning_rate) == ("per_batch", 5e-4)
+        fast = dataclasses.replace(impala, model="auto", targets="per_step", learning_rate=2.5e-4)
+        assert fast == default_impala and run_config == default_run
     elif name.startswith("atari"):
         assert (impala.loss_reduction, impala.optimizer, impala.learning_rate, run_config.unroll_length) == (
             "sum",
