@@ -4,6 +4,8 @@
 #   scripts/learn_pong.sh                       # this box's run: 2 workers, the default 20M frames, seed 1
 #   WORKERS=16 scripts/learn_pong.sh            # the mission's command on a 16-core GPU box
 #   SEED=2 LOGDIR=runs/pong-seed2 scripts/learn_pong.sh
+#   scripts/learn_pong.sh --config configs/pong_fast_cpu.yaml --stop-at-return 18   # the fast preset
+#                                               # (docs/PONG.md section 7; flags after the script's own win)
 #
 # It runs launch_impala with its defaults (the settings in BENCHMARKS.md, "Pong"), then draws
 # mean return (last 100 episodes) against frames and against wall-clock time, with the
