@@ -16,13 +16,8 @@ import logging
 import os
 import sys
 
-# The learner's idle OpenMP threads sleep instead of spinning, unless the user chose otherwise. Its
-# second torch thread (RunConfig.cpu_threads) shares a core with the actors: spinning, it took that core
-# from them for nothing; sleeping, the run is faster (BENCHMARKS.md, the cost model). libgomp reads this
-# once, when torch is first loaded, so it is set before the import below.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import learner.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
+import torch
 
 from impala.run.checkpoint import prepare_run_folder
 from impala.run.config import (
@@ -41,7 +36,7 @@ from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from learner.group import LearnerGroupError
 from impala.run.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, run
-from learner.vtrace_learner import IMPALA_UNROLL, LEARNER_THREADS, ImpalaTrainer, start_group
+from learner.vtrace_learner import IMPALA_UNROLL, ImpalaTrainer, learner_threads, start_group
 
 log = logging.getLogger("launch_impala")
 
@@ -143,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail("launch_impala", e)
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     try:
-        torch.set_num_threads(max(1, config.cpu_threads(at_least=LEARNER_THREADS) // config.learners))
         prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         env, tasks, note = probe_run_envs(config)
+        torch.set_num_threads(learner_threads(config, env))
         trainer = ImpalaTrainer(
             impala, config, env, group=start_group(impala, config, env, tasks), tasks=tasks
         )

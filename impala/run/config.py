@@ -461,9 +461,9 @@ class RunConfig:
     device: str = option("auto", "Learner device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.")
     torch_threads: int = option(
         0,
-        "CPU threads for the learner's torch ops; 0 = the cores left after the actors (launch_impala: at "
-        "least 2 where there are 2, its idle threads sleeping instead of spinning; launch_ppo: at least 1). "
-        "More would fight the actors for cores.",
+        "CPU threads for the learner's torch ops; 0 = the cores left after the actors (launch_impala with "
+        "image observations: at least 2 where there are 2, its idle threads sleeping instead of spinning; "
+        "otherwise at least 1). More would fight the actors for cores.",
     )
     logdir: Optional[str] = option(
         None,
@@ -706,9 +706,10 @@ class RunConfig:
         Each actor is single-threaded; a learner with as many threads as cores would make the OS
         time-slice them against each other (several times slower on a small machine). Actors that
         wait for new weights during an update (on-policy PPO) leave every core to it then. IMPALA's
-        learner asks for at least 2: where it is the bottleneck its actors spend most of their time
-        blocked on its back pressure, and a second learner thread that sleeps while idle uses the part
-        of their cores they leave (launch_impala sets ``OMP_WAIT_POLICY=PASSIVE``; BENCHMARKS.md).
+        learner asks for at least 2 with image observations: where it is the bottleneck its actors
+        spend most of their time blocked on its back pressure, and a second learner thread that sleeps
+        while idle uses the part of their cores they leave (launch_impala loads torch with
+        ``OMP_WAIT_POLICY=PASSIVE``; BENCHMARKS.md).
         """
         if self.torch_threads:
             return self.torch_threads
