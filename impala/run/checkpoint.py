@@ -56,21 +56,17 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
         )
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = _write_unnamed_then_name(directory, state)
-    if tmp is None:  # no O_TMPFILE or no usable /proc here: a named temp file, removed on any error we see
+    if not _write_unnamed_then_place(directory, state, os.path.abspath(path)):
+        # no O_TMPFILE or no usable /proc here: a named temp file, removed on any error we see
         fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
         try:
             with os.fdopen(fd, "wb") as f:
                 _write(f, state)
+            os.replace(tmp, path)
         except BaseException:
             _remove(tmp)
             raise
-    try:
-        os.replace(tmp, path)
-        _fsync_directory(directory)
-    except BaseException:
-        _remove(tmp)
-        raise
+    _fsync_directory(directory)
 
 
 def _write(f: Any, state: dict[str, Any]) -> None:
@@ -104,27 +100,35 @@ def _remove(name: str) -> None:
         pass
 
 
-def _write_unnamed_then_name(directory: str, state: dict[str, Any]) -> str | None:
+def _write_unnamed_then_place(directory: str, state: dict[str, Any], path: str) -> bool:
     """Write and sync ``state`` into a nameless file in ``directory`` (Linux O_TMPFILE), then give it a
-    temporary
-    name: a kill can strand a temp file only in the microseconds between that link and the caller's rename,
-    not during the whole write. None where the filesystem, kernel or a missing /proc rule this out."""
+    temporary name and rename that over ``path`` in the next system call: a kill can strand a temp file
+    only between those two calls, not during the whole write. False (nothing placed) where the
+    filesystem, kernel or a missing /proc rule this out."""
     global _link_works
     fd = _unnamed_file(directory) if _link_works else None
     if fd is None:
-        return None
+        return False
     with os.fdopen(fd, "wb") as f:
         if not os.path.exists(f"/proc/self/fd/{f.fileno()}"):  # no /proc mounted: nothing to link from
             _link_works = False
-            return None
+            return False
         _write(f, state)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            return _link_into(f.fileno(), directory)
-        except (
-            OSError
-        ):  # linkat refused (EPERM under some sandboxes): named files from now on, written once each
-            _link_works = False
-            return None
+            try:
+                name = _link_into(f.fileno(), dfd)
+            except OSError:  # linkat refused (EPERM under some sandboxes): named files from now on
+                _link_works = False
+                return False
+            try:
+                os.replace(name, path, src_dir_fd=dfd)
+            except BaseException:
+                _remove(os.path.join(directory, name))
+                raise
+            return True
+        finally:
+            os.close(dfd)
 
 
 _link_works = True  # False once naming an unnamed file failed in this process
@@ -141,20 +145,17 @@ def _unnamed_file(directory: str) -> int | None:
         return None
 
 
-def _link_into(fd: int, directory: str) -> str:
-    """Give the unnamed file ``fd`` a fresh temporary name in ``directory``: linkat(AT_SYMLINK_FOLLOW) of
-    /proc/self/fd/N (a directory fd makes os.link call linkat; plain link() would link the /proc symlink)."""
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        while True:
-            name = f".checkpoint-{secrets.token_hex(8)}.tmp"
-            try:
-                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
-                return os.path.join(directory, name)
-            except FileExistsError:
-                continue
-    finally:
-        os.close(dfd)
+def _link_into(fd: int, dfd: int) -> str:
+    """Give the unnamed file ``fd`` a fresh temporary name in the directory ``dfd``; returns the name.
+    linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N (a directory fd makes os.link call linkat; plain link()
+    would link the /proc symlink)."""
+    while True:
+        name = f".checkpoint-{secrets.token_hex(8)}.tmp"
+        try:
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
+            return name
+        except FileExistsError:
+            continue
 
 
 def _fsync_directory(directory: str) -> None:
