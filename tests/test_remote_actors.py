@@ -9,7 +9,13 @@ import pytest
 import zmq
 
 from impala.transport import wire
-from impala.transport.curve import ClientKeys, make_client_keys, make_client_socket, prepare_server
+from impala.transport.curve import (
+    ClientKeys,
+    make_client_keys,
+    make_client_socket,
+    prepare_server,
+    start_authenticator,
+)
 from impala.transport.trajectory import impala_unroll_schema
 from learner.server import TrajectoryServer
 from procs import free_port_pair, kill_group, run, start, wait_for
@@ -303,6 +309,18 @@ def test_secret_keys_are_private_and_loose_ones_are_refused(tmp_path, capsys):
         capsys.readouterr().err,
     )
     assert rc == 2 and "readable by others (mode 0640)" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_authenticator_starts_right_after_the_last_one_stopped(tmp_path):
+    """Closing a ZeroMQ socket releases its inproc name later, in libzmq's reaper thread; pyzmq's own
+    authenticator, started again at once, fails within a few tries ('Address already in use' for
+    inproc://zeromq.zap.01, as one fresh-clone CI run saw between two CURVE servers, or for its
+    control pipe, named after an id() Python reuses; that failure then hung in stop())."""
+    keys_dir = str(tmp_path / "keys")
+    prepare_server(keys_dir)
+    ctx = zmq.Context.instance()
+    for _ in range(200):
+        start_authenticator(ctx, keys_dir).stop()
 
 
 def test_a_server_that_cannot_start_leaves_no_authenticator_behind(tmp_path):

@@ -18,6 +18,7 @@ that group or others can read is refused (``ConfigError``, saying how to fix it)
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import stat
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.auth
+from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 
 from impala.run.config import ConfigError
@@ -112,12 +114,50 @@ class _AuthorizedKeys:
         return key in zmq.auth.load_certificates(self.location)
 
 
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP protocol: one authenticator per context
+
+
+class _ReleasesZapEndpoint(Authenticator):
+    """Unbinds the ZAP endpoint before closing its socket. libzmq releases an inproc name only when its
+    reaper thread destroys the closed socket, some time after close() returns, so a server started
+    right after another one stopped could find the name still taken ('Address already in use');
+    unbind releases it before returning."""
+
+    def stop(self) -> None:
+        if self.zap_socket is not None and not self.zap_socket.closed:
+            with contextlib.suppress(zmq.ZMQError):  # never bound: start() failed at its bind
+                self.zap_socket.unbind(ZAP_ENDPOINT)
+        super().stop()
+
+
+_PIPE_NAMES = itertools.count()
+
+
+class _Authenticator(ThreadAuthenticator, _ReleasesZapEndpoint):
+    """pyzmq's authenticator thread, stoppable and restartable at once in the same process.
+
+    ThreadAuthenticator.stop joins its thread, then its super().stop() (the unbind above) closes the
+    ZAP socket. Its control pipe is named after id(self), which Python reuses for the next object
+    while libzmq may still hold the old name, so each pipe gets a name of its own instead."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        super().__init__(ctx)
+        self.pipe_endpoint = f"inproc://impala.authenticator-pipe.{os.getpid()}.{next(_PIPE_NAMES)}"
+
+    def stop(self) -> None:
+        if self.pipe is not None and self.thread is None:
+            # start() failed before its thread ran: nobody would ever read a TERMINATE sent here
+            self.pipe.close(linger=0)
+            self.pipe = None
+        super().stop()
+
+
 def start_authenticator(ctx: zmq.Context, directory: str) -> ThreadAuthenticator:
     """Accept CURVE clients whose public key is in ``DIR/authorized``."""
     keys = _AuthorizedKeys(directory)  # checks the directory before a thread (one per process) is started
-    auth = ThreadAuthenticator(ctx)
-    auth.start()
+    auth = _Authenticator(ctx)
     try:
+        auth.start()
         auth.configure_curve_callback(domain="*", credentials_provider=keys)
     except BaseException:
         auth.stop()
