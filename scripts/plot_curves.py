@@ -32,7 +32,8 @@ def read(source: str, key: str) -> tuple[list[float], list[float], list[float]]:
             if frames and value:
                 xs.append(float(frames))
                 ys.append(float(value))
-                ts.append(float(row["time"]))
+                # a published curve read off a plot of steps has no wall time (scripts/digitize_curve.py)
+                ts.append(float(row["time"]) if row.get("time") else float("nan"))
     return xs, ys, ts
 
 
@@ -49,8 +50,9 @@ def main() -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for logdir, label in zip(args.logdirs, labels):
         xs, ys, ts = read(logdir, args.key)
-        ax1.plot(xs, ys, label=label)
-        ax2.plot([t / 60 for t in ts], ys, label=label)
+        (line,) = ax1.plot(xs, ys, label=label)
+        if not all(t != t for t in ts):  # NaN: no wall times to draw
+            ax2.plot([t / 60 for t in ts], ys, label=label, color=line.get_color())
     for ax, xl in ((ax1, "environment frames"), (ax2, "wall-clock minutes")):
         if args.hline is not None:
             ax.axhline(args.hline, color="gray", ls="--", lw=1, label=f"target {args.hline:g}")
