@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--key", default="charts/mean_return_100")
     ap.add_argument("--title", default="")
     ap.add_argument("--hline", type=float, default=None, help="Draw a target line (e.g. 195 for CartPole).")
+    ap.add_argument("--legend", default="upper left", help="matplotlib legend location (default: upper left)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     labels = args.labels or args.logdirs
@@ -59,7 +60,7 @@ def main() -> None:
         ax.set_xlabel(xl)
         ax.set_ylabel("mean return, last 100 episodes")
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)  # learning curves rise: the top left stays empty
+        ax.legend(loc=args.legend, fontsize=8)  # learning curves rise: the top left usually stays empty
     fig.suptitle(args.title)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
