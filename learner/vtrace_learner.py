@@ -45,7 +45,14 @@ IMPALA_UNROLL = 32  # T when --unroll-length is 0 (the learner picks)
 def make_optimizer(model: torch.nn.Module, config: ImpalaConfig) -> torch.optim.Optimizer:
     """Adam or RMSProp over the model's parameters, as ``config`` says."""
     if config.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        # fused: Adam's arithmetic in one pass per tensor; the same update, 5x faster on CPU than the
+        # per-tensor loop (4.3 vs 0.8 ms a step for the shallow net), which ran 32 times a batch
+        try:
+            return torch.optim.Adam(
+                model.parameters(), lr=config.learning_rate, eps=config.adam_eps, fused=True
+            )
+        except RuntimeError:  # a device or dtype without the fused kernel
+            return torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=config.adam_eps)
     return torch.optim.RMSprop(
         model.parameters(),
         lr=config.learning_rate,
@@ -130,6 +137,17 @@ def learner_threads(run: RunConfig, env: EnvInfo) -> int:
     second thread only adds synchronization (CartPole, 2 actors on 2 cores: 18% fewer frames/s)."""
     at_least = LEARNER_THREADS if len(env.obs_shape) == 3 else 1
     return max(1, run.cpu_threads(at_least=at_least) // run.learners)
+
+
+def select_unrolls(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(1, idx)`` (unrolls ``idx`` of a time-major [T, B, ...] array) in ``x``'s own memory
+    layout: ``index_select`` returns a contiguous tensor, which would undo the frames' channels-last layout
+    (``prepare``) at every minibatch."""
+    if x.is_contiguous():
+        return x.index_select(1, idx)
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # x.permute(order) is contiguous
+    inverse = [order.index(d) for d in range(x.dim())]
+    return x.permute(order).index_select(order.index(1), idx).permute(inverse)
 
 
 class VTraceLearner:
@@ -218,6 +236,9 @@ class VTraceLearner:
             "frames" in batch
         ):  # each frame travelled once: rebuild the stacks here (on the device, when there is one)
             batch["obs"] = rebuild_frame_stacks(batch.pop("obs_head"), batch.pop("frames"), batch["first"])
+        lay_out = getattr(self.model.torso, "lay_out", None)  # image torsos
+        if lay_out is not None:
+            batch["obs"] = lay_out(batch["obs"])
         return batch
 
     def train(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
@@ -236,7 +257,7 @@ class VTraceLearner:
             for idx in torch.randperm(B, generator=self._shuffle).chunk(cfg.minibatches):
                 idx = idx.to(batch["actions"].device)
                 metrics = self.step(
-                    {k: v.index_select(1, idx) for k, v in batch.items()}, frames_done=frames_done
+                    {k: select_unrolls(v, idx) for k, v in batch.items()}, frames_done=frames_done
                 )
         return metrics
 
@@ -299,13 +320,21 @@ class VTraceLearner:
         measure = self.updates % self.HEALTH_EVERY == 0
         torso.track_activity = measure
         task_ids = self._task_ids(batch)
+        fixed = BatchTargets(batch["target_vs"], batch["target_pg_adv"]) if "target_vs" in batch else None
+        T = batch["actions"].shape[0]
+        # Fixed targets need no bootstrap value: the forward pass (and so the backward) skips step T,
+        # 1/(T+1) of the update's network work. The outputs of steps 0..T-1 do not depend on step T.
+        steps = T if fixed is not None else T + 1
+        if task_ids is not None:
+            task_ids = task_ids[:steps]
         with autocast:
-            out, _ = self.model(batch["obs"], batch["first"], core_state, task_ids)
+            out, _ = self.model(batch["obs"][:steps], batch["first"][:steps], core_state, task_ids)
         torso.track_activity = False
         logits = out.policy_logits.float()
         values = out.values.float()
+        # with fixed targets the bootstrap value is not read (impala_loss, popart_impala_loss)
+        bootstrap = values[T] if fixed is None else torch.zeros_like(values[0])
         rewards, discounts = self._rewards_discounts(batch)
-        fixed = BatchTargets(batch["target_vs"], batch["target_pg_adv"]) if "target_vs" in batch else None
         common = dict(
             baseline_cost=cfg.baseline_cost,
             entropy_cost=cfg.entropy_cost,
@@ -319,25 +348,25 @@ class VTraceLearner:
         if cfg.popart:
             loss = popart_impala_loss(
                 batch["behaviour_logits"],
-                logits[:-1],
+                logits[:T],
                 batch["actions"],
                 discounts,
                 rewards,
-                values[:-1],
-                values[-1],
+                values[:T],
+                bootstrap,
                 self.model.baseline.state,
-                0 if task_ids is None else task_ids[:-1],
+                0 if task_ids is None else task_ids[:T],
                 **common,
             )
         else:
             loss = impala_loss(
                 batch["behaviour_logits"],
-                logits[:-1],
+                logits[:T],
                 batch["actions"],
                 discounts,
                 rewards,
-                values[:-1],
-                values[-1],
+                values[:T],
+                bootstrap,
                 **common,
             )
         lr = self.learning_rate(frames_done)
@@ -360,7 +389,7 @@ class VTraceLearner:
             if cfg.popart:
                 self.model.baseline.update(
                     loss.vtrace.vs,
-                    0 if task_ids is None else task_ids[:-1],
+                    0 if task_ids is None else task_ids[:T],
                     allreduce=self.group.allreduce_sum if self.group else None,
                 )
         else:
@@ -412,7 +441,7 @@ class VTraceLearner:
         # How much of the targets' variance the critic explains (PPO's explained_variance):
         # near 0, the critic cannot see what predicts the return and advantages are noise.
         target_var = loss.value_targets.var()
-        err_var = (loss.value_targets - values[:-1].detach()).var()
+        err_var = (loss.value_targets - values[: loss.value_targets.shape[0]].detach()).var()
         health["health/explained_variance"] = (
             float(1.0 - err_var / target_var) if target_var > 0 else float("nan")
         )

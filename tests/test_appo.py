@@ -303,3 +303,27 @@ def test_per_batch_update_is_ppos_update_with_fixed_targets(targets):
         assert worst < 1e-5, worst
     else:
         assert worst > 1e-4, worst
+
+
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_a_step_on_fixed_targets_never_reads_the_bootstrap_observation(use_lstm):
+    """With the targets fixed per batch, a minibatch step needs no bootstrap value, so its forward pass
+    skips step T: the update is the same whatever the last observation holds (NaN included), with and
+    without an LSTM core (whose outputs at steps 0..T-1 do not depend on step T)."""
+    import copy
+
+    torch.manual_seed(0)
+    config = ImpalaConfig(batch_size=4, epochs=2, minibatches=2, targets="per_batch", lr_decay=False)
+    learner = VTraceLearner(
+        build_model("mlp", (4,), 2, use_lstm=use_lstm), config, torch.device("cpu"), total_frames=1000
+    )
+    twin = copy.deepcopy(learner)
+    batch = _on_policy_batch(learner.model)
+    fixed = {**batch, **learner._batch_targets(batch)}
+    poisoned = {**fixed, "obs": fixed["obs"].clone()}
+    poisoned["obs"][-1] = float("nan")
+    learner.step(fixed, frames_done=0)
+    twin.step(poisoned, frames_done=0)
+    assert learner.skipped_updates == twin.skipped_updates == 0
+    got, want = learner.model.state_dict(), twin.model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -105,6 +105,16 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
         self.channels_last = True
         return self.to(memory_format=torch.channels_last)
 
+    def lay_out(self, obs: torch.Tensor) -> torch.Tensor:
+        """``obs`` [..., C, H, W], same shape and values, in the memory order :meth:`forward` reads without
+        reordering (channels innermost after :meth:`to_channels_last`; otherwise ``obs`` itself).
+
+        The learner lays out each batch once: reordering the uint8 frames inside every minibatch's forward
+        pass was a quarter of a CPU update (2-core Intel Xeon, 4 x 4 minibatches, BENCHMARKS.md)."""
+        if not self.channels_last or obs.dim() < 4:
+            return obs
+        return obs.movedim(-3, -1).contiguous().movedim(-1, -3)
+
     @abc.abstractmethod
     def _conv_features(self, x: torch.Tensor) -> torch.Tensor:
         """The convolutional stack; subclasses define it."""
