@@ -353,6 +353,7 @@ def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.E
             log_row()
         checkpointer.maybe_save()
         if budget.return_reached(server.full_window_mean_return()):
+            log_row()  # the curve ends where the run stopped, at the return it was asked for
             break
 
 
