@@ -152,6 +152,8 @@ def test_launch_impala_with_two_learner_ranks_learns_resumes_and_leaves_nothing(
         "20",
         "--batch-size",
         "8",
+        "--minibatches",  # a rank's share is 4 unrolls: the default 8 minibatches cannot split it
+        "4",
         "--learning-rate",
         "2e-3",
         "--no-progress",
@@ -220,6 +222,8 @@ def test_a_lost_follower_ends_the_run_with_one_line_and_a_checkpoint(tmp_path):
             "20",
             "--batch-size",
             "8",
+            "--minibatches",  # a rank's share is 4 unrolls: the default 8 minibatches cannot split it
+            "4",
             "--no-progress",
             "--log-interval",
             "1",

@@ -261,7 +261,8 @@ def test_an_honest_cartpole_run_learns_to_195_with_the_attacks_mixed_in(tmp_path
     port = free_port_pair()
     learner = start(
         ["launch_impala", "--env", "CartPole-v1", "--workers", "2", "--unroll-length", str(T),
-         "--batch-size", "8", "--learning-rate", "2e-3", "--port", str(port), "--total-frames", "3000000",
+         "--batch-size", "8", "--minibatches", "4", "--learning-rate", "2e-3", "--port", str(port),
+         "--total-frames", "3000000",
          "--max-seconds", "300", "--stop-at-return", "195", "--no-progress", "--log-interval", "2",
          "--logdir", str(tmp_path / "run")]
     )  # fmt: skip

@@ -20,7 +20,11 @@ from impala.transport.trajectory import impala_unroll_schema
 from learner.server import TrajectoryServer
 from procs import free_port_pair, kill_group, run, start, wait_for
 
-CARTPOLE = ["--env", "CartPole-v1", "--unroll-length", "20", "--batch-size", "8", "--no-progress"]
+# 2 unrolls a minibatch (--minibatches 4): FRAMES was set with these updates
+CARTPOLE = [
+    *("--env", "CartPole-v1", "--unroll-length", "20"),
+    *("--batch-size", "8", "--minibatches", "4", "--no-progress"),
+]
 FRAMES = (
     6000  # the remote actors' run: 37 updates of 8 unrolls (about 8 s of a 2-core box once they have joined)
 )

@@ -13,7 +13,7 @@ from learner.vtrace_learner import ImpalaTrainer
 
 @pytest.mark.parametrize("use_lstm", [False, True])
 def test_in_process_run_trains_with_and_without_lstm(tmp_path, use_lstm):
-    cfg = ImpalaConfig(batch_size=4, use_lstm=use_lstm)
+    cfg = ImpalaConfig(batch_size=4, minibatches=2, use_lstm=use_lstm)
     run_config = RunConfig(
         env="CartPole-v1",
         workers=1,

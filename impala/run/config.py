@@ -12,9 +12,10 @@
 algorithm and model settings; ``impala.run.ppo_config.PPOConfig`` PPO's.
 
 **ImpalaConfig's defaults are the settings measured to learn Pong on a 2-core CPU** (docs/PONG.md,
-docs/PONG.md): V-trace(lambda=0.95) targets and advantages with PPO's clipped surrogate against the
-behaviour policy (APPO), 4 passes of 4 minibatches over each batch of 32 x 32 steps, Adam 2.5e-4 on
-mean-reduced losses, gradient norm clipped at 0.5, orthogonal init. With the IMPALA paper's own
+checked on Breakout and SpaceInvaders in docs/ATARI.md): V-trace(lambda=0.95) targets and advantages
+computed once per batch, PPO's clipped surrogate against the behaviour policy (APPO), 4 passes of 8
+minibatches over each batch of 32 x 32 steps, Adam 5e-4 on mean-reduced losses, gradient norm clipped at
+0.5, orthogonal init. With the IMPALA paper's own
 settings (single pass, RMSProp 6e-4 / eps 0.01 / clip 40 on summed losses,
 ``configs/atari.yaml``) the policy was still uniform after 4M frames here; they remain
 one flag away for big boxes, with their published meaning (tests/test_impala_update.py).
@@ -760,12 +761,12 @@ class ImpalaConfig:
         "re-corrects every pass. Use with --pg-clip.",
     )
     minibatches: int = option(
-        4,
+        8,
         "Split each batch into this many minibatches of whole unrolls per pass (PPO-style); must divide "
         "--batch-size.",
     )
     targets: Literal["per_step", "per_batch"] = option(
-        "per_step",
+        "per_batch",
         "When V-trace's value targets and advantages are computed (with --epochs/--minibatches > 1): "
         "'per_step' recomputes them with the current network at every minibatch step (APPO, as Sample "
         "Factory); 'per_batch' computes them once per batch with the network as the batch arrives and "
@@ -777,10 +778,10 @@ class ImpalaConfig:
         "epsilon (APPO, as RLlib and Sample Factory).",
     )
     advantage_norm: bool = option(
-        True, "Standardize the policy-gradient advantages over each batch (as PPO does per minibatch)."
+        True, "Standardize the policy-gradient advantages over each minibatch (as PPO does)."
     )
     learning_rate: float = option(
-        2.5e-4, "Learning rate; decays linearly to 0 over the run's frames (--no-lr-decay keeps it)."
+        5e-4, "Learning rate; decays linearly to 0 over the run's frames (--no-lr-decay keeps it)."
     )
     lr_decay: bool = option(True, "Decay the learning rate linearly to 0 over the run.")
     rmsprop_eps: float = option(0.01, "RMSProp epsilon.")
@@ -813,9 +814,13 @@ class ImpalaConfig:
         need(self.learning_rate > 0, f"--learning-rate must be > 0, got {self.learning_rate}")
         need(self.adam_eps > 0, f"--adam-eps must be > 0, got {self.adam_eps}")
         need(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
+        small = [d for d in range(1, math.isqrt(self.batch_size) + 1) if self.batch_size % d == 0]
+        divisors = sorted({*small, *(self.batch_size // d for d in small)})
+        divisors = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
         need(
             self.minibatches >= 1 and self.batch_size % self.minibatches == 0,
-            f"--minibatches must be >= 1 and divide --batch-size {self.batch_size}, got {self.minibatches}",
+            f"--minibatches must divide --batch-size {self.batch_size} (one of {divisors}), got "
+            f"{self.minibatches}",
         )
         need(0 <= self.pg_clip < 1, f"--pg-clip must be in [0, 1), got {self.pg_clip}")
         need(0 < self.discount <= 1, f"--discount must be in (0, 1], got {self.discount}")
