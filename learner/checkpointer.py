@@ -19,7 +19,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from impala.envs import UNITY_ENGINE_KWARGS
 from impala.envs.probe import EnvInfo
@@ -42,6 +42,9 @@ class Progress:
     version: int = 0  # policy version: one per update
     task_frames: list[int] = field(default_factory=lambda: [0])  # env frames per task (multi-task runs)
     elapsed_s: float = 0.0  # wall time of the earlier runs this one resumes (metrics' time stays monotone)
+    # the server's episode statistics (its last 100 returns, episode counts), so a resumed run's curve
+    # and --stop-at-return go on from the same window; filled in at each save
+    episodes: dict[str, Any] = field(default_factory=dict)
 
 
 class RunFinished(Exception):
@@ -87,6 +90,7 @@ def resume(trainer: Any, config: RunConfig, tasks: Sequence[EnvInfo]) -> Progres
             version=int(state["version"]),
             task_frames=[int(f) for f in state.get("task_frames") or [0] * len(tasks)],
             elapsed_s=float(state.get("elapsed_s", 0.0)),
+            episodes=dict(state.get("episodes") or {}),  # absent from checkpoints of older versions
         )
     except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
@@ -180,10 +184,13 @@ class Checkpointer:
         resuming: bool,
         every_steps: int | None = None,
         keep: int = 5,
+        episode_record: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         """``every_steps``: also keep a numbered copy, ``<name>-<agent steps>.pt`` (and ``.onnx`` when the
         trainer exports one), each time the agent steps pass a multiple of it; the ``keep`` newest stay
-        (ML-Agents' ``checkpoint_interval`` and ``keep_checkpoints``)."""
+        (ML-Agents' ``checkpoint_interval`` and ``keep_checkpoints``). ``episode_record``: the episode
+        statistics to keep in each checkpoint (the server's)."""
+        self.episode_record = episode_record
         self.path, self.logdir = config.checkpoint_path, config.logdir
         self.every_s = config.checkpoint_minutes * 60
         self.every_steps, self.keep = every_steps, keep
@@ -209,6 +216,8 @@ class Checkpointer:
 
     def state(self) -> dict[str, Any]:
         p = self.progress
+        if self.episode_record is not None:
+            p.episodes = self.episode_record()
         return {
             "trainer": self.trainer.state_dict(),
             "env_frames": p.env_frames,
@@ -222,6 +231,7 @@ class Checkpointer:
             "tasks": [t.to_dict() for t in self.run_info.tasks],
             "task_frames": list(p.task_frames),
             "elapsed_s": p.elapsed_s + time.monotonic() - self.start,
+            "episodes": p.episodes,
             "config": self.config_record,
         }
 

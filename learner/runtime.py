@@ -173,13 +173,15 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     tracker = _tracker(config, plan, run_info.run_id)  # before any socket: one that cannot start is bad input
     client_keys = prepare_server(config.curve) if config.curve else None  # makes the keys the server loads
     server = _server(trainer, config, guard, run_info)
+    server.restore_episodes(progress.episodes)  # a resumed run's last 100 episodes go on
     pool = _local_actors(config, plan, run_info, server, guard, client_keys)
     logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
                            time_offset_s=progress.elapsed_s, config_record=plan.config_record)  # fmt: skip
     record = plan.config_record  # stored in every checkpoint, written to config.yaml
     checkpointer = Checkpointer(config, trainer, run_info, record, progress, resuming=config.resume,
                                 every_steps=plan.checkpoint_every_steps,
-                                keep=plan.keep_checkpoints)  # fmt: skip
+                                keep=plan.keep_checkpoints,
+                                episode_record=server.episode_record)  # fmt: skip
     evaluator = PeriodicEval(config, run_info)
     parts = _Parts(server, pool, guard, budget, progress, checkpointer, logger, evaluator)
     interrupted = False

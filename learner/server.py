@@ -19,6 +19,7 @@ import collections
 import errno
 import hmac
 import logging
+import math
 import queue
 import threading
 import time
@@ -697,6 +698,49 @@ class TrajectoryServer:
             self.published_version = version
             self._last_params = packed
             self.pub.send(packed, copy=False)
+
+    def episode_record(self) -> dict[str, Any]:
+        """The episode statistics as plain lists, for the checkpoint: a resumed run's curve and
+        ``--stop-at-return`` go on from the same last 100 episodes instead of starting an empty window."""
+        with self._stats_lock:
+            return {
+                "returns": [float(r) for r in self.episode_returns],
+                "lengths": [int(n) for n in self.episode_lengths],
+                "total": int(self.episodes_total),
+                "task_returns": [[float(r) for r in q] for q in self.task_returns],
+                "task_episodes": [int(n) for n in self.task_episodes],
+            }
+
+    def restore_episodes(self, record: Mapping[str, Any]) -> None:
+        """Take back :meth:`episode_record`'s statistics; a record that does not fit this run (another task
+        list, values that are not finite numbers: a checkpoint of an older version or edited by hand) is
+        left out, with one log line, and the window starts empty as it did before records existed."""
+        if not record:
+            return
+
+        def numbers(values: Any, kind: type) -> list[Any]:
+            if not isinstance(values, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
+            ):
+                raise ValueError("not a list of finite numbers")
+            return [kind(v) for v in values]
+
+        try:
+            returns, lengths = numbers(record["returns"], float), numbers(record["lengths"], int)
+            total, task_episodes = int(record["total"]), numbers(record["task_episodes"], int)
+            task_returns = [numbers(q, float) for q in record["task_returns"]]
+            if len(task_returns) != len(self.task_names) or len(task_episodes) != len(self.task_names):
+                raise ValueError(f"{len(task_returns)} tasks there, {len(self.task_names)} here")
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("the checkpoint's episode statistics are left out (%s); the window starts empty", e)
+            return
+        with self._stats_lock:
+            self.episode_returns.extend(returns)
+            self.episode_lengths.extend(lengths)
+            self.episodes_total = total
+            for queue, values in zip(self.task_returns, task_returns):
+                queue.extend(values)
+            self.task_episodes = task_episodes
 
     def full_window_mean_return(self) -> float | None:
         """Mean return of the last 100 episodes; None until 100 episodes have finished."""

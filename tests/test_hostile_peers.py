@@ -54,6 +54,39 @@ def _drain(srv, n):
 # ------------------------------------------------------------------ statistics come from data
 
 
+def test_episode_statistics_go_through_a_checkpoint_and_a_bad_record_is_left_out(caplog):
+    """What a checkpoint keeps of the last 100 episodes comes back whole in the resumed run's server; a
+    record that is not plain finite numbers (an older version's, an edited file) leaves the window empty
+    with one warning, never a crash or a NaN mean return."""
+    record = {
+        "returns": [float(r) for r in range(150)][-100:],
+        "lengths": list(range(100)),
+        "total": 150,
+        "task_returns": [],
+        "task_episodes": [],
+    }
+    first, second = TrajectoryServer(SCHEMA, queue_size=8), TrajectoryServer(SCHEMA, queue_size=8)
+    try:
+        assert first.full_window_mean_return() is None and first.episode_record()["total"] == 0
+        first.restore_episodes(record)
+        assert first.episode_record() == record
+        assert first.full_window_mean_return() == pytest.approx(np.mean(range(50, 150)))
+        stats = first.stats()
+        assert (stats["charts/episodes"], stats["charts/mean_length_100"]) == (150, pytest.approx(49.5))
+        for bad in (
+            {**record, "returns": [float("nan")] * 100},
+            {**record, "returns": "100 episodes"},
+            {**record, "task_returns": [[1.0]]},  # another task list
+            {"returns": [1.0]},
+        ):
+            second.restore_episodes(bad)
+            assert second.full_window_mean_return() is None and second.episode_record()["total"] == 0
+        assert caplog.text.count("episode statistics are left out") == 4
+    finally:
+        first.close()
+        second.close()
+
+
 def test_claimed_episode_returns_in_info_steer_nothing(link):
     """A new id's one valid unroll claiming 100 episodes of return 500 once filled the whole window
     (and could end a run through --stop-at-return); now only its rewards and episode ends count."""

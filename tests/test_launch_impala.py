@@ -182,6 +182,12 @@ def test_learner_sigkill_then_resume_continues_from_checkpoint(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"at {frames} env frames, policy version {saved['version']}" in out.stderr + out.stdout
     assert _frames(_done_line(out.stdout)) >= frames + 5000
+    # the last 100 episodes went through the checkpoint: the resumed curve's episode count goes on from
+    # the killed run's and its first row's mean return is over a full window, not the first few episodes
+    episodes = saved["episodes"]
+    assert len(episodes["returns"]) == 100 and episodes["total"] >= 100, episodes["total"]
+    resumed = [r for r in _csv_rows(tmp_path) if int(float(r["charts/env_frames"])) > frames]
+    assert resumed and float(resumed[0]["charts/episodes"]) >= episodes["total"], (resumed[:1], episodes)
 
 
 def test_ctrl_c_leaves_no_child_processes(tmp_path):

@@ -484,7 +484,7 @@ class RunConfig:
     resume: bool = option(
         False,
         "Continue the run in the run folder from its checkpoint.pt (weights, optimizer, normalizers, "
-        "counters); needs --run-id or --logdir.",
+        "counters, the last 100 episodes' returns); needs --run-id or --logdir.",
     )
     checkpoint_minutes: float = option(10.0, "Minutes between checkpoints (one is always written at exit).")
     log_interval: float = option(
