@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Learner-update throughput: agent steps/s of one learner update on a [T+1, B] batch, per recipe.
 
-- ``defaults``: the update ``launch_impala`` runs with its shipped defaults, through the learner's own
-  code (``VTraceLearner.step``): 4 passes of 4 minibatches, Adam, PPO's clipped surrogate against the
-  behaviour policy, advantage normalization, grad-norm 0.5.
+- ``defaults``: the whole update ``launch_impala`` runs on one batch with its shipped defaults, through the
+  learner's own code (``VTraceLearner.prepare`` and ``train``): V-trace's targets once per batch, then 4
+  passes of 8 minibatches, Adam, PPO's clipped surrogate against the behaviour policy, advantage
+  normalization, grad-norm 0.5.
 - ``paper``: the IMPALA paper's single pass (TorchBeast's Atari settings): forward, V-trace, PopArt-IMPALA
   loss summed over T x B, backward, clip 40, RMSprop, PopArt ART+POP.
 
@@ -92,7 +93,8 @@ def make_batch(T: int, B: int, device: torch.device, pin: bool) -> dict[str, tor
 
 
 def bench_defaults(kind: str, args: argparse.Namespace) -> dict:
-    """The shipped defaults' update, timed through the learner's own step."""
+    """The shipped defaults' whole update of one batch (every pass and minibatch), through the learner's
+    own code."""
     from impala.run.config import ImpalaConfig
     from learner.vtrace_learner import VTraceLearner
 
@@ -102,12 +104,12 @@ def bench_defaults(kind: str, args: argparse.Namespace) -> dict:
     learner = VTraceLearner(model, ImpalaConfig(batch_size=args.batch_size), device, total_frames=10**9)
     batch = make_batch(args.unroll_length, args.batch_size, device, pin=False)
     for _ in range(args.warmup):
-        learner.step(batch, frames_done=0)
+        learner.train(learner.prepare(batch), frames_done=0)
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(args.iters):
-        learner.step(batch, frames_done=0)
+        learner.train(learner.prepare(batch), frames_done=0)
     if device.type == "cuda":
         torch.cuda.synchronize()
     sec = (time.perf_counter() - t0) / args.iters

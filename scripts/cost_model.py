@@ -10,9 +10,10 @@ own code, per agent step:
 - learner, receive side: decoding (``wire.decode`` against the schema), the finite and bound checks
   (``check_finite``, ``ImpalaTrainer.validate``);
 - learner, update (``ImpalaTrainer.update`` on B unrolls, the defaults' epochs x minibatches), split by
-  timing the calls it makes: stacking the unrolls (``stage_host``), rebuilding frame stacks
-  (``prepare``), the network's forward pass, V-trace and the loss, backward, gradient clipping, the
-  optimizer step, PopArt's statistics, the health metrics, and the rest (minibatch indexing, metrics);
+  timing the calls it makes: stacking the unrolls (``stage_host``), rebuilding frame stacks and
+  laying them out for the torso (``prepare``), the network's forward pass, V-trace and the loss,
+  backward, gradient clipping, the optimizer step, PopArt's statistics, the health metrics, and the
+  rest (minibatch indexing, metrics);
 - learner, publish: the weights as arrays (``ImpalaTrainer.params``) packed for the wire.
 
 The cost model: each agent step needs the sum of those core-milliseconds, so N cores can do at most
@@ -171,7 +172,7 @@ def timed_update_parts(trainer, clock: Clock):
         setattr(owner, name, clock.wrap(label, original))
 
     patch(learner, "stage_host", "update: stack unrolls")
-    patch(learner, "prepare", "update: rebuild frame stacks")
+    patch(learner, "prepare", "update: rebuild frame stacks, layout")
     patch(learner.model, "forward", "update: forward")
     patch(vtrace_learner, "popart_impala_loss", "update: V-trace + loss")
     patch(vtrace_learner, "impala_loss", "update: V-trace + loss")

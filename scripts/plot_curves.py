@@ -44,7 +44,12 @@ def main() -> None:
     ap.add_argument("--key", default="charts/mean_return_100")
     ap.add_argument("--title", default="")
     ap.add_argument("--hline", type=float, default=None, help="Draw a target line (e.g. 195 for CartPole).")
-    ap.add_argument("--legend", default="upper left", help="matplotlib legend location (default: upper left)")
+    ap.add_argument(
+        "--legend",
+        default="upper left",
+        help="matplotlib legend location in each panel (default: upper left), "
+        "or 'below': one legend under both",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     labels = args.labels or args.logdirs
@@ -60,9 +65,13 @@ def main() -> None:
         ax.set_xlabel(xl)
         ax.set_ylabel("mean return, last 100 episodes")
         ax.grid(alpha=0.3)
-        ax.legend(loc=args.legend, fontsize=8)  # learning curves rise: the top left usually stays empty
+        if args.legend != "below":
+            ax.legend(loc=args.legend, fontsize=8)  # learning curves rise: the top left usually stays empty
+    if args.legend == "below":  # many curves: a legend inside would cover some of them
+        handles, names = ax1.get_legend_handles_labels()
+        fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(args.title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.14, 1, 1) if args.legend == "below" else None)
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
 
