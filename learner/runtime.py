@@ -176,7 +176,8 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     server.restore_episodes(progress.episodes)  # a resumed run's last 100 episodes go on
     pool = _local_actors(config, plan, run_info, server, guard, client_keys)
     logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
-                           time_offset_s=progress.elapsed_s, config_record=plan.config_record)  # fmt: skip
+                           time_offset_s=progress.elapsed_s, config_record=plan.config_record,
+                           resumed_at_step=progress.env_frames if config.resume else None)  # fmt: skip
     record = plan.config_record  # stored in every checkpoint, written to config.yaml
     checkpointer = Checkpointer(config, trainer, run_info, record, progress, resuming=config.resume,
                                 every_steps=plan.checkpoint_every_steps,

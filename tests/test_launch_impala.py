@@ -186,6 +186,8 @@ def test_learner_sigkill_then_resume_continues_from_checkpoint(tmp_path):
     # the killed run's and its first row's mean return is over a full window, not the first few episodes
     episodes = saved["episodes"]
     assert len(episodes["returns"]) == 100 and episodes["total"] >= 100, episodes["total"]
+    steps = [int(r["step"]) for r in _csv_rows(tmp_path)]
+    assert steps == sorted(steps), "the rows the killed run logged after its checkpoint are logged once"
     resumed = [r for r in _csv_rows(tmp_path) if int(float(r["charts/env_frames"])) > frames]
     assert resumed and float(resumed[0]["charts/episodes"]) >= episodes["total"], (resumed[:1], episodes)
 

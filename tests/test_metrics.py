@@ -22,6 +22,35 @@ def test_csv_widens_for_new_keys_and_appends_on_resume(tmp_path):
     assert list((tmp_path).glob("events.out.tfevents.*"))
 
 
+def test_a_resumed_run_drops_the_rows_logged_after_its_checkpoint(tmp_path):
+    """The killed run logged steps 300 and 400 after its checkpoint at 200; the resumed run redoes that
+    training and logs 300 again: metrics.csv and TensorBoard hold each step once, in order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    m = MetricsLogger(str(tmp_path), progress=False)
+    for step in (100, 200, 300, 400):
+        m.log(step, {"charts/mean_return_100": step / 100})
+    m.close()
+    m = MetricsLogger(str(tmp_path), progress=False, resumed_at_step=200)
+    m.log(300, {"charts/mean_return_100": 30.0})
+    m.close()
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["charts/mean_return_100"]) for r in rows] == [
+        ("100", "1.0"),
+        ("200", "2.0"),
+        ("300", "30.0"),
+    ]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    scalars = events.Scalars("charts/mean_return_100")
+    assert [(e.step, e.value) for e in scalars] == [(100, 1.0), (200, 2.0), (300, 30.0)]
+    # nothing after the checkpoint: the file is left as it is
+    before = (tmp_path / "metrics.csv").read_text()
+    MetricsLogger(str(tmp_path), progress=False, resumed_at_step=300).close()
+    assert (tmp_path / "metrics.csv").read_text() == before
+
+
 def test_checkpoint_is_atomic_and_loads_weights_only(tmp_path):
     import torch
 

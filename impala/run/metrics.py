@@ -127,24 +127,32 @@ class MetricsLogger:
         tracker: Any = None,
         time_offset_s: float = 0.0,
         config_record: Mapping[str, Any] | None = None,
+        resumed_at_step: int | None = None,
     ) -> None:
         """``tracker``: an optional experiment tracker (``impala.run.tracking.WandbTracker``) that gets every
         row too.
         ``time_offset_s``: wall time of the runs this one resumes, so the ``time`` column stays monotone.
         ``config_record``: the run's resolved settings, written to ``LOGDIR/config.yaml``, TensorBoard (text)
         and
-        the log, so a person can read what ran."""
+        the log, so a person can read what ran.
+        ``resumed_at_step``: the step of the checkpoint a resumed run starts from. The rows the earlier run
+        logged after it (between its last checkpoint and its end) describe training that is redone: they
+        are dropped from ``metrics.csv`` and purged from TensorBoard's view, so every curve has one value
+        per step and its steps only go forward."""
         os.makedirs(logdir, exist_ok=True)
         self.tracker = tracker
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(logdir)
+        purge = None if resumed_at_step is None else resumed_at_step + 1
+        self.writer = SummaryWriter(logdir, purge_step=purge)
         if config_record:
             self._record_config(logdir, config_record)
         self.csv_path = os.path.join(logdir, "metrics.csv")
         self._csv_file = None
         self._csv: csv.DictWriter | None = None
         self._fields: list[str] = ["step", "time"]
+        if resumed_at_step is not None:
+            self._drop_rows_after(resumed_at_step)
         self.title = title
         self._live = None
         self._start = time.time() - time_offset_s
@@ -248,6 +256,36 @@ class MetricsLogger:
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self._fields, restval="")
         if not exists:
             self._csv.writeheader()
+
+    def _drop_rows_after(self, step: int) -> None:
+        """Rewrite ``metrics.csv`` without its rows past ``step`` (atomically; nothing to do if none)."""
+        if not os.path.exists(self.csv_path):
+            return
+        with open(self.csv_path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields, rows = reader.fieldnames, list(reader)
+
+        def after(row: Mapping[str, str]) -> bool:
+            try:
+                return float(row.get("step") or "nan") > step
+            except ValueError:  # a row this program did not write: kept as it is
+                return False
+
+        kept = [r for r in rows if not after(r)]
+        if not fields or len(kept) == len(rows):
+            return
+        tmp = self.csv_path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields, restval="")
+            w.writeheader()
+            w.writerows(kept)
+        os.replace(tmp, self.csv_path)
+        log.info(
+            "metrics.csv: %d rows logged after the checkpoint (step %d) dropped; the resumed run logs "
+            "those steps again",
+            len(rows) - len(kept),
+            step,
+        )
 
     def _widen_csv(self, new_keys: list[str]) -> None:
         """A key not seen before: rewrite the file once with the wider header (rare, small)."""
