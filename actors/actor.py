@@ -17,6 +17,7 @@ import sys
 import torch
 
 from actors.loop import LEARNER_GONE_EXIT, REFUSED_EXIT, ActorConfig, run_actor
+from impala.run.cpus import pin_process
 
 
 class Actor(multiprocessing.Process):
@@ -35,6 +36,8 @@ class Actor(multiprocessing.Process):
         # The pool stops actors with SIGTERM: unwind (not die) so run_actor's finally closes the
         # envs; a Unity player would otherwise outlive its actor.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+        if self.config.cpus:  # spawned from a learner pinned to its own CPUs: move to the actors'
+            pin_process(self.config.cpus)
         torch.set_num_threads(1)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s actor-%(process)d %(message)s")
         why = run_actor(self.config, parent_pid=os.getppid())

@@ -66,6 +66,7 @@ class ActorConfig:
     task: int = (
         0  # multi-task runs: the index of this actor's env in the run's task list, sent with every unroll
     )
+    cpus: tuple[int, ...] = ()  # --cpu-affinity split: the CPUs this actor's process pins itself to
 
 
 def actor_configs(

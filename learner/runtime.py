@@ -41,6 +41,7 @@ from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import EnvInfo
 from impala.run.checkpoint import CheckpointError
 from impala.run.config import ConfigError, RunConfig
+from impala.run.cpus import pin_process, split_cpus
 from impala.run.metrics import MetricsLogger
 from impala.run.tracking import WandbTracker
 from impala.transport import wire
@@ -174,7 +175,8 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     client_keys = prepare_server(config.curve) if config.curve else None  # makes the keys the server loads
     server = _server(trainer, config, guard, run_info)
     server.restore_episodes(progress.episodes)  # a resumed run's last 100 episodes go on
-    pool = _local_actors(config, plan, run_info, server, guard, client_keys)
+    actor_cpus = _place(config)
+    pool = _local_actors(config, plan, run_info, server, guard, client_keys, actor_cpus)
     logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
                            time_offset_s=progress.elapsed_s, config_record=plan.config_record,
                            resumed_at_step=progress.env_frames if config.resume else None)  # fmt: skip
@@ -240,14 +242,30 @@ def _server(
     return server
 
 
+def _place(config: RunConfig) -> tuple[int, ...]:
+    """``--cpu-affinity split``: pin this process (the learner, every thread) to its CPUs now and return the
+    CPUs its local actors pin themselves to; () leaves placement to the kernel."""
+    if config.cpu_affinity != "split":
+        return ()
+    learner_cpus, actor_cpus = split_cpus(config.cpu_threads())
+    pin_process(learner_cpus)
+    log.info(
+        "cpu affinity: the learner on CPU %s, the %d local actors on CPU %s",
+        ",".join(map(str, learner_cpus)),
+        config.workers,
+        ",".join(map(str, actor_cpus)),
+    )
+    return actor_cpus
+
+
 def _local_actors(config: RunConfig, plan: RunPlan, run_info: RunInfo, server: TrajectoryServer,
-                  guard: FingerprintGuard, client_keys: Any) -> Any:  # fmt: skip
+                  guard: FingerprintGuard, client_keys: Any, cpus: tuple[int, ...] = ()) -> Any:  # fmt: skip
     """This learner's own actors (not started yet): processes, or threads with --in-process; with --curve they
-    connect with the learner's local keypair (``client_keys``)."""
+    connect with the learner's local keypair (``client_keys``); ``cpus``: the CPUs they pin themselves to."""
     configs = actor_configs(
         run_info, range(config.workers), trajectory_endpoint=server.trajectory_endpoint,
         params_endpoint=server.params_endpoint, seed=config.seed, curve=client_keys,
-        local_token=guard.local_token,
+        local_token=guard.local_token, cpus=cpus,
     )  # fmt: skip
     if config.in_process:
         return ThreadActors(configs)

@@ -192,6 +192,51 @@ def test_learner_sigkill_then_resume_continues_from_checkpoint(tmp_path):
     assert resumed and float(resumed[0]["charts/episodes"]) >= episodes["total"], (resumed[:1], episodes)
 
 
+def _cpus_allowed(pid: int, task: str | int | None = None) -> str:
+    path = f"/proc/{pid}/status" if task is None else f"/proc/{pid}/task/{task}/status"
+    with open(path) as f:
+        return next(line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one for the learner, one for actors"
+)
+def test_cpu_affinity_split_pins_the_learner_and_its_actors_apart(tmp_path):
+    """--cpu-affinity split: every thread of the learner (its receive thread too) on the first CPU, the
+    actor processes on the others, a restarted actor as well; training goes on."""
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = start(["launch_impala", "--workers", "2", *CARTPOLE, "--cpu-affinity", "split",
+                  "--total-frames", "10000000", "--logdir", str(tmp_path)])  # fmt: skip
+    try:
+        assert wait_for(lambda: (tmp_path / "metrics.csv").exists() and len(_csv_rows(tmp_path)) >= 2, 120)
+        learner, actors = str(cpus[0]), _compact_range(cpus[1:])
+        threads = os.listdir(f"/proc/{proc.pid}/task")
+        assert len(threads) > 1 and {_cpus_allowed(proc.pid, t) for t in threads} == {learner}
+        pids = actor_pids(proc.pid)
+        assert len(pids) == 2 and {_cpus_allowed(p) for p in pids} == {actors}
+        os.kill(pids[0], signal.SIGKILL)  # the pool's restart pins itself too
+        assert wait_for(lambda: len(set(actor_pids(proc.pid)) - set(pids)) == 1, 60)
+        new = (set(actor_pids(proc.pid)) - set(pids)).pop()
+        assert wait_for(lambda: _cpus_allowed(new) == actors, 30)
+        rows = len(_csv_rows(tmp_path))
+        assert wait_for(lambda: len(_csv_rows(tmp_path)) > rows + 1, 60)  # still training
+    finally:
+        kill_group(proc)
+
+
+def _compact_range(cpus: list[int]) -> str:
+    """How /proc writes a CPU list: runs of consecutive CPUs as a-b."""
+    runs, out = [], []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    for a, b in runs:
+        out.append(str(a) if a == b else f"{a}-{b}")
+    return ",".join(out)
+
+
 def test_ctrl_c_leaves_no_child_processes(tmp_path):
     proc = start(
         [
@@ -297,6 +342,15 @@ BAD_VALUES = [
     (["--rmsprop-momentum", "-1"], "--rmsprop-momentum must be >= 0"),
     (["--minibatches", "3"], "--minibatches must divide --batch-size 32 (one of 1, 2, 4, 8, 16, 32), got 3"),
     (["--device", "cuda:7"], "--device cuda:7"),
+    (
+        ["--in-process", "--cpu-affinity", "split"],
+        "--cpu-affinity split pins one learner and its local actor",
+    ),
+    (["--learners", "2", "--cpu-affinity", "split"], "needs --workers >= 1, no --in-process and one learner"),
+    (
+        ["--torch-threads", "4096", "--cpu-affinity", "split"],
+        "and leaves the actors none; lower --torch-threads",
+    ),
     (["--env", "CartPole-v1", "--model", "deep"], "--model deep: model kind 'deep' needs image observations"),
     (["--env", "CartPole-v1", "--env-kwargs", '{"foo": 1}'], "CartPole-v1 does not accept them"),
     (

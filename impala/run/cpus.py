@@ -1,6 +1,7 @@
 """The CPUs this process may use: its affinity (a Slurm allocation's or a container's cpuset) capped by the
 CFS quota of its cgroup (``docker --cpus``, Kubernetes CPU limits), so that defaults derived from it (actors,
-learner threads, evaluation workers) never oversubscribe a container."""
+learner threads, evaluation workers) never oversubscribe a container; and pinning a process to some of
+them (``--cpu-affinity split``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,28 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
     quota = cgroup_cpu_quota()
     return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
+
+
+def split_cpus(learner_threads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the learner's CPUs, the local actors' CPUs): the first ``learner_threads`` of this process's
+    affinity set, and the rest. ValueError when that leaves the actors none."""
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    if learner_threads >= len(cpus):
+        raise ValueError(
+            f"--cpu-affinity split gives the learner {learner_threads} of this process's {len(cpus)} CPUs "
+            f"({','.join(map(str, cpus))}) and leaves the actors none; lower --torch-threads"
+        )
+    return cpus[:learner_threads], cpus[learner_threads:]
+
+
+def pin_process(cpus: tuple[int, ...]) -> None:
+    """Pin every thread of this process to ``cpus`` (threads started later inherit it). Each thread has its
+    own affinity on Linux: pinning only the calling one would leave a receive thread or torch's pool free."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def cgroup_cpu_quota(proc: str = "/proc/self") -> float | None:
