@@ -344,6 +344,8 @@ def _honest_run(tmp_path, name: str, flood_rate: float) -> tuple[float, float, s
             "20",
             "--batch-size",
             "32",
+            "--minibatches",  # the update this test was sized with: the learner keeps up with 2 honest actors
+            "4",
             "--envs-per-worker",
             "1",
             "--port",
