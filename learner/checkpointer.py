@@ -42,8 +42,8 @@ class Progress:
     version: int = 0  # policy version: one per update
     task_frames: list[int] = field(default_factory=lambda: [0])  # env frames per task (multi-task runs)
     elapsed_s: float = 0.0  # wall time of the earlier runs this one resumes (metrics' time stays monotone)
-    # the server's episode statistics (its last 100 returns, episode counts), so a resumed run's curve
-    # and --stop-at-return go on from the same window; filled in at each save
+    # a resumed checkpoint's episode statistics (the server's last 100 returns, episode counts), for the
+    # resumed server to start from; the saves take them from the server itself (episode_record)
     episodes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -216,8 +216,6 @@ class Checkpointer:
 
     def state(self) -> dict[str, Any]:
         p = self.progress
-        if self.episode_record is not None:
-            p.episodes = self.episode_record()
         return {
             "trainer": self.trainer.state_dict(),
             "env_frames": p.env_frames,
@@ -231,7 +229,7 @@ class Checkpointer:
             "tasks": [t.to_dict() for t in self.run_info.tasks],
             "task_frames": list(p.task_frames),
             "elapsed_s": p.elapsed_s + time.monotonic() - self.start,
-            "episodes": p.episodes,
+            "episodes": self.episode_record() if self.episode_record is not None else p.episodes,
             "config": self.config_record,
         }
 

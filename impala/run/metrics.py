@@ -274,12 +274,7 @@ class MetricsLogger:
         kept = [r for r in rows if not after(r)]
         if not fields or len(kept) == len(rows):
             return
-        tmp = self.csv_path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields, restval="")
-            w.writeheader()
-            w.writerows(kept)
-        os.replace(tmp, self.csv_path)
+        self._rewrite_csv(list(fields), kept)
         log.info(
             "metrics.csv: %d rows logged after the checkpoint (step %d) dropped; the resumed run logs "
             "those steps again",
@@ -287,18 +282,22 @@ class MetricsLogger:
             step,
         )
 
+    def _rewrite_csv(self, fields: list[str], rows: list[dict[str, str]]) -> None:
+        """Replace ``metrics.csv`` with ``rows`` under ``fields`` (a temporary file renamed over it)."""
+        tmp = self.csv_path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields, restval="")
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, self.csv_path)
+
     def _widen_csv(self, new_keys: list[str]) -> None:
         """A key not seen before: rewrite the file once with the wider header (rare, small)."""
         self._csv_file.close()
         with open(self.csv_path, newline="") as f:
             rows = list(csv.DictReader(f))
         self._fields = self._fields + new_keys
-        tmp = self.csv_path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self._fields, restval="")
-            w.writeheader()
-            w.writerows(rows)
-        os.replace(tmp, self.csv_path)
+        self._rewrite_csv(self._fields, rows)
         self._csv_file = open(self.csv_path, "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self._fields, restval="")
 
