@@ -38,6 +38,8 @@ class Actor(multiprocessing.Process):
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         if self.config.cpus:  # spawned from a learner pinned to its own CPUs: move to the actors'
             pin_process(self.config.cpus)
+        if self.config.nice:  # below the learner: it takes a core first when both are runnable
+            os.nice(self.config.nice)
         torch.set_num_threads(1)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s actor-%(process)d %(message)s")
         why = run_actor(self.config, parent_pid=os.getppid())

@@ -67,6 +67,7 @@ class ActorConfig:
         0  # multi-task runs: the index of this actor's env in the run's task list, sent with every unroll
     )
     cpus: tuple[int, ...] = ()  # --cpu-affinity split: the CPUs this actor's process pins itself to
+    nice: int = 0  # --actor-nice: added to this actor process's niceness when it starts
 
 
 def actor_configs(

@@ -265,7 +265,7 @@ def _local_actors(config: RunConfig, plan: RunPlan, run_info: RunInfo, server: T
     configs = actor_configs(
         run_info, range(config.workers), trajectory_endpoint=server.trajectory_endpoint,
         params_endpoint=server.params_endpoint, seed=config.seed, curve=client_keys,
-        local_token=guard.local_token, cpus=cpus,
+        local_token=guard.local_token, cpus=cpus, nice=config.actor_nice,
     )  # fmt: skip
     if config.in_process:
         return ThreadActors(configs)

@@ -201,12 +201,14 @@ def _cpus_allowed(pid: int, task: str | int | None = None) -> str:
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one for the learner, one for actors"
 )
-def test_cpu_affinity_split_pins_the_learner_and_its_actors_apart(tmp_path):
+def test_cpu_affinity_split_and_actor_nice_place_the_learner_and_its_actors(tmp_path):
     """--cpu-affinity split: every thread of the learner (its receive thread too) on the first CPU, the
-    actor processes on the others, a restarted actor as well; training goes on."""
+    actor processes on the others, a restarted actor as well; --actor-nice lowers the actors' priority,
+    not the learner's; training goes on."""
     cpus = sorted(os.sched_getaffinity(0))
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
     proc = start(["launch_impala", "--workers", "2", *CARTPOLE, "--cpu-affinity", "split",
-                  "--total-frames", "10000000", "--logdir", str(tmp_path)])  # fmt: skip
+                  "--actor-nice", "7", "--total-frames", "10000000", "--logdir", str(tmp_path)])  # fmt: skip
     try:
         assert wait_for(lambda: (tmp_path / "metrics.csv").exists() and len(_csv_rows(tmp_path)) >= 2, 120)
         learner, actors = str(cpus[0]), _compact_range(cpus[1:])
@@ -214,10 +216,13 @@ def test_cpu_affinity_split_pins_the_learner_and_its_actors_apart(tmp_path):
         assert len(threads) > 1 and {_cpus_allowed(proc.pid, t) for t in threads} == {learner}
         pids = actor_pids(proc.pid)
         assert len(pids) == 2 and {_cpus_allowed(p) for p in pids} == {actors}
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == ours
+        assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids} == {min(ours + 7, 19)}
         os.kill(pids[0], signal.SIGKILL)  # the pool's restart pins itself too
         assert wait_for(lambda: len(set(actor_pids(proc.pid)) - set(pids)) == 1, 60)
         new = (set(actor_pids(proc.pid)) - set(pids)).pop()
         assert wait_for(lambda: _cpus_allowed(new) == actors, 30)
+        assert wait_for(lambda: os.getpriority(os.PRIO_PROCESS, new) == min(ours + 7, 19), 30)
         rows = len(_csv_rows(tmp_path))
         assert wait_for(lambda: len(_csv_rows(tmp_path)) > rows + 1, 60)  # still training
     finally:
@@ -337,6 +342,8 @@ BAD_VALUES = [
     (["--log-interval", "nan"], "--log-interval must be a finite number"),
     (["--stop-at-return", "inf"], "--stop-at-return must be a finite number"),
     (["--torch-threads", "-1"], "--torch-threads must be >= 0"),
+    (["--actor-nice", "20"], "--actor-nice must be 0-19, got 20"),
+    (["--actor-nice", "-1"], "--actor-nice must be 0-19, got -1"),
     (["--seed", "-1"], "--seed must be in 0.."),
     (["--rmsprop-eps", "-1"], "--rmsprop-eps must be > 0"),
     (["--rmsprop-momentum", "-1"], "--rmsprop-momentum must be >= 0"),

@@ -434,6 +434,12 @@ class RunConfig:
         "and never waits for a core. "
         "For a run that has the machine to itself (two split runs would pin onto the same CPUs).",
     )
+    actor_nice: int = option(
+        0,
+        "Niceness the local actor processes add to their own (0-19) so that the learner, the critical "
+        "path when its queue is full, takes a core before they do; they get every cycle it leaves. "
+        "Within this run only: the kernel shares the machine between sessions first.",
+    )
     in_process: bool = option(
         False,
         "Run the local actors as threads of the learner process (same actor code and sockets; for debugging "
@@ -584,6 +590,7 @@ class RunConfig:
             "--cpu-affinity split pins one learner and its local actor processes apart: it needs "
             "--workers >= 1, no --in-process and one learner",
         )
+        need(0 <= self.actor_nice <= 19, f"--actor-nice must be 0-19, got {self.actor_nice}")
         if self.cpu_affinity == "split":
             try:
                 split_cpus(self.cpu_threads())
