@@ -125,14 +125,15 @@ def untrainable_behaviour(logits: np.ndarray, actions: np.ndarray) -> str | None
 
 
 # The learner's torch threads where --torch-threads is not given: the cores its local actors leave, and for
-# image observations at least this many (RunConfig.cpu_threads says why; launch_impala makes idle threads
-# sleep, not spin).
+# image observations with actors at the learner's own priority (--actor-nice 0) at least this many
+# (RunConfig.cpu_threads says why; launch_impala makes idle threads sleep, not spin).
 LEARNER_THREADS = 2
 
 
 def learner_threads(run: RunConfig, env: EnvInfo) -> int:
     """Torch threads for one learner rank. Image observations (a conv net, whose update parallelizes) get
-    at least LEARNER_THREADS: +13% frames/s end to end on Pong with 2 actors on 2 cores (BENCHMARKS.md).
+    at least LEARNER_THREADS when the actors are not niced below the learner (``--actor-nice 0``): there
+    +13% frames/s end to end on Pong with 2 actors on 2 cores (BENCHMARKS.md).
     Vector observations (an MLP of small layers) keep the cores the actors leave, at least 1: there a
     second thread only adds synchronization (CartPole, 2 actors on 2 cores: 18% fewer frames/s)."""
     at_least = LEARNER_THREADS if len(env.obs_shape) == 3 else 1

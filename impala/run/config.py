@@ -435,10 +435,12 @@ class RunConfig:
         "For a run that has the machine to itself (two split runs would pin onto the same CPUs).",
     )
     actor_nice: int = option(
-        0,
+        10,
         "Niceness the local actor processes add to their own (0-19) so that the learner, the critical "
-        "path when its queue is full, takes a core before they do; they get every cycle it leaves. "
-        "Within this run only: the kernel shares the machine between sessions first.",
+        "path when its queue is full, takes a core before they do; they get every cycle it leaves. With "
+        "it the learner needs no second torch thread to win CPU time from them (one, unless "
+        "--torch-threads). On a 2-core box with 2 actors: Pong 13%% faster than 0 (BENCHMARKS.md). "
+        "It ranks processes within this run only: the kernel shares the machine between sessions first.",
     )
     in_process: bool = option(
         False,
@@ -732,10 +734,12 @@ class RunConfig:
         Each actor is single-threaded; a learner with as many threads as cores would make the OS
         time-slice them against each other (several times slower on a small machine). Actors that
         wait for new weights during an update (on-policy PPO) leave every core to it then. IMPALA's
-        learner asks for at least 2 with image observations: where it is the bottleneck its actors
-        spend most of their time blocked on its back pressure, and a second learner thread that sleeps
-        while idle uses the part of their cores they leave (launch_impala loads torch with
-        ``OMP_WAIT_POLICY=PASSIVE``; BENCHMARKS.md).
+        learner asks for at least 2 with image observations when its actors run at its own priority
+        (``--actor-nice 0``): where it is the bottleneck its actors spend most of their time blocked on
+        its back pressure, and a second learner thread that sleeps while idle uses the part of their
+        cores they leave (launch_impala loads torch with ``OMP_WAIT_POLICY=PASSIVE``). With niced actors
+        (the default) one thread takes a core whenever it is runnable, and a second one ran slower: it
+        took the actors' core too, at less than twice the speed (BENCHMARKS.md).
         """
         if self.torch_threads:
             return self.torch_threads
@@ -743,6 +747,8 @@ class RunConfig:
             return 1
         cores = available_cpus()
         local = 0 if (self.in_process or actors_wait_during_updates) else self.workers
+        if self.actor_nice and local:  # the learner outranks its actors: no second thread to win CPU time
+            at_least = 1
         return max(min(at_least, cores), cores - local)
 
 
