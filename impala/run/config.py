@@ -440,7 +440,7 @@ class RunConfig:
         "path when its queue is full, takes a core before they do; they get every cycle it leaves. With "
         "it the learner needs no second torch thread to win CPU time from them (one, unless "
         "--torch-threads). On a 2-core box with 2 actors: Pong 13%% faster than 0 (BENCHMARKS.md). "
-        "It ranks processes within this run only: the kernel shares the machine between sessions first.",
+        "Other programs at niceness 0 in the same session come before the actors too.",
     )
     in_process: bool = option(
         False,
