@@ -131,10 +131,10 @@ def test_cgroup_v1_with_combined_controllers_optional_fields_and_an_escaped_spac
 
 def test_the_impala_learner_takes_the_cores_its_actors_leave_and_at_least_two_for_images():
     """With 2 local actors on one core the learner gets 1 thread; on two cores, with actors at its own
-    priority (--actor-nice 0), 2 for image observations (a second thread that sleeps when idle:
+    priority (--actor-nice 0, the default), 2 for image observations (a second thread that sleeps when idle:
     launch_impala loads torch with OMP_WAIT_POLICY=PASSIVE unless the user set it, as libgomp itself
     reports, and leaves the variable unset for the processes it starts) and 1 for vector ones (an MLP
-    gains nothing from it); with niced actors (the default) 1; a user's --torch-threads and
+    gains nothing from it); with niced actors (--actor-nice 10) 1; a user's --torch-threads and
     OMP_WAIT_POLICY win."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
@@ -147,8 +147,8 @@ def test_the_impala_learner_takes_the_cores_its_actors_leave_and_at_least_two_fo
         "pong = EnvInfo(EnvSpec('PongDeterministic-v4'), (4, 84, 84), 'uint8', 'Box', 'Discrete', "
         "num_actions=6)\n"
         "cartpole = EnvInfo(EnvSpec('CartPole-v1'), (4,), 'float32', 'Box', 'Discrete', num_actions=2)\n"
-        "two = RunConfig(workers=2, actor_nice=0)\n"
-        "print(learner_threads(RunConfig(workers=2), pong), learner_threads(two, pong), "
+        "two = RunConfig(workers=2)\n"
+        "print(learner_threads(RunConfig(workers=2, actor_nice=10), pong), learner_threads(two, pong), "
         "learner_threads(two, cartpole), learner_threads(RunConfig(workers=2, torch_threads=3), pong), "
         "os.environ.get('OMP_WAIT_POLICY'))"
     )

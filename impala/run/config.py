@@ -435,12 +435,13 @@ class RunConfig:
         "For a run that has the machine to itself (two split runs would pin onto the same CPUs).",
     )
     actor_nice: int = option(
-        10,
+        0,
         "Niceness the local actor processes add to their own (0-19) so that the learner, the critical "
         "path when its queue is full, takes a core before they do; they get every cycle it leaves. With "
         "it the learner needs no second torch thread to win CPU time from them (one, unless "
-        "--torch-threads). On a 2-core box with 2 actors: Pong 13%% faster than 0 (BENCHMARKS.md). "
-        "Other programs at niceness 0 in the same session come before the actors too.",
+        "--torch-threads). On a 2-core box with 2 actors, 10 ran Pong 13%% faster than 0 in the cost "
+        "model's runs (BENCHMARKS.md); not the default until learning runs confirm it. Other programs at "
+        "niceness 0 in the same session come before the actors too.",
     )
     in_process: bool = option(
         False,
@@ -735,11 +736,11 @@ class RunConfig:
         time-slice them against each other (several times slower on a small machine). Actors that
         wait for new weights during an update (on-policy PPO) leave every core to it then. IMPALA's
         learner asks for at least 2 with image observations when its actors run at its own priority
-        (``--actor-nice 0``): where it is the bottleneck its actors spend most of their time blocked on
-        its back pressure, and a second learner thread that sleeps while idle uses the part of their
-        cores they leave (launch_impala loads torch with ``OMP_WAIT_POLICY=PASSIVE``). With niced actors
-        (the default) one thread takes a core whenever it is runnable, and a second one ran slower: it
-        took the actors' core too, at less than twice the speed (BENCHMARKS.md).
+        (``--actor-nice 0``, the default): where it is the bottleneck its actors spend most of their time
+        blocked on its back pressure, and a second learner thread that sleeps while idle uses the part of
+        their cores they leave (launch_impala loads torch with ``OMP_WAIT_POLICY=PASSIVE``). With niced
+        actors one thread takes a core whenever it is runnable, and a second one ran slower: it took the
+        actors' core too, at less than twice the speed (BENCHMARKS.md).
         """
         if self.torch_threads:
             return self.torch_threads
