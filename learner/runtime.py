@@ -176,6 +176,9 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     server = _server(trainer, config, guard, run_info)
     server.restore_episodes(progress.episodes)  # a resumed run's last 100 episodes go on
     actor_cpus = _place(config)
+    if config.actor_nice and config.workers:
+        log.info("the %d local actors run %d nice levels below the learner", config.workers,
+                 config.actor_nice)  # fmt: skip
     pool = _local_actors(config, plan, run_info, server, guard, client_keys, actor_cpus)
     logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
                            time_offset_s=progress.elapsed_s, config_record=plan.config_record,

@@ -344,6 +344,7 @@ BAD_VALUES = [
     (["--torch-threads", "-1"], "--torch-threads must be >= 0"),
     (["--actor-nice", "20"], "--actor-nice must be 0-19, got 20"),
     (["--actor-nice", "-1"], "--actor-nice must be 0-19, got -1"),
+    (["--actor-nice", "5", "--in-process"], "--actor-nice lowers the local actor processes' priority"),
     (["--seed", "-1"], "--seed must be in 0.."),
     (["--rmsprop-eps", "-1"], "--rmsprop-eps must be > 0"),
     (["--rmsprop-momentum", "-1"], "--rmsprop-momentum must be >= 0"),

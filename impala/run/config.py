@@ -594,6 +594,11 @@ class RunConfig:
             "--workers >= 1, no --in-process and one learner",
         )
         need(0 <= self.actor_nice <= 19, f"--actor-nice must be 0-19, got {self.actor_nice}")
+        need(
+            self.actor_nice == 0 or not self.in_process,
+            "--actor-nice lowers the local actor processes' priority: --in-process runs them as threads "
+            "of the learner, which it would lower too",
+        )
         if self.cpu_affinity == "split":
             try:
                 split_cpus(self.cpu_threads())
