@@ -593,7 +593,9 @@ def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
     than the actor's, so the actor says hello again and keeps training."""
     from procs import kill_group, start, wait_for
 
-    port, learner = _cartpole_learner(tmp_path, 30)
+    # 60 s only bound the run: it is stopped once the actor has trained 20k frames past the forgery. With 30,
+    # one fresh-clone run on a slow host spent most of them starting impala-actors (18,240 frames by then).
+    port, learner = _cartpole_learner(tmp_path, 60)
     actors = start(
         [
             "impala-actors",
@@ -616,8 +618,8 @@ def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
         push.send_multipart(_frames("hello", 1000, info={"fingerprint": {"junk": 1}}))
         at_forgery = frames()
         # training goes on past the forgery (the only actor: locked out, the frames would stop here);
-        # then the run is stopped as a user stops one (its 30 s are only a bound)
-        wait_for(lambda: frames() > at_forgery + 20000, 30)
+        # then the run is stopped as a user stops one (its 60 s are only a bound)
+        wait_for(lambda: frames() > at_forgery + 20000, 50)
         learner.send_signal(signal.SIGINT)
         out, _ = learner.communicate(timeout=90)
         actors_out, _ = actors.communicate(timeout=30)
