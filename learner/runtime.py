@@ -176,9 +176,6 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     server = _server(trainer, config, guard, run_info)
     server.restore_episodes(progress.episodes)  # a resumed run's last 100 episodes go on
     actor_cpus = _place(config)
-    if config.actor_nice and config.workers:
-        log.info("the %d local actors run %d nice levels below the learner", config.workers,
-                 config.actor_nice)  # fmt: skip
     pool = _local_actors(config, plan, run_info, server, guard, client_keys, actor_cpus)
     logger = MetricsLogger(config.logdir, progress=config.progress, title=plan.title, tracker=tracker,
                            time_offset_s=progress.elapsed_s, config_record=plan.config_record,
@@ -247,7 +244,10 @@ def _server(
 
 def _place(config: RunConfig) -> tuple[int, ...]:
     """``--cpu-affinity split``: pin this process (the learner, every thread) to its CPUs now and return the
-    CPUs its local actors pin themselves to; () leaves placement to the kernel."""
+    CPUs its local actors pin themselves to; () leaves placement to the kernel. ``--actor-nice`` is only
+    logged here: each actor lowers its own priority when it starts."""
+    if config.actor_nice and config.workers:
+        log.info("local actors: %d, %d nice levels below the learner", config.workers, config.actor_nice)
     if config.cpu_affinity != "split":
         return ()
     learner_cpus, actor_cpus = split_cpus(config.cpu_threads())
