@@ -88,11 +88,21 @@ class PPOAgent:
         self.share_steps = self.unrolls_per_update * unroll_length * self.num_envs
         self._trajectory_len = np.zeros(self.num_envs, np.int64)
         self.completed_steps = 0  # steps of trajectories completed since the current weights arrived
+        # The learner's only actor (spec.sole_actor) follows the learner's buffer exactly: the learner adds
+        # each unroll's completed trajectories in the order they were sent (env 0, 1, ...) and updates
+        # right after the one that fills it, so the rest of that round already counts for the next update.
+        self.sole_actor = spec.sole_actor and self.count_trajectories
+        self._round_completed = np.zeros(self.num_envs, np.int64)  # per env, this round
+        self._buffer_steps = 0  # completed steps in the learner's buffer, as counted here
+        self._waiting = False  # the last round filled the buffer: these weights are the old ones
 
     def load_params(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Weights, log-sigma and the normalizer buffers (ML-Agents stats or the vecnormalize snapshot)."""
         load_state_arrays(self.policy, arrays)
         self.completed_steps = 0
+        if not self._waiting:  # weights that came while this actor did not expect an update: count afresh
+            self._buffer_steps = 0
+        self._waiting = False
 
     def params_wait_s(self, unrolls_sent: int) -> float:
         """Seconds the actor loop waits for newer weights after sending ``unrolls_sent`` unrolls with the
@@ -114,9 +124,28 @@ class PPOAgent:
         """
         if not self.unrolls_per_update:
             return 0.0
+        if self.sole_actor:
+            self._waiting = self._round_fills_buffer()
+            return self.wait_s if self._waiting else 0.0
         if self.count_trajectories:
             return self.wait_s if self.completed_steps >= self.share_steps else 0.0
         return self.wait_s if unrolls_sent >= self.unrolls_per_update else 0.0
+
+    def _round_fills_buffer(self) -> bool:
+        """Replay the learner's count over the round just sent, one env's unroll at a time: whether one of
+        them filled the buffer (the learner updates after it; the steps after it start the next buffer).
+
+        Exact while every unroll arrives; when one does not, the weights come at another time than
+        expected and :meth:`load_params` starts the count afresh, so a miss costs one bounded wait."""
+        fills = False
+        for steps in self._round_completed.tolist():
+            self._buffer_steps += steps
+            if self._buffer_steps > self.config.buffer_size or (
+                self._buffer_steps == self.config.buffer_size and self.config.update_trigger == "buffer_full"
+            ):
+                fills, self._buffer_steps = True, 0
+        self._round_completed[:] = 0
+        return fills
 
     def unroll_start(self, obs: np.ndarray) -> dict[str, np.ndarray]:
         return {}
@@ -174,6 +203,7 @@ class PPOAgent:
             self._trajectory_len += 1
             cut = ended | (self._trajectory_len >= self.config.time_horizon)
             self.completed_steps += int(self._trajectory_len[cut].sum())
+            self._round_completed[cut] += self._trajectory_len[cut]
             self._trajectory_len[cut] = 0
         if ended.any():
             final_obs = np.where(ended[:, None], self._flat(result.final_obs), 0.0).astype(np.float32)

@@ -751,6 +751,8 @@ class PPOTrainer:
             "Unity" if env.spec.is_unity else env.action_space,
             env.action_mask,
             env.obs_layout,
+            # one local actor: it alone fills the buffer, so it can wait exactly where the learner updates
+            sole_actor=wait and config.trajectory_handling == "mlagents" and run.workers == 1,
         )
         self.frames_per_step = 1.0  # gym control tasks and Unity: one frame per agent step
         self.max_abs_value = run.max_abs_value

@@ -39,7 +39,7 @@ from impala.envs.vector import StepResult  # noqa: E402
 from impala.transport.messages import PPOAgentSpec  # noqa: E402
 from impala.run.ppo_config import PPOConfig  # noqa: E402
 from impala.run.ppo_config import choose_unroll_length  # noqa: E402
-from learner.ppo_learner import PPOTrainer, piece_from_unroll, unrolls_per_update  # noqa: E402
+from learner.ppo_learner import PPOLearner, PPOTrainer, TrajectoryPiece, piece_from_unroll, unrolls_per_update  # noqa: E402
 
 LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
 
@@ -454,6 +454,9 @@ def test_trainer_cuts_mlagents_trajectories_across_unrolls():
         dataclasses.replace(cfg, trajectory_handling="rollout"), unroll_length=8, max_policy_lag=None
     )
     assert rollout.agent.unrolls_per_update == 0  # off-policy rollouts: actors never wait
+    # the one local actor follows the buffer exactly; with two, neither can know the other's share
+    assert not trainer.agent.sole_actor and not rollout.agent.sole_actor  # RunConfig's 2 workers
+    assert _trainer(cfg, unroll_length=8, max_policy_lag=None, workers=1).agent.sole_actor
 
 
 def test_huge_finite_unrolls_are_dropped_on_receipt():
@@ -601,6 +604,68 @@ def test_agent_waits_after_its_share_of_completed_trajectories():
         seed=0,
     )
     assert rollout.params_wait_s(1) == 5.0  # counted in unrolls
+
+
+def _sole_actor_against_the_learner(seed: int, trigger: str, nan_at: tuple[int, int] | None = None) -> list:
+    """60 rounds of a sole actor's 3 envs (random episode ends) fed to a real PPOLearner one env's unroll at a
+    time, as the learner's loop takes them; per round: (the learner updated, the actor asked to wait, the
+    update came before the round's last unroll). New weights reach the actor right after the round."""
+    K, T, D = 3, 3, 4
+    cfg = PPOConfig.preset("mlagents", hidden_units=8, num_layers=1, buffer_size=16, batch_size=8,
+                           time_horizon=4, num_epoch=1, update_trigger=trigger)  # fmt: skip
+    spec = PPOAgentSpec(cfg, D, 2, (-1.0, -1.0), (1.0, 1.0), unrolls_per_update=3, params_wait_s=5.0,
+                        sole_actor=True)  # fmt: skip
+    rng = np.random.default_rng(seed)
+    serial = iter(range(1, 10**6))  # every observation distinct, so the learner sees each stream continue
+    fresh = lambda n: np.stack([np.full(D, float(next(serial)), np.float32) for _ in range(n)])  # noqa: E731
+    obs = fresh(K)
+    agent = PPOAgent(spec, envs=_Envs(), first_obs=obs, unroll_length=T, seed=0)
+    learner = PPOLearner(cfg, D, 2, -np.ones(2), np.ones(2))
+    rounds = []
+    for r in range(60):
+        ends = rng.random((T, K)) < 0.15
+        seen, after = np.zeros((T, K, D), np.float32), np.zeros((T, K, D), np.float32)
+        for t in range(T):
+            seen[t], after[t] = obs, fresh(K)
+            agent.transition(
+                StepResult(after[t], np.zeros(K, np.float32), ends[t], np.zeros(K, bool), after[t])
+            )
+            obs = np.where(ends[t][:, None], fresh(K), after[t])
+        updated_at = None
+        for k in range(K):
+            rewards = np.full(T, np.nan if (r, k) == nan_at else 0.0, np.float32)
+            zeros = np.zeros((T, 2), np.float32)
+            learner.ingest(TrajectoryPiece(seen[:, k], zeros, zeros, rewards, ends[:, k], np.zeros(T, bool),
+                                           after[:, k], source=k))  # fmt: skip
+            if learner.ready():
+                learner.update()
+                updated_at = k
+        rounds.append((updated_at is not None, agent.params_wait_s(1) > 0, updated_at not in (None, K - 1)))
+        if updated_at is not None:
+            agent.load_params(dict(agent.policy.state_dict()))
+    return rounds
+
+
+@pytest.mark.parametrize("trigger", ["over_buffer_size", "buffer_full"])
+def test_sole_actor_waits_exactly_where_the_learner_updates(trigger):
+    """The learner's only actor (trajectory_handling='mlagents') replays the learner's buffer count over each
+    round it sent: it asks to wait after exactly the rounds on which the real PPOLearner updates, also when
+    the update came mid-round (the round's later unrolls start the next buffer). Then no unroll is collected
+    with weights that depend on timing, and a seeded run repeats itself."""
+    for seed in range(3):
+        rounds = _sole_actor_against_the_learner(seed, trigger)
+        assert sum(u for u, _, _ in rounds) >= 25 and sum(mid for _, _, mid in rounds) >= 10
+        assert [u for u, _, _ in rounds] == [w for _, w, _ in rounds]
+
+
+def test_sole_actor_after_a_rejected_unroll_costs_at_most_one_needless_wait():
+    """A NaN unroll the learner rejects (its steps, and its stream's unfinished trajectory, are not in the
+    buffer) puts the actor's count ahead: at most one wait for an update that does not come (bounded by
+    --params-wait), then new weights arriving unexpectedly restart the count and the two agree again."""
+    for seed in range(3):
+        rounds = _sole_actor_against_the_learner(seed, "over_buffer_size", nan_at=(10, 1))
+        assert sum(w and not u for u, w, _ in rounds) <= 1
+        assert [u for u, _, _ in rounds[30:]] == [w for _, w, _ in rounds[30:]]
 
 
 RUN_BAD_VALUES = [

@@ -84,7 +84,9 @@ class PPOAgentSpec:
     """The PPO policy's actions: ``action_dim`` continuous ones and/or one index per entry of
     ``branches`` (``action_space``: the env's space, which says how the env takes them; ``action_mask``:
     the env masks discrete actions). ``unrolls_per_update`` / ``params_wait_s`` make an on-policy actor
-    wait for new weights once it sent its share of an update."""
+    wait for new weights once it sent its share of an update; ``sole_actor``: it is the learner's only
+    local actor, so it can tell exactly which of its unrolls fill the buffer (trajectory_handling
+    'mlagents') and wait there, which makes a seeded single-actor run repeat itself."""
 
     config: PPOConfig
     obs_dim: int
@@ -97,6 +99,7 @@ class PPOAgentSpec:
     action_space: str = "Box"
     action_mask: bool = False
     obs_layout: ObsLayout = ObsLayout()  # which parts of the flat observation are images
+    sole_actor: bool = False
     kind: str = dataclasses.field(default="ppo", init=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +149,7 @@ class PPOAgentSpec:
             "action_space": self.action_space,
             "action_mask": self.action_mask,
             "obs_layout": self.obs_layout.to_dict(),
+            "sole_actor": self.sole_actor,
         }
 
     @classmethod
@@ -176,6 +180,8 @@ class PPOAgentSpec:
             _get(d, "action_mask", bool, what) if "action_mask" in d else False,
             # absent from runs (and checkpoints) from before visual observations: one vector
             ObsLayout.from_dict(_get(d, "obs_layout", Mapping, what)) if "obs_layout" in d else ObsLayout(),
+            # absent from runs (and checkpoints) from before single-actor runs waited exactly
+            _get(d, "sole_actor", bool, what) if "sole_actor" in d else False,
         )
 
 
