@@ -238,7 +238,7 @@ def _server(
         curve_dir=config.curve or None, validate=trainer.validate,
         protected_ids=guard.verified_local, local_token=guard.local_token, task_names=task_names,
     )  # fmt: skip
-    server.run_info = run_info.to_dict()
+    server.run_info = run_info.for_remote_actors().to_dict()
     return server
 
 

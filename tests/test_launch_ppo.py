@@ -36,7 +36,7 @@ from impala.run.config import ConfigError, RunConfig  # noqa: E402
 from impala.envs import EnvSpec  # noqa: E402
 from impala.envs.probe import EnvInfo  # noqa: E402
 from impala.envs.vector import StepResult  # noqa: E402
-from impala.transport.messages import PPOAgentSpec  # noqa: E402
+from impala.transport.messages import PPOAgentSpec, RunInfo  # noqa: E402
 from impala.run.ppo_config import PPOConfig  # noqa: E402
 from impala.run.ppo_config import choose_unroll_length  # noqa: E402
 from learner.ppo_learner import PPOLearner, PPOTrainer, TrajectoryPiece, piece_from_unroll, unrolls_per_update  # noqa: E402
@@ -456,7 +456,13 @@ def test_trainer_cuts_mlagents_trajectories_across_unrolls():
     assert rollout.agent.unrolls_per_update == 0  # off-policy rollouts: actors never wait
     # the one local actor follows the buffer exactly; with two, neither can know the other's share
     assert not trainer.agent.sole_actor and not rollout.agent.sole_actor  # RunConfig's 2 workers
-    assert _trainer(cfg, unroll_length=8, max_policy_lag=None, workers=1).agent.sole_actor
+    sole = _trainer(cfg, unroll_length=8, max_policy_lag=None, workers=1).agent
+    assert sole.sole_actor and PPOAgentSpec.from_dict(sole.to_dict()) == sole
+    # what remote actors are told (the weights message's run settings): none of them is the only actor
+    run = RunInfo("r1", EnvSpec("Pendulum-v1"), sole, 8, 3)
+    assert RunInfo.from_dict(run.to_dict()).agent.sole_actor
+    told = RunInfo.from_dict(run.for_remote_actors().to_dict())
+    assert not told.agent.sole_actor and dataclasses.replace(told.agent, sole_actor=True) == sole
 
 
 def test_huge_finite_unrolls_are_dropped_on_receipt():

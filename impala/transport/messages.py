@@ -219,6 +219,13 @@ class RunInfo:
         """Tasks are dealt to actors round-robin by id (local and remote actors alike)."""
         return actor_id % len(self.task_envs)
 
+    def for_remote_actors(self) -> "RunInfo":
+        """What the learner tells actors it did not start: none of them is its only actor (a PPO spec's
+        ``sole_actor`` is for the one local actor it started)."""
+        if not getattr(self.agent, "sole_actor", False):
+            return self
+        return dataclasses.replace(self, agent=dataclasses.replace(self.agent, sole_actor=False))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
