@@ -140,9 +140,7 @@ class PPOAgent:
         fills = False
         for steps in self._round_completed.tolist():
             self._buffer_steps += steps
-            if self._buffer_steps > self.config.buffer_size or (
-                self._buffer_steps == self.config.buffer_size and self.config.update_trigger == "buffer_full"
-            ):
+            if self._buffer_steps >= self.config.update_steps:  # the learner's own trigger
                 fills, self._buffer_steps = True, 0
         self._round_completed[:] = 0
         return fills

@@ -439,9 +439,7 @@ class PPOLearner:
 
     def ready(self) -> bool:
         """#8: ML-Agents updates once the buffer holds MORE than buffer_size steps; SB3 at buffer_size."""
-        if self.config.update_trigger == "over_buffer_size":
-            return self.buffer.num_steps > self.config.buffer_size
-        return self.buffer.num_steps >= self.config.buffer_size
+        return self.buffer.num_steps >= self.config.update_steps
 
     # ------------------------------------------------------------- update
 
@@ -645,8 +643,7 @@ METRIC_KEYS = {
 
 def unrolls_per_update(config: PPOConfig, unroll_length: int, n_envs: int) -> int:
     """Rounds of unrolls (one per env of every actor) that fill one update's buffer."""
-    needed = config.buffer_size + (1 if config.update_trigger == "over_buffer_size" else 0)
-    return math.ceil(needed / (unroll_length * n_envs))
+    return math.ceil(config.update_steps / (unroll_length * n_envs))
 
 
 def piece_from_unroll(arrays: Mapping[str, np.ndarray], source: Any = 0) -> TrajectoryPiece:

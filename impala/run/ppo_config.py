@@ -253,6 +253,12 @@ class PPOConfig:
         return cls(**base)
 
     @property
+    def update_steps(self) -> int:
+        """#8: buffer steps that trigger an update: more than buffer_size (ML-Agents' 'over_buffer_size'),
+        or buffer_size (SB3's 'buffer_full'). The learner's trigger, and what on-policy actors count to."""
+        return self.buffer_size + (1 if self.update_trigger == "over_buffer_size" else 0)
+
+    @property
     def field_docs(self) -> dict[str, str]:
         return {f.name: f.metadata["help"] for f in dataclasses.fields(self)}
 
