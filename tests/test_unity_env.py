@@ -285,6 +285,40 @@ def test_fast_client_steps_like_mlagents_environment(unity):
         assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
 
 
+class _SlowCloseReply:
+    """The handler thread's end of the communicator, holding the close message's reply back a moment
+    (what a busy host does now and then): it widens the window in which stopping the server could
+    abort that reply before it reaches the player."""
+
+    def __init__(self, end, delay: float) -> None:
+        self._end, self._delay = end, delay
+
+    def send(self, obj) -> None:
+        self._end.send(obj)
+
+    def recv(self):
+        reply = self._end.recv()
+        if reply.header.status == 400:
+            time.sleep(self._delay)
+        return reply
+
+
+def test_close_message_reaches_the_player_when_its_reply_is_slow_to_go_out(unity):
+    env, player = unity(FakeUnityConfig(), worker_id=6)
+    servicer = env._env._communicator.unity_to_external
+    # Exchange reads child_conn on each call: the handler waiting at close is one started after this
+    servicer.child_conn = _SlowCloseReply(servicer.child_conn, delay=0.3)
+    env.reset()
+    env.step(np.zeros((3, 2), np.float32))
+    t0 = time.monotonic()
+    env.close()
+    took = time.monotonic() - t0
+    assert player.join(5)
+    # mlagents' own close (no grace) aborts the held reply: the player then sees "cancelled"
+    assert player.shutdown == "quit"
+    assert took < 0.3 + 1.5  # the grace is bounded
+
+
 def test_close_sends_quit_and_releases_port(unity):
     env, player = unity(FakeUnityConfig(), worker_id=5)
     env.reset()

@@ -25,7 +25,9 @@ that produce the same results with less Python work per step:
     once more than gRPC already does, and pays a socket round trip. Here the two threads
     share a pair of in-process queues with the Pipe's ``send/recv/poll/close`` behaviour (a
     closed end makes the other's ``recv`` raise ``EOFError`` and its ``send``
-    ``BrokenPipeError``, so a handler thread never waits forever after ``close``).
+    ``BrokenPipeError``, so a handler thread never waits forever after ``close``). Its ``close``
+    stops the server with a short grace, so the close message reaches the player (mlagents'
+    aborts the handler's reply now and then, and the player sees a cancelled call instead).
 
 Import this module only after :func:`impala.envs.mlagents_proto.install` (``impala.envs.unity``
 does both).
@@ -45,6 +47,7 @@ from mlagents_envs.base_env import ActionTuple, BehaviorSpec, DecisionSteps, Ter
 from mlagents_envs.communicator_objects.command_pb2 import STEP
 from mlagents_envs.communicator_objects.unity_input_pb2 import UnityInputProto
 from mlagents_envs.communicator_objects.unity_rl_input_pb2 import UnityRLInputProto
+from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto
 from mlagents_envs.communicator_objects.unity_rl_output_pb2 import UnityRLOutputProto
 from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import (
     add_UnityToExternalProtoServicer_to_server,
@@ -212,7 +215,10 @@ class _QueueServicer(UnityToExternalServicerImplementation):
 
 
 class FastRpcCommunicator(RpcCommunicator):
-    """mlagents' ``RpcCommunicator`` with the handler-to-caller Pipe replaced by in-process queues."""
+    """mlagents' ``RpcCommunicator`` with the handler-to-caller Pipe replaced by in-process queues,
+    and a close that lets the close message reach the player."""
+
+    CLOSE_GRACE_S = 1.0
 
     def create_server(self) -> None:
         # RpcCommunicator.create_server with _QueueServicer
@@ -228,6 +234,22 @@ class FastRpcCommunicator(RpcCommunicator):
             self.is_open = True
         except Exception:
             raise UnityWorkerInUseException(self.worker_id)
+
+    def close(self) -> None:
+        """mlagents' close (the status-400 message, then the server stops), with a grace period.
+
+        mlagents stops the server with no grace, which aborts in-flight RPCs at once: the handler
+        thread that is returning the 400 to the player could be cut off first, and the player saw a
+        cancelled RPC instead of the close message (about 1 close in 60 here). The grace lets that
+        reply go out; a player that has no exchange in flight costs nothing, and a stuck one at most
+        ``CLOSE_GRACE_S``."""
+        if self.is_open:
+            message = UnityMessageProto()
+            message.header.status = 400
+            self.unity_to_external.parent_conn.send(message)
+            self.unity_to_external.parent_conn.close()
+            self.server.stop(self.CLOSE_GRACE_S).wait(self.CLOSE_GRACE_S + 1.0)
+            self.is_open = False
 
 
 class FastUnityEnvironment(UnityEnvironment):
