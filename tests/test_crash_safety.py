@@ -452,3 +452,44 @@ def test_a_full_disk_during_a_run_is_survived(tmp_path):
         or f"checkpoint {logdir}/checkpoint.pt" in last
     ), last
     assert saved is False or saved > 0
+
+
+def test_tensorboard_failing_on_a_full_disk_costs_only_its_events(tmp_path, caplog):
+    """TensorBoard's writer thread hits ENOSPC and raises it on every later call: the logger says so once and
+    goes on with metrics.csv (before, the run ended with that traceback when the disk filled mid-run)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    import subprocess
+
+    from impala.run.metrics import MetricsLogger
+
+    logdir = tmp_path / "run"
+    logdir.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(logdir)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        logger = MetricsLogger(str(logdir), progress=False)
+        logger.log(1, {"charts/mean_return_100": 1.0})
+        filler = logdir / "filler"
+        with open(filler, "wb", buffering=0) as f:  # every byte left
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        with caplog.at_level("WARNING", logger="impala.run.metrics"):
+            while logger.writer is not None and time.monotonic() < deadline:
+                logger.log(2, {"charts/mean_return_100": 2.0})  # must not raise
+                time.sleep(0.05)
+        assert logger.writer is None, "TensorBoard's writer never reported the full disk"
+        assert sum("TensorBoard events" in r.getMessage() for r in caplog.records) == 1
+        os.remove(filler)
+        logger.log(3, {"charts/mean_return_100": 3.0})
+        logger.close()
+        steps = [line.split(",")[0] for line in (logdir / "metrics.csv").read_text().splitlines()[1:]]
+        assert steps[0] == "1" and steps[-1] == "3"
+    finally:
+        subprocess.run(["umount", str(logdir)], check=False)

@@ -227,8 +227,12 @@ class MetricsLogger:
         return table
 
     def log(self, step: int, row: Mapping[str, float]) -> None:
-        for key, value in row.items():
-            self.writer.add_scalar(key, value, step)
+        if self.writer is not None:
+            try:
+                for key, value in row.items():
+                    self.writer.add_scalar(key, value, step)
+            except OSError as e:
+                self._lose_tensorboard(e)
         if self.tracker is not None:
             self.tracker.log(step, row)
         full = {"step": step, "time": round(time.time() - self._start, 3), **row}
@@ -301,10 +305,26 @@ class MetricsLogger:
         self._csv_file = open(self.csv_path, "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self._fields, restval="")
 
+    def _lose_tensorboard(self, error: OSError) -> None:
+        """TensorBoard's writer thread failed (a full disk, say): it raises that error on every later call,
+        so its events stop here, with one warning; training, metrics.csv and the checkpoints go on."""
+        log.warning(
+            "TensorBoard events in %s are not written from here on (%s: %s); training goes on, metrics.csv "
+            "keeps the curve",
+            self.csv_path.rsplit(os.sep, 1)[0],
+            type(error).__name__,
+            error.strerror or error,
+        )
+        self.writer = None
+
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
-        self.writer.close()
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError as e:
+                self._lose_tensorboard(e)
         if self.tracker is not None:
             self.tracker.close()
         if self._csv_file is not None:
