@@ -706,6 +706,9 @@ def _to_torch(x: Any) -> Any:
 class PPOTrainer:
     """The runtime's Trainer for PPO: unrolls -> TrajectoryPieces -> PPOLearner."""
 
+    # on-policy: its actors wait for each update's weights, so there is no next batch to stage meanwhile
+    overlaps_updates = False
+
     def __init__(
         self, config: PPOConfig, run: RunConfig, env: EnvInfo, *, params_wait_s: float = 0.0
     ) -> None:

@@ -29,7 +29,8 @@ import signal
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -84,6 +85,12 @@ class Trainer(Protocol):
     def ingest(self, msg: wire.Message, version: int) -> Any: ...
     def ready(self) -> bool: ...
     def update(self, frames_done: int) -> dict[str, float]: ...  # ``losses/`` and ``charts/`` keys
+
+    # True: ``stage_update`` takes the next batch now and returns its update, which the runtime runs on
+    # a thread of its own while the batch after it arrives and is staged
+    overlaps_updates: bool
+
+    def stage_update(self, frames_done: int) -> Callable[[], dict[str, float]]: ...
     def params(self) -> dict[str, np.ndarray]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
@@ -338,35 +345,10 @@ def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.E
             rows.row(progress, metrics, server.stats(), server.task_mean_returns(), pool.restarts),
         )
 
-    frames_per_unroll = int(round(config.unroll_length * trainer.frames_per_step))
-    metrics: dict[str, float] = {}
-    server.publish(progress.version, trainer.params())
-    while not (
-        budget.spent(progress.env_frames, progress.agent_steps) or stop.is_set() or budget.out_of_time()
-    ):
-        guard.check()
-        if not server.healthy():
-            raise RuntimeError("the learner's receive thread died; see the log above")
-        if config.workers:
-            pool.supervise()
-        msg = server.get(timeout=0.1)
-        if msg is None:
-            continue
-        lag = progress.version - msg.version
-        if config.max_policy_lag is not None and lag > config.max_policy_lag:
-            server.count_stale()
-            continue
-        rows.lags.append(lag)
-        trainer.ingest(msg, progress.version)
-        progress.agent_steps += config.unroll_length
-        progress.env_frames += frames_per_unroll
-        if server.task_names:
-            progress.task_frames[int(msg.arrays["task"][0])] += frames_per_unroll
-        if not trainer.ready():
-            if between_updates and rows.due(progress.agent_steps):
-                log_row()
-            continue
-        metrics = trainer.update(progress.env_frames)
+    def after_update(update_metrics: dict[str, float]) -> bool:
+        """Publish the new weights, evaluate, log, checkpoint; True when the run reached its return."""
+        nonlocal metrics
+        metrics = update_metrics
         progress.version += 1
         params = trainer.params()
         server.publish(progress.version, params)
@@ -378,7 +360,65 @@ def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.E
         checkpointer.maybe_save()
         if budget.return_reached(server.full_window_mean_return()):
             log_row()  # the curve ends where the run stopped, at the return it was asked for
-            break
+            return True
+        return False
+
+    frames_per_unroll = int(round(config.unroll_length * trainer.frames_per_step))
+    metrics: dict[str, float] = {}
+    # The update thread: update n trains there while this thread receives and stages batch n+1. Update
+    # n is finished (weights published, checkpoint due) before n+1 starts, as without it.
+    overlap = config.overlap_updates and trainer.overlaps_updates
+    updates = ThreadPoolExecutor(1, thread_name_prefix="update") if overlap else None
+    in_flight: Future | None = None
+    server.publish(progress.version, trainer.params())
+    try:
+        while not (
+            budget.spent(progress.env_frames, progress.agent_steps) or stop.is_set() or budget.out_of_time()
+        ):
+            guard.check()
+            if not server.healthy():
+                raise RuntimeError("the learner's receive thread died; see the log above")
+            if config.workers:
+                pool.supervise()
+            msg = server.get(timeout=0.1)
+            if msg is None:
+                continue
+            # the weights that will train on it: those after the update in flight, if there is one
+            lag = progress.version + (in_flight is not None) - msg.version
+            if config.max_policy_lag is not None and lag > config.max_policy_lag:
+                server.count_stale()
+                continue
+            rows.lags.append(lag)
+            trainer.ingest(msg, progress.version)
+            progress.agent_steps += config.unroll_length
+            progress.env_frames += frames_per_unroll
+            if server.task_names:
+                progress.task_frames[int(msg.arrays["task"][0])] += frames_per_unroll
+            if not trainer.ready():
+                if between_updates and rows.due(progress.agent_steps):
+                    log_row()
+                continue
+            if updates is None:
+                if after_update(trainer.update(progress.env_frames)):
+                    break
+                continue
+            update = trainer.stage_update(progress.env_frames)  # while the previous update trains
+            if in_flight is not None:
+                done, in_flight = in_flight, None
+                if after_update(done.result()):
+                    break
+            in_flight = updates.submit(update)
+    except BaseException:
+        # the weights change until the update in flight returns: nothing may read or save them before
+        if in_flight is not None and in_flight.exception() is None:
+            progress.version += 1
+        raise
+    else:
+        if in_flight is not None:  # the last batch of the budget
+            after_update(in_flight.result())
+    finally:
+        if updates is not None:
+            updates.shutdown()
 
 
 def _log_eval(

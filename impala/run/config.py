@@ -443,6 +443,13 @@ class RunConfig:
         "model's runs (BENCHMARKS.md); not the default until learning runs confirm it. Other programs at "
         "niceness 0 in the same session come before the actors too.",
     )
+    overlap_updates: bool = option(
+        False,
+        "Train each IMPALA batch on a thread of its own while the next batch is staged (stacking, "
+        "frame-stack rebuild, layout: ~7%% of a CPU learner's work); the updates and their order are the "
+        "same, bit for bit (tests/test_overlap_updates.py). Off by default until measured end to end; a "
+        "learner group and PPO stage in step either way.",
+    )
     in_process: bool = option(
         False,
         "Run the local actors as threads of the learner process (same actor code and sockets; for debugging "
