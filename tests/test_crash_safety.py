@@ -419,29 +419,17 @@ def test_a_directory_put_at_the_checkpoint_path_mid_run_costs_nothing(tmp_path):
     assert load_checkpoint(str(ckpt))["env_frames"] > 0
 
 
-def test_a_full_disk_during_a_run_is_survived(tmp_path):
+def test_a_full_disk_during_a_run_is_survived(tmpfs):
     """A run folder on a 512 KiB tmpfs: metrics and config fit, the checkpoint does not. The run trains to its
     end and says no checkpoint could be written (rc 0; before, ENOSPC ended it with chained tracebacks)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    import subprocess
-
-    logdir = tmp_path / "run"
-    logdir.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(logdir)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        with open(logdir / "filler", "wb") as f:  # leave less room than two checkpoints need
-            f.write(b"\0" * (512 * 1024 - 96 * 1024))
-        proc = _cartpole_run(logdir, 8)
-        out, _ = proc.communicate(timeout=90)
-        saved = (logdir / "checkpoint.pt").is_file() and load_checkpoint(str(logdir / "checkpoint.pt"))[
-            "env_frames"
-        ]
-    finally:
-        subprocess.run(["umount", str(logdir)], check=False)
+    logdir = tmpfs("run", "512k")
+    with open(logdir / "filler", "wb") as f:  # leave less room than two checkpoints need
+        f.write(b"\0" * (512 * 1024 - 96 * 1024))
+    proc = _cartpole_run(logdir, 8)
+    out, _ = proc.communicate(timeout=90)
+    saved = (logdir / "checkpoint.pt").is_file() and load_checkpoint(str(logdir / "checkpoint.pt"))[
+        "env_frames"
+    ]
     assert proc.returncode == 0, out[-3000:]
     assert "No space left on device" in out and "training goes on" in out, out[-3000:]
     assert "Traceback" not in out
@@ -454,42 +442,30 @@ def test_a_full_disk_during_a_run_is_survived(tmp_path):
     assert saved is False or saved > 0
 
 
-def test_tensorboard_failing_on_a_full_disk_costs_only_its_events(tmp_path, caplog):
+def test_tensorboard_failing_on_a_full_disk_costs_only_its_events(tmpfs, caplog):
     """TensorBoard's writer thread hits ENOSPC and raises it on every later call: the logger says so once and
     goes on with metrics.csv (before, the run ended with that traceback when the disk filled mid-run)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    import subprocess
-
     from impala.run.metrics import MetricsLogger
 
-    logdir = tmp_path / "run"
-    logdir.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(logdir)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        logger = MetricsLogger(str(logdir), progress=False)
-        logger.log(1, {"charts/mean_return_100": 1.0})
-        filler = logdir / "filler"
-        with open(filler, "wb", buffering=0) as f:  # every byte left
-            try:
-                while True:
-                    f.write(b"\0" * 4096)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 10
-        with caplog.at_level("WARNING", logger="impala.run.metrics"):
-            while logger.writer is not None and time.monotonic() < deadline:
-                logger.log(2, {"charts/mean_return_100": 2.0})  # must not raise
-                time.sleep(0.05)
-        assert logger.writer is None, "TensorBoard's writer never reported the full disk"
-        assert sum("TensorBoard events" in r.getMessage() for r in caplog.records) == 1
-        os.remove(filler)
-        logger.log(3, {"charts/mean_return_100": 3.0})
-        logger.close()
-        steps = [line.split(",")[0] for line in (logdir / "metrics.csv").read_text().splitlines()[1:]]
-        assert steps[0] == "1" and steps[-1] == "3"
-    finally:
-        subprocess.run(["umount", str(logdir)], check=False)
+    logdir = tmpfs("run", "256k")
+    logger = MetricsLogger(str(logdir), progress=False)
+    logger.log(1, {"charts/mean_return_100": 1.0})
+    filler = logdir / "filler"
+    with open(filler, "wb", buffering=0) as f:  # every byte left
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 10
+    with caplog.at_level("WARNING", logger="impala.run.metrics"):
+        while logger.writer is not None and time.monotonic() < deadline:
+            logger.log(2, {"charts/mean_return_100": 2.0})  # must not raise
+            time.sleep(0.05)
+    assert logger.writer is None, "TensorBoard's writer never reported the full disk"
+    assert sum("TensorBoard events" in r.getMessage() for r in caplog.records) == 1
+    os.remove(filler)
+    logger.log(3, {"charts/mean_return_100": 3.0})
+    logger.close()
+    steps = [line.split(",")[0] for line in (logdir / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps[0] == "1" and steps[-1] == "3"
