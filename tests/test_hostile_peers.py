@@ -402,6 +402,7 @@ def _honest_run(tmp_path, name: str, flood_rate: float) -> tuple[float, float, s
     return n / span, n / (span - cpu_wait), out, counts
 
 
+@pytest.mark.serial  # a throughput ratio between runs pinned to the CPUs a neighbouring test would share
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: learner, actor apart")
 def test_a_flooding_id_does_not_starve_an_honest_actor(tmp_path):
     """One honest remote actor beside a real learner, RUN_S s alone (twice) and RUN_S s beside one accepted

@@ -198,6 +198,7 @@ def _cpus_allowed(pid: int, task: str | int | None = None) -> str:
         return next(line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
 
 
+@pytest.mark.serial  # it pins processes to CPUs; a neighbouring test would share them
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one for the learner, one for actors"
 )

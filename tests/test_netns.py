@@ -58,7 +58,8 @@ def _netns_capable() -> tuple[bool, str]:
 
 
 CAPABLE, WHY_NOT = _netns_capable()
-pytestmark = pytest.mark.skipif(not CAPABLE, reason=WHY_NOT)
+# serial: the hosts' actors must advance at a rate (versions, unrolls per actor) a neighbour would slow
+pytestmark = [pytest.mark.skipif(not CAPABLE, reason=WHY_NOT), pytest.mark.serial]
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
