@@ -23,3 +23,11 @@ def test_a_selection_that_neither_part_collects_fails():
     r = _run("-k", "no_test_is_named_like_this_zq")
     assert r.returncode == 1, r.stdout[-2000:]
     assert "collected no tests" in r.stderr
+
+
+def test_a_failure_in_the_parallel_part_fails_the_run_though_the_serial_part_collects_nothing(tmp_path):
+    failing = tmp_path / "test_fails.py"
+    failing.write_text("def test_fails():\n    assert 1 == 2\n")
+    r = _run(str(failing))
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert "1 failed" in r.stdout
