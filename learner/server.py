@@ -144,10 +144,22 @@ class FairQueue:
             waiting = self._by_actor.get(actor)
             return len(waiting) if waiting else 0
 
-    def put(self, msg: wire.Message, timeout: float) -> None:
-        """Append ``msg``; raise queue.Full if no room came within ``timeout`` seconds."""
+    def put(self, msg: wire.Message, timeout: float, guaranteed: int = 0) -> None:
+        """Append ``msg``; raise queue.Full if no room came within ``timeout`` seconds.
+
+        ``guaranteed``: the unrolls every id is sure of (its equal part of the queue). An id holding
+        fewer is queued even when ``maxsize`` unrolls wait, up to twice ``maxsize``. Shares above the
+        equal part let an honest actor's burst in while there is room; without this, whichever id
+        refilled that room fastest (a flood over many connections) kept it, and the others were held
+        under their equal part. Twice ``maxsize`` always suffices: the room others hold above their
+        equal parts is at most ``maxsize``."""
+
+        def room() -> bool:
+            own = self._by_actor.get(msg.actor)
+            return self._size < (2 * self.maxsize if (len(own) if own else 0) < guaranteed else self.maxsize)
+
         with self._cond:
-            if not self._cond.wait_for(lambda: self._size < self.maxsize, timeout):
+            if not self._cond.wait_for(room, timeout):
                 raise queue.Full
             self._by_actor.setdefault(msg.actor, collections.deque()).append(msg)
             self._size += 1
@@ -576,7 +588,7 @@ class TrajectoryServer:
         seen[2] = time.monotonic()
         while not self._stop.is_set():
             try:
-                self.queue.put(msg, timeout=0.1)
+                self.queue.put(msg, timeout=0.1, guaranteed=self._equal_part())
                 return
             except queue.Full:
                 continue
@@ -644,18 +656,23 @@ class TrajectoryServer:
         except queue.Empty:
             return None
 
-    def fair_share(self) -> int:
-        """Unrolls one actor id may have queued: ceil(queue size / active
-        actors) + 2 K (active: an accepted message within ACTIVE_S). K, the run's envs per actor, is
-        the burst an honest actor sends at once (one unroll per env, back to back), and one round may
-        arrive while the last one still waits; K comes from the run's own settings, never a peer."""
+    def _equal_part(self) -> int:
+        """ceil(queue size / active actors) (active: an accepted message within ACTIVE_S): the queued
+        unrolls every id is sure of (``FairQueue.put`` queues them even when the queue is full)."""
         now = time.monotonic()
         if now - self._active_at > 0.05:
             self._active = max(1, sum(now - t < ACTIVE_S for t in self.last_seen.values()))
             self._active_at = now
+        return -(-self.queue.maxsize // self._active)
+
+    def fair_share(self) -> int:
+        """Unrolls one actor id may have queued: its equal part + 2 K. K, the run's envs per actor, is
+        the burst an honest actor sends at once (one unroll per env, back to back), and one round may
+        arrive while the last one still waits; K comes from the run's own settings, never a peer. The
+        burst above the equal part never keeps another id under its equal part (``FairQueue.put``)."""
         burst = self.run_info.get("envs_per_worker")
         burst = burst if type(burst) is int and burst >= 1 else 1
-        return -(-self.queue.maxsize // self._active) + 2 * burst
+        return self._equal_part() + 2 * burst
 
     def actor_report(self, top: int = 8) -> str:
         """The actors with the most accepted unrolls: count, seconds from first to last, rate."""
