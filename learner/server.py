@@ -147,16 +147,19 @@ class FairQueue:
     def put(self, msg: wire.Message, timeout: float, guaranteed: int = 0) -> None:
         """Append ``msg``; raise queue.Full if no room came within ``timeout`` seconds.
 
-        ``guaranteed``: the unrolls every id is sure of (its equal part of the queue). An id holding
-        fewer is queued even when ``maxsize`` unrolls wait, up to twice ``maxsize``. Shares above the
-        equal part let an honest actor's burst in while there is room; without this, whichever id
-        refilled that room fastest (a flood over many connections) kept it, and the others were held
-        under their equal part. Twice ``maxsize`` always suffices: the room others hold above their
-        equal parts is at most ``maxsize``."""
+        ``guaranteed``: the unrolls every id is sure of (its equal part of the queue). While another id
+        holds more than that, an id holding fewer is queued even when ``maxsize`` unrolls wait, up to
+        twice ``maxsize``. Shares above the equal part let an honest actor's burst in while there is
+        room; without this, whichever id refilled that room fastest (a flood over many connections) kept
+        it, and the others were held under their equal part. Twice ``maxsize`` always suffices: the room
+        others hold above their equal parts is at most ``maxsize``."""
 
         def room() -> bool:
-            own = self._by_actor.get(msg.actor)
-            return self._size < (2 * self.maxsize if (len(own) if own else 0) < guaranteed else self.maxsize)
+            if self._size < self.maxsize:
+                return True
+            if self._size >= 2 * self.maxsize or len(self._by_actor.get(msg.actor, ())) >= guaranteed:
+                return False
+            return any(len(q) > guaranteed for a, q in self._by_actor.items() if a != msg.actor)
 
         with self._cond:
             if not self._cond.wait_for(room, timeout):
