@@ -34,8 +34,9 @@ from impala.run.config import (
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from learner.group import LearnerGroupError
+from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
-from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, run
+from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, claim_cpus, run
 from learner.vtrace_learner import IMPALA_UNROLL, ImpalaTrainer, learner_threads, start_group
 
 log = logging.getLogger("launch_impala")
@@ -137,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail("launch_impala", e)
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
+    claim = CpuClaim()  # the CPUs a pinned run holds until it ends (a second run then leaves them be)
     try:
         prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
+        config = claim_cpus(config, claim)
         env, tasks, note = probe_run_envs(config)
         torch.set_num_threads(learner_threads(config, env))
         trainer = ImpalaTrainer(
@@ -190,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         return 1
+    finally:
+        claim.release()
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
     print(
         f"launch_impala: done: {result.env_frames} env frames ({result.agent_steps} agent steps), "

@@ -618,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
         env = with_engine_settings(probe(config, options, ppo_config.seed, stand_in=crawler_job), options)
         if env.agents_per_instance:  # a Unity build decides how many agents each instance steps
             config = dataclasses.replace(config, envs_per_worker=env.agents_per_instance)
+        if config.cpu_affinity == "auto":  # its actors wait during updates: the learner uses every core then
+            config = dataclasses.replace(config, cpu_affinity="off")
         torch.set_num_threads(config.cpu_threads(actors_wait_during_updates=actors_wait(config, ppo_config)))
         trainer = MLAgentsPPOTrainer(
             ppo_config,

@@ -23,6 +23,7 @@ The run's types, and which is which:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -41,8 +42,8 @@ from impala.envs import UnknownEnvError
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import EnvInfo
 from impala.run.checkpoint import CheckpointError
-from impala.run.config import ConfigError, RunConfig
-from impala.run.cpus import pin_process, split_cpus
+from impala.run.config import ConfigError, RunConfig, resolve_device
+from impala.run.cpus import CpuClaim, available_cpus, pin_process, split_cpus
 from impala.run.metrics import MetricsLogger
 from impala.run.tracking import WandbTracker
 from impala.transport import wire
@@ -247,6 +248,35 @@ def _server(
     )  # fmt: skip
     server.run_info = run_info.for_remote_actors().to_dict()
     return server
+
+
+def claim_cpus(config: RunConfig, claim: CpuClaim) -> RunConfig:
+    """``config`` with ``--cpu-affinity auto`` resolved (launch_impala, before the learner's threads are set):
+    'split' when a CPU learner has local actor processes, no CPU quota below its CPU set, CPUs enough for
+    its threads and the actors, and ``claim`` could take every CPU of the set (no other run on this machine
+    holds one); else 'off'. An explicit 'split' claims its CPUs too, and pins even where another run holds
+    them (the user asked), with a warning."""
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    if config.cpu_affinity == "split":
+        if not claim.take(cpus):
+            log.warning("--cpu-affinity split: another run on this machine has pinned to these CPUs too")
+        return config
+    if config.cpu_affinity != "auto":
+        return config
+    off = dataclasses.replace(config, cpu_affinity="off")
+    if not config.workers or config.in_process or config.learners != 1 or available_cpus() < len(cpus):
+        return off
+    if resolve_device(config.device).type != "cpu":  # measured on CPU learners only
+        return off
+    try:
+        split_cpus(dataclasses.replace(config, cpu_affinity="split").cpu_threads())
+    except ValueError:  # not CPUs enough to give the actors some
+        return off
+    if not claim.take(cpus):
+        log.info("cpu affinity: another run on this machine has pinned to CPUs %s; the kernel places "
+                 "this one", ",".join(map(str, cpus)))  # fmt: skip
+        return off
+    return dataclasses.replace(config, cpu_affinity="split")
 
 
 def _place(config: RunConfig) -> tuple[int, ...]:

@@ -30,9 +30,9 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def start(cmd: list[str], **kw) -> subprocess.Popen:
+def start(cmd: list[str], extra_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
     """Start a console script in its own session (so a test can signal its whole group)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     return subprocess.Popen(
         [str(BIN / cmd[0]), *cmd[1:]],
         stdout=subprocess.PIPE,

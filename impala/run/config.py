@@ -426,13 +426,17 @@ class RunConfig:
         "with a CUDA --device, one GPU per rank); each update's batch is split over them, --batch-size must "
         "divide. Rank 0 receives the unrolls, publishes weights and writes checkpoints.",
     )
-    cpu_affinity: Literal["off", "split"] = option(
-        "off",
+    cpu_affinity: Literal["auto", "off", "split"] = option(
+        "auto",
         "'split': pin the learner to CPUs of its own (--torch-threads of them, 1 by default) and the local "
         "actors to the others, instead of leaving placement to the kernel. On a 2-core box with 2 actors it "
         "ran Pong faster in 5 of 6 side-by-side pairs, 10-42%% (BENCHMARKS.md): the learner keeps its caches "
-        "and never waits for a core. "
-        "For a run that has the machine to itself (two split runs would pin onto the same CPUs).",
+        "and never waits for a core. 'auto' (launch_impala): split when the learner runs on the CPU with "
+        "local actor processes and no other run on this machine has claimed these CPUs (a lock file per CPU "
+        "in the temp folder, dropped when the run ends), else 'off'; launch_ppo: 'off' (its actors wait "
+        "during updates, so its learner uses every core then). Containers that share cores but not a temp "
+        "folder cannot see each other's claims: give them 'off', CPU sets of their own, or a common folder "
+        "in IMPALA_CPU_CLAIMS_DIR.",
     )
     actor_nice: int = option(
         0,
@@ -596,7 +600,8 @@ class RunConfig:
         )
         need(self.torch_threads >= 0, f"--torch-threads must be >= 0 (0 picks), got {self.torch_threads}")
         need(
-            self.cpu_affinity == "off" or (self.workers >= 1 and not self.in_process and self.learners == 1),
+            self.cpu_affinity != "split"
+            or (self.workers >= 1 and not self.in_process and self.learners == 1),
             "--cpu-affinity split pins one learner and its local actor processes apart: it needs "
             "--workers >= 1, no --in-process and one learner",
         )

@@ -1,13 +1,21 @@
 """The CPUs this process may use: its affinity (a Slurm allocation's or a container's cpuset) capped by the
 CFS quota of its cgroup (``docker --cpus``, Kubernetes CPU limits), so that defaults derived from it (actors,
 learner threads, evaluation workers) never oversubscribe a container; and pinning a process to some of
-them (``--cpu-affinity split``)."""
+them (``--cpu-affinity split``), and claiming them so that a second run on the machine does not pin onto the
+same ones (``--cpu-affinity auto``)."""
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import re
+import tempfile
+
+# One lock file per CPU: a run that pins holds an flock on each of its CPUs' files while it runs. Any user's
+# run may create them (the folder is world-writable and sticky, as /tmp); an flock needs only read access.
+# IMPALA_CPU_CLAIMS_DIR moves the folder (containers that share cores can mount one folder in common).
+CLAIMS_DIR = os.path.join(tempfile.gettempdir(), "impala-rl-cpu-claims")
 
 
 def available_cpus() -> int:
@@ -105,3 +113,44 @@ def _cfs_quota(directory: str, v2: bool) -> float | None:
         return None if quota <= 0 else quota / period
     except (OSError, ValueError, ZeroDivisionError):
         return None
+
+
+class CpuClaim:
+    """The CPUs this process holds for a pinned run: an flock on one file per CPU in ``claims_dir``. The
+    kernel drops the locks when the process ends, however it ends (a killed run leaves no stale claim);
+    ``release`` drops them sooner and gives the process back the affinity it had before it was pinned (a
+    run inside a longer-lived process)."""
+
+    def __init__(self, claims_dir: str | None = None) -> None:
+        self.claims_dir = claims_dir or os.environ.get("IMPALA_CPU_CLAIMS_DIR") or CLAIMS_DIR
+        self.cpus: tuple[int, ...] = ()
+        self._fds: list[int] = []
+        self._affinity = frozenset(os.sched_getaffinity(0))
+
+    def take(self, cpus: tuple[int, ...]) -> bool:
+        """Claim every CPU of ``cpus``, or none: False when another process holds one of them, or the claims
+        folder cannot be used (then nobody can tell, and the caller should not pin)."""
+        fds = []
+        try:
+            os.makedirs(self.claims_dir, exist_ok=True)
+            if os.stat(self.claims_dir).st_uid == os.getuid():
+                os.chmod(self.claims_dir, 0o1777)
+            for cpu in cpus:
+                fd = os.open(os.path.join(self.claims_dir, f"cpu{cpu}.lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+                fds.append(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by another run (EWOULDBLOCK), or no usable folder
+            for fd in fds:
+                os.close(fd)
+            return False
+        self._fds.extend(fds)
+        self.cpus = tuple(cpus)
+        return True
+
+    def release(self) -> None:
+        """Drop the claims and unpin this process (every thread) back to its affinity before the run."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds, self.cpus = [], ()
+        if frozenset(os.sched_getaffinity(0)) != self._affinity:
+            pin_process(tuple(sorted(self._affinity)))
