@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     claim = CpuClaim()  # the CPUs a pinned run holds until it ends (a second run then leaves them be)
     try:
         prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
-        config = claim_cpus(config, claim)
         env, tasks, note = probe_run_envs(config)
+        config = claim_cpus(config, claim, env)
         torch.set_num_threads(learner_threads(config, env))
         trainer = ImpalaTrainer(
             impala, config, env, group=start_group(impala, config, env, tasks), tasks=tasks

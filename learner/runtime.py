@@ -250,12 +250,13 @@ def _server(
     return server
 
 
-def claim_cpus(config: RunConfig, claim: CpuClaim) -> RunConfig:
+def claim_cpus(config: RunConfig, claim: CpuClaim, env: EnvInfo) -> RunConfig:
     """``config`` with ``--cpu-affinity auto`` resolved (launch_impala, before the learner's threads are set):
-    'split' when a CPU learner has local actor processes, no CPU quota below its CPU set, CPUs enough for
-    its threads and the actors, and ``claim`` could take every CPU of the set (no other run on this machine
-    holds one); else 'off'. An explicit 'split' claims its CPUs too, and pins even where another run holds
-    them (the user asked), with a warning."""
+    'split' for image observations (a conv net: the learner is the bottleneck, and pinning was measured to
+    pay there) on a CPU learner with local actor processes, no CPU quota below its CPU set, CPUs enough for
+    its threads and the actors, when ``claim`` could take every CPU of the set (no other run on this
+    machine holds one); else 'off'. An explicit 'split' claims its CPUs too, and pins even where another
+    run holds them (the user asked), with a warning."""
     cpus = tuple(sorted(os.sched_getaffinity(0)))
     if config.cpu_affinity == "split":
         if not claim.take(cpus):
@@ -265,6 +266,8 @@ def claim_cpus(config: RunConfig, claim: CpuClaim) -> RunConfig:
         return config
     off = dataclasses.replace(config, cpu_affinity="off")
     if not config.workers or config.in_process or config.learners != 1 or available_cpus() < len(cpus):
+        return off
+    if len(env.obs_shape) != 3:  # vector observations: a small MLP learner, the actors the bottleneck
         return off
     if resolve_device(config.device).type != "cpu":  # measured on CPU learners only
         return off

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from impala.envs import EnvSpec
+from impala.envs.probe import EnvInfo
 from impala.run.config import RunConfig
 from impala.run.cpus import CpuClaim
 from learner.runtime import claim_cpus
@@ -60,29 +62,35 @@ def test_release_gives_the_process_its_affinity_back(tmp_path):
     assert os.sched_getaffinity(0) == set(CPUS)
 
 
+IMAGE = EnvInfo(EnvSpec("PixelCatch-v0"), (84, 84, 4), "uint8", "Box", "Discrete", num_actions=3)
+VECTOR = EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num_actions=2)
+
+
 @two_cpus
-def test_auto_splits_only_a_cpu_learner_with_local_actors_whose_cpus_are_free(tmp_path):
-    base = RunConfig(env="CartPole-v1", workers=2, device="cpu")
+def test_auto_splits_only_a_cpu_learner_of_images_with_local_actors_whose_cpus_are_free(tmp_path):
+    base = RunConfig(env="PixelCatch-v0", workers=2, device="cpu")
     claim = CpuClaim(str(tmp_path))
     try:
-        assert claim_cpus(base, claim).cpu_affinity == "split" and claim.cpus == CPUS
+        assert claim_cpus(base, claim, IMAGE).cpu_affinity == "split" and claim.cpus == CPUS
         # another run's process (a second claim in the same folder) finds them held
         other = CpuClaim(str(tmp_path))
-        assert claim_cpus(base, other).cpu_affinity == "off" and other.cpus == ()
+        assert claim_cpus(base, other, IMAGE).cpu_affinity == "off" and other.cpus == ()
     finally:
         claim.release()
-    for change in (
-        {"workers": 0},  # remote actors only
-        {"in_process": True},  # actors are threads of the learner
-        {"learners": 2},
-        {"torch_threads": len(CPUS)},  # no CPU left for the actors
-        {"cpu_affinity": "off"},
+    for change, env in (
+        ({}, VECTOR),  # an MLP learner: the actors are the bottleneck, not pinned apart
+        ({"workers": 0}, IMAGE),  # remote actors only
+        ({"in_process": True}, IMAGE),  # actors are threads of the learner
+        ({"learners": 2}, IMAGE),
+        ({"torch_threads": len(CPUS)}, IMAGE),  # no CPU left for the actors
+        ({"cpu_affinity": "off"}, IMAGE),
     ):
         free = CpuClaim(str(tmp_path))
-        assert claim_cpus(dataclasses.replace(base, **change), free).cpu_affinity == "off", change
+        assert claim_cpus(dataclasses.replace(base, **change), free, env).cpu_affinity == "off", change
         assert free.cpus == (), change
-    explicit = CpuClaim(str(tmp_path))  # an explicit split claims as well
-    assert claim_cpus(dataclasses.replace(base, cpu_affinity="split"), explicit).cpu_affinity == "split"
+    explicit = CpuClaim(str(tmp_path))  # an explicit split claims as well, whatever the observations
+    split = dataclasses.replace(base, cpu_affinity="split")
+    assert claim_cpus(split, explicit, VECTOR).cpu_affinity == "split"
     assert explicit.cpus == CPUS
     explicit.release()
 
@@ -92,34 +100,33 @@ def _cpus_allowed(pid: int) -> str:
         return next(line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
 
 
-def _cartpole(tmp_path, name: str) -> subprocess.Popen:
+def _pixel_catch(tmp_path, name: str) -> subprocess.Popen:
     return start(
-        ["launch_impala", "--workers", "2", "--env", "CartPole-v1", "--unroll-length", "20",
-         "--batch-size", "8", "--total-frames", "10000000", "--no-progress",
-         "--logdir", str(tmp_path / name)],
+        ["launch_impala", "--workers", "2", "--env", "PixelCatch-v0", "--batch-size", "8",
+         "--total-frames", "10000000", "--no-progress", "--logdir", str(tmp_path / name)],
         extra_env={"IMPALA_CPU_CLAIMS_DIR": str(tmp_path / "claims")},
     )  # fmt: skip
 
 
 @two_cpus
 def test_two_runs_on_one_machine_pin_only_the_first(tmp_path):
-    """Two launch_impala runs with the defaults, one claims folder: the first pins (learner on the first CPU,
-    actors on the rest), the second leaves placement to the kernel and says why. Once the first is killed
-    (SIGKILL: no cleanup), a third pins again."""
+    """Two launch_impala runs of an image env with the defaults, one claims folder: the first pins (learner
+    on the first CPU, actors on the rest), the second leaves placement to the kernel and says why. Once the
+    first is killed (SIGKILL: no cleanup), a third pins again."""
     everything = f"{CPUS[0]}-{CPUS[-1]}" if CPUS == tuple(range(CPUS[0], CPUS[-1] + 1)) else None
-    first = _cartpole(tmp_path, "first")
+    first = _pixel_catch(tmp_path, "first")
     second = third = None
     try:
         assert wait_for(lambda: len(actor_pids(first.pid)) == 2, 120)
         assert _cpus_allowed(first.pid) == str(CPUS[0])
-        second = _cartpole(tmp_path, "second")
+        second = _pixel_catch(tmp_path, "second")
         assert wait_for(lambda: len(actor_pids(second.pid)) == 2, 120)
         assert _cpus_allowed(second.pid) != str(CPUS[0])
         if everything:
             assert {_cpus_allowed(p) for p in [second.pid, *actor_pids(second.pid)]} == {everything}
         kill_group(first)
         first.wait(30)
-        third = _cartpole(tmp_path, "third")
+        third = _pixel_catch(tmp_path, "third")
         assert wait_for(lambda: len(actor_pids(third.pid)) == 2, 120)
         assert _cpus_allowed(third.pid) == str(CPUS[0])
     finally:

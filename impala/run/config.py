@@ -431,12 +431,12 @@ class RunConfig:
         "'split': pin the learner to CPUs of its own (--torch-threads of them, 1 by default) and the local "
         "actors to the others, instead of leaving placement to the kernel. On a 2-core box with 2 actors it "
         "ran Pong faster in 5 of 6 side-by-side pairs, 10-42%% (BENCHMARKS.md): the learner keeps its caches "
-        "and never waits for a core. 'auto' (launch_impala): split when the learner runs on the CPU with "
-        "local actor processes and no other run on this machine has claimed these CPUs (a lock file per CPU "
-        "in the temp folder, dropped when the run ends), else 'off'; launch_ppo: 'off' (its actors wait "
-        "during updates, so its learner uses every core then). Containers that share cores but not a temp "
-        "folder cannot see each other's claims: give them 'off', CPU sets of their own, or a common folder "
-        "in IMPALA_CPU_CLAIMS_DIR.",
+        "and never waits for a core. 'auto' (launch_impala): split for image observations when the learner "
+        "runs on the CPU with local actor processes and no other run on this machine has claimed these "
+        "CPUs (a lock file per CPU in the temp folder, dropped when the run ends), else 'off'; launch_ppo: "
+        "'off' (its actors wait during updates, so its learner uses every core then). Containers that "
+        "share cores but not a temp folder cannot see each other's claims: give them 'off', CPU sets of "
+        "their own, or a common folder in IMPALA_CPU_CLAIMS_DIR.",
     )
     actor_nice: int = option(
         0,
