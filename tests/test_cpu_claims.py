@@ -71,7 +71,10 @@ def test_auto_splits_only_a_cpu_learner_of_images_with_local_actors_whose_cpus_a
     base = RunConfig(env="PixelCatch-v0", workers=2, device="cpu")
     claim = CpuClaim(str(tmp_path))
     try:
-        assert claim_cpus(base, claim, IMAGE).cpu_affinity == "split" and claim.cpus == CPUS
+        resolved = claim_cpus(base, claim, IMAGE)
+        assert resolved.cpu_affinity == "split" and claim.cpus == CPUS
+        # the learner's threads: the CPUs its 2 actors leave, at least one (a 16-core box: 14)
+        assert resolved.torch_threads == max(1, len(CPUS) - 2) == resolved.cpu_threads()
         # another run's process (a second claim in the same folder) finds them held
         other = CpuClaim(str(tmp_path))
         assert claim_cpus(base, other, IMAGE).cpu_affinity == "off" and other.cpus == ()

@@ -433,7 +433,8 @@ class RunConfig:
         "ran Pong faster in 5 of 6 side-by-side pairs, 10-42%% (BENCHMARKS.md): the learner keeps its caches "
         "and never waits for a core. 'auto' (launch_impala): split for image observations when the learner "
         "runs on the CPU with local actor processes and no other run on this machine has claimed these "
-        "CPUs (a lock file per CPU in the temp folder, dropped when the run ends), else 'off'; launch_ppo: "
+        "CPUs (a lock file per CPU in the temp folder, dropped when the run ends), the learner taking the "
+        "CPUs the actors leave (at least 1) unless --torch-threads, else 'off'; launch_ppo: "
         "'off' (its actors wait during updates, so its learner uses every core then). Containers that "
         "share cores but not a temp folder cannot see each other's claims: give them 'off', CPU sets of "
         "their own, or a common folder in IMPALA_CPU_CLAIMS_DIR.",
