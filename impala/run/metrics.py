@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, Mapping
 
@@ -115,6 +116,25 @@ def task_returns_text(row: Mapping[str, float]) -> str:
     return " ".join(parts)
 
 
+def _quiet_tensorboard_writer_thread() -> None:
+    """TensorBoard's event-writer thread ends by re-raising an OSError it met (a full disk), and Python's
+    default hook prints that traceback in the run's console; MetricsLogger handles the error when the writer
+    raises it again in the caller (``_lose_tensorboard``). Installed once per process: that thread's OSError
+    becomes one warning line; every other thread's exception goes to the hook there was."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            log.warning("TensorBoard's event writer stopped: %s", args.exc_value)
+            return
+        previous(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class MetricsLogger:
     """One call logs a row to the console display, TensorBoard, ``metrics.csv`` and a tracker."""
 
@@ -144,6 +164,7 @@ class MetricsLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         purge = None if resumed_at_step is None else resumed_at_step + 1
+        _quiet_tensorboard_writer_thread()
         self.writer = SummaryWriter(logdir, purge_step=purge)
         if config_record:
             self._record_config(logdir, config_record)
