@@ -159,8 +159,9 @@ def test_eval_every_logs_eval_rows_while_training_goes_on(tmp_path):
     # still ran)
     assert steps[0] >= every and all(b // every > a // every for a, b in zip(steps, steps[1:])), steps
     for i, row in evals:
+        # a CartPole return is its length: at least 1 (a greedy policy that always pushes one way falls in ~8)
         assert (
-            9
+            1
             <= float(row["eval/min_return"])
             <= float(row["eval/mean_return"])
             <= float(row["eval/max_return"])
