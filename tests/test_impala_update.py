@@ -148,7 +148,7 @@ def _learner(popart: bool, **overrides) -> tuple[VTraceLearner, torch.nn.Module]
     model = build_model("shallow", OBS, A)
     reference = copy.deepcopy(model)
     config = ImpalaConfig(
-        **{k: v for k, v in {**PAPER, **overrides, "popart": popart}.items() if k in IMPALA_FIELDS}
+        **{k: v for k, v in {**PAPER, **overrides, "popart": popart, "precision": "fp32"}.items() if k in IMPALA_FIELDS}
     )
     return VTraceLearner(model, config, torch.device("cpu"), total_frames=10_000_000), reference
 

@@ -53,7 +53,7 @@ class NetOutput(NamedTuple):
     task_values: torch.Tensor
 
 
-def _scale_frames(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+def _scale_frames(x: torch.Tensor, channels_last: bool, compute_dtype: torch.dtype | None) -> torch.Tensor:
     # Lay the (4x smaller) uint8 frames out first, then convert and scale in place: scaling a
     # float copy out of place and then reordering it took ~3x as long (a quarter of a small
     # CPU learner update).
@@ -61,6 +61,8 @@ def _scale_frames(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
         x = x.contiguous(memory_format=torch.channels_last)
     if x.dtype == torch.uint8:
         return x.float().mul_(1.0 / 255.0)
+    if compute_dtype is not None and x.dtype == compute_dtype:
+        return x  # frames the learner scaled once per batch (_ImageTorso.lay_out)
     return x.float()
 
 
@@ -91,14 +93,37 @@ class _ActivityTracking:
         return self._activity
 
 
+class _ChannelsLastGradient(torch.autograd.Function):
+    """The identity; its backward hands the gradient on in channels-last order.
+
+    Flattening a channels-last feature map for the fc layer copies it to NCHW order, so the gradient
+    coming back is NCHW too; every ReLU and convolution backward below then mixed NCHW gradients with
+    channels-last activations, which oneDNN and PyTorch's elementwise kernels run on slow strided paths
+    (the first ReLU's backward alone took 1-11 ms of a 21 ms minibatch update, 2-core AMD EPYC).
+    Reordering the gradient once here keeps every layer below on its fast path; the values are the same."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.contiguous(memory_format=torch.channels_last)
+
+
 class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
-    """Shared plumbing: frame scaling, channels_last input, flatten size from obs_shape."""
+    """Shared plumbing: frame scaling, channels_last input, flatten size from obs_shape, and the
+    arithmetic the torso runs in (:attr:`compute_dtype`)."""
 
     out_features: int
 
     def __init__(self) -> None:
         super().__init__()
         self.channels_last = False
+        # None: float32. torch.bfloat16: the convolutions and the fc layer run under bf16 autocast (the
+        # learner's choice, ``--precision``); the weights stay float32 and the features leave as float32,
+        # so the heads, the losses and the actors (which never set it) are float32 throughout.
+        self.compute_dtype: torch.dtype | None = None
 
     def to_channels_last(self) -> "_ImageTorso":
         """Use NHWC for convolutions (faster with cuDNN/bf16 on recent GPUs)."""
@@ -107,13 +132,23 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
 
     def lay_out(self, obs: torch.Tensor) -> torch.Tensor:
         """``obs`` [..., C, H, W], same shape and values, in the memory order :meth:`forward` reads without
-        reordering (channels innermost after :meth:`to_channels_last`; otherwise ``obs`` itself).
+        reordering (channels innermost after :meth:`to_channels_last`; otherwise ``obs`` itself). With a
+        :attr:`compute_dtype`, uint8 frames come back scaled to [0, 1] in that dtype: the values the
+        forward pass's autocast would make of them, made once.
 
         The learner lays out each batch once: reordering the uint8 frames inside every minibatch's forward
-        pass was a quarter of a CPU update (2-core Intel Xeon, 4 x 4 minibatches, BENCHMARKS.md)."""
-        if not self.channels_last or obs.dim() < 4:
+        pass was a quarter of a CPU update (2-core Intel Xeon, 4 x 4 minibatches, BENCHMARKS.md), and
+        scaling them there, then rounding to bf16, two copies of every frame in each of the 33
+        forward passes a batch gets (about 7% of a bf16 update, 2-core AMD EPYC)."""
+        if obs.dim() < 4:
             return obs
-        return obs.movedim(-3, -1).contiguous().movedim(-1, -3)
+        nhwc = obs.movedim(-3, -1).contiguous() if self.channels_last else obs
+        if self.compute_dtype is not None and obs.dtype == torch.uint8:
+            # uint8 -> bf16 is exact, and bf16's in-place multiply computes in float32 and rounds once: the
+            # values autocast makes of the float32 frames (tests/test_impala_net.py), at a third of the
+            # time of converting through float32 and of a one-pass strided uint8 -> bf16 multiply
+            nhwc = nhwc.to(self.compute_dtype).mul_(1.0 / 255.0)
+        return nhwc.movedim(-1, -3) if self.channels_last else nhwc
 
     @abc.abstractmethod
     def _conv_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,9 +163,16 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
             return int(self._conv_features(torch.zeros(1, *obs_shape)).flatten(1).shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, C, H, W] uint8 (or float in [0, 1]) -> [N, out_features]."""
-        x = self._conv_features(_scale_frames(x, self.channels_last))
-        return self._track("fc", F.relu(self.fc(x.flatten(1))))
+        """[N, C, H, W] uint8 (or float in [0, 1]) -> [N, out_features] float32."""
+        x = _scale_frames(x, self.channels_last, self.compute_dtype)
+        with torch.autocast(
+            x.device.type, dtype=self.compute_dtype or torch.bfloat16, enabled=self.compute_dtype is not None
+        ):
+            x = self._conv_features(x)
+            if self.channels_last and x.requires_grad:
+                x = _ChannelsLastGradient.apply(x)
+            x = self._track("fc", F.relu(self.fc(x.flatten(1))))
+        return x.float()
 
 
 class ShallowCNN(_ImageTorso):

@@ -852,7 +852,13 @@ class ImpalaConfig:
     reward_clip: float = option(1.0, "Clip rewards to [-c, c] in the learner; 0 disables.")
     grad_norm_clip: float = option(0.5, "Global gradient-norm clip; 0 disables.")
     popart_beta: float = option(3e-4, "PopArt statistics step size.")
-    autocast_bf16: bool = option(False, "Run the learner's forward pass under bf16 autocast (CUDA only).")
+    precision: Literal["auto", "fp32", "bf16"] = option(
+        "auto",
+        "The learner's arithmetic in an image torso (its convolutions and fc layer): 'fp32', or 'bf16' "
+        "(autocast; weights, optimizer, heads, losses and V-trace stay fp32, and so do the actors). 'auto': "
+        "bf16 on a CPU learner whose CPU does bf16 natively (AVX512-BF16 or AMX; about 1.5x faster "
+        "updates, BENCHMARKS.md), fp32 elsewhere (GPUs, vector observations).",
+    )
     frame_dedup: bool = option(
         True,
         "Atari: send each frame once (the newest frame per step) and rebuild the 4-frame stacks in the "
