@@ -61,6 +61,67 @@ def test_channels_last_matches():
     torch.testing.assert_close(got.policy_logits, ref.policy_logits, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["shallow", "deep"])
+def test_channels_last_gradients_are_the_nchw_gradients_in_nchw_order(kind):
+    """The channels-last torso hands its gradient back through the flatten in channels-last order (a speed
+    fix); every weight's gradient is still the NCHW network's, and the conv weights' gradients keep the
+    weights' own (channels-last) layout."""
+    torch.manual_seed(0)
+    ref = impala_net.build_model(kind, PONG_OBS, PONG_ACTIONS)
+    net = impala_net.build_model(kind, PONG_OBS, PONG_ACTIONS)
+    net.load_state_dict(ref.state_dict())
+    net.torso.to_channels_last()
+    obs, first = _frames(3, 4, seed=5), torch.zeros(3, 4, dtype=torch.bool)
+    for model, frames in ((ref, obs), (net, net.torso.lay_out(obs))):
+        out, _ = model(frames, first)
+        (out.policy_logits.logsumexp(-1).sum() + out.values.pow(2).sum()).backward()
+    for (name, want), got in zip(ref.named_parameters(), net.parameters()):
+        # float32's reordering error only (the sums run in another order in channels-last kernels)
+        assert (got.grad - want.grad).abs().max() <= 1e-5 * want.grad.abs().max(), name
+    first_conv = net.torso.conv1 if kind == "shallow" else net.torso.sections[0][0]
+    assert first_conv.weight.grad.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_bf16_lay_out_is_what_autocast_makes_of_the_float_frames():
+    """With compute_dtype bf16 the learner scales each batch's frames once (lay_out); the values are the
+    ones autocast would round the float32 frames to inside every forward pass, bit for bit."""
+    torso = impala_net.ShallowCNN(PONG_OBS).to_channels_last()
+    torso.compute_dtype = torch.bfloat16
+    obs = torch.arange(256, dtype=torch.uint8).repeat(3 * 2 * 4 * 84 * 84 // 256 + 1)[: 3 * 2 * 4 * 84 * 84]
+    obs = obs.view(3, 2, *PONG_OBS)  # every uint8 value
+    got = torso.lay_out(obs)
+    want = (obs.float() / 255.0).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert got[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("kind", ["shallow", "nature", "deep"])
+def test_bf16_torso_stays_close_to_float32_and_hands_float32_on(kind):
+    """bf16 in the torso rounds activations to 8 significant bits; the features, logits and values it
+    yields stay within a few percent of float32's (about 2% for the 15-layer deep torso), and leave the
+    torso as float32 (the heads and the losses are float32). Prescaled bf16 frames and uint8 frames give
+    the same outputs."""
+    torch.manual_seed(0)
+    net = impala_net.build_model(kind, PONG_OBS, PONG_ACTIONS)
+    net.torso.to_channels_last()
+    obs, first = _frames(4, 8, seed=9), torch.zeros(4, 8, dtype=torch.bool)
+    frames = net.torso.lay_out(obs)
+    ref, _ = net(frames, first)
+    net.torso.compute_dtype = torch.bfloat16
+    got, _ = net(obs, first)
+    prescaled, _ = net(net.torso.lay_out(obs), first)
+    assert got.policy_logits.dtype == torch.float32 and got.values.dtype == torch.float32
+    torch.testing.assert_close(prescaled.policy_logits, got.policy_logits)
+    feats = net.torso(frames[0])
+    net.torso.compute_dtype = None
+    want_feats = net.torso(frames[0])
+    assert feats.dtype == torch.float32
+    rel = (feats - want_feats).norm() / want_feats.norm()
+    assert 0 < rel < 0.03, rel  # > 0: bf16 did run
+    for a, b in ((got.policy_logits, ref.policy_logits), (got.values, ref.values)):
+        assert (a - b).abs().max() <= 0.04 * b.abs().max() + 1e-4
+
+
 def test_lstm_resets_at_first():
     torch.manual_seed(0)
     net = impala_net.build_model("shallow", PONG_OBS, PONG_ACTIONS, use_lstm=True)

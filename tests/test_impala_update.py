@@ -148,7 +148,11 @@ def _learner(popart: bool, **overrides) -> tuple[VTraceLearner, torch.nn.Module]
     model = build_model("shallow", OBS, A)
     reference = copy.deepcopy(model)
     config = ImpalaConfig(
-        **{k: v for k, v in {**PAPER, **overrides, "popart": popart, "precision": "fp32"}.items() if k in IMPALA_FIELDS}
+        **{
+            k: v
+            for k, v in {**PAPER, **overrides, "popart": popart, "precision": "fp32"}.items()
+            if k in IMPALA_FIELDS
+        }
     )
     return VTraceLearner(model, config, torch.device("cpu"), total_frames=10_000_000), reference
 
@@ -209,3 +213,50 @@ def test_mean_reduction_is_not_the_papers_update():
     ours, theirs = _deltas(learner.model, before), _deltas(reference, before)
     ratio = ours["torso.fc.weight"].abs().mean() / theirs["torso.fc.weight"].abs().mean()
     assert ratio < 0.2, f"mean-reduced step is {ratio:.2f} of the paper's"
+
+
+def test_bf16_torso_update_is_the_float32_update_to_within_its_rounding():
+    """--precision bf16 (the default on a CPU with native bf16) rounds the torso's activations and its weight
+    gradients to 8 significant bits; the step it takes must still be float32's step: every tensor's change
+    points the same way (cosine > 0.99) at the same size (within 5%). Both on the preset's Pong batch."""
+    fp32, _ = _learner(False)
+    bf16, _ = _learner(False)
+    bf16.model.torso.compute_dtype = torch.bfloat16  # what --precision bf16 sets
+    assert fp32.model.torso.compute_dtype is None
+    before = {
+        k: v.detach().clone().float() for k, v in fp32.model.state_dict().items() if v.dtype.is_floating_point
+    }
+    batch = make_batch(seed=11)
+    for learner in (fp32, bf16):
+        learner.step({k: v.clone() for k, v in batch.items()}, frames_done=0)
+    want, got = _deltas(fp32.model, before), _deltas(bf16.model, before)
+    for name, w in want.items():
+        if name.startswith("baseline.") and name not in ("baseline.linear.weight", "baseline.linear.bias"):
+            continue
+        g = got[name]
+        assert w.norm() > 0, name
+        cosine = float((w * g).sum() / (w.norm() * g.norm()))
+        assert cosine > 0.99 and abs(float(g.norm() / w.norm()) - 1) < 0.05, (name, cosine)
+    assert not torch.equal(got["torso.conv1.weight"], want["torso.conv1.weight"])  # bf16 did run
+
+
+def test_precision_auto_is_bf16_only_for_an_image_torso_on_a_cpu_with_native_bf16():
+    from impala.run.config import ConfigError
+    from learner.vtrace_learner import cpu_has_native_bf16, torso_precision
+
+    image, vector = build_model("shallow", OBS, A), build_model("mlp", (4,), 2)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object; nothing runs on it
+    native = cpu_has_native_bf16()
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    assert native == bool({"avx512_bf16", "amx_bf16"} & flags)  # torch's CPUID check, read another way
+    assert torso_precision("auto", cpu, image) == ("bf16" if native else "fp32")
+    assert torso_precision("auto", cuda, image) == "fp32"  # GPUs: not measured here
+    assert torso_precision("auto", cpu, vector) == "fp32"
+    assert torso_precision("fp32", cpu, image) == "fp32" and torso_precision("bf16", cuda, image) == "bf16"
+    with pytest.raises(ConfigError, match="--precision bf16 runs an image torso"):
+        torso_precision("bf16", cpu, vector)
+    learner = VTraceLearner(
+        build_model("shallow", OBS, A), ImpalaConfig(precision="bf16"), cpu, total_frames=10**6
+    )
+    assert learner.precision == "bf16" and learner.model.torso.compute_dtype == torch.bfloat16

@@ -361,6 +361,7 @@ BAD_VALUES = [
         "and leaves the actors none; lower --torch-threads",
     ),
     (["--env", "CartPole-v1", "--model", "deep"], "--model deep: model kind 'deep' needs image observations"),
+    (["--env", "CartPole-v1", "--precision", "bf16"], "--precision bf16 runs an image torso's convolutions"),
     (["--env", "CartPole-v1", "--env-kwargs", '{"foo": 1}'], "CartPole-v1 does not accept them"),
     (
         ["--env", "CartPole-v1", "--logdir", "/proc/no-such-dir"],
