@@ -156,13 +156,16 @@ def torso_precision(choice: str, device: torch.device, model: ImpalaNet) -> str:
             f"--precision bf16 runs an image torso's convolutions in bf16; this run's network has a "
             f"{type(model.torso).__name__} torso (vector observations): use --precision fp32 or auto"
         )
-    if choice == "auto":
+    if choice == "auto" and image:
         # GPUs: bf16 there is not measured by this project yet, so the default keeps fp32
-        choice = "bf16" if image and device.type == "cpu" and cpu_has_native_bf16() else "fp32"
-        if choice == "bf16":
-            log.info(
-                "learner precision: bf16 in the image torso (--precision auto: this CPU has native bf16)"
-            )
+        native = device.type == "cpu" and cpu_has_native_bf16()
+        why = (
+            "this CPU has native bf16" if native else ("a GPU" if device.type != "cpu" else "no native bf16")
+        )
+        choice = "bf16" if native else "fp32"
+        log.info("learner precision: %s in the image torso (--precision auto: %s)", choice, why)
+    elif choice == "auto":
+        choice = "fp32"
     elif choice == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
         log.warning(
             "--precision bf16: this CPU has no native bf16 (AVX512-BF16/AMX); it is emulated and slower"
