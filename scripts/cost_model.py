@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine()}")
     print(
         f"{args.env}: K={K} envs per actor, T={T}, B={B}, {impala.epochs} epochs x {impala.minibatches} "
-        f"minibatches, model {impala.model}, frame skip {skip:g}"
+        f"minibatches, model {impala.model}, learner precision {trainer.learner.precision} "
+        f"(--precision {impala.precision}), frame skip {skip:g}"
     )
     rows = breakdown(args, run, impala, env_info, trainer)
     total = sum(ms for _, ms in rows)
