@@ -53,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--bf16",
         action="store_true",
-        help="bf16 autocast for the forward pass (meant for CUDA; runs on CPU too)",
+        help="the paper recipe: bf16 autocast for the forward pass (the defaults recipe follows the "
+        "learner's --precision auto)",
     )
     p.add_argument(
         "--channels-last", action="store_true", help="NHWC convolutions (meant for CUDA; runs on CPU too)"
@@ -115,7 +116,7 @@ def bench_defaults(kind: str, args: argparse.Namespace) -> dict:
     sec = (time.perf_counter() - t0) / args.iters
     return {
         "net": kind,
-        "recipe": "defaults",
+        "recipe": f"defaults ({learner.precision})",  # --precision auto: bf16 on a CPU with native bf16
         "ms": sec * 1e3,
         "sps": args.unroll_length * args.batch_size / sec,
     }
@@ -168,7 +169,12 @@ def bench(kind: str, args: argparse.Namespace) -> dict:
     if cuda:
         torch.cuda.synchronize()
     sec = (time.perf_counter() - t0) / args.iters
-    return {"net": kind, "recipe": "paper", "ms": sec * 1e3, "sps": T * B / sec}
+    return {
+        "net": kind,
+        "recipe": f"paper ({'bf16' if args.bf16 else 'fp32'})",
+        "ms": sec * 1e3,
+        "sps": T * B / sec,
+    }
 
 
 def main(argv=None) -> None:
@@ -198,13 +204,13 @@ def main(argv=None) -> None:
         sys.exit(f"bench_learner: error: unknown recipe {unknown[0]!r} (known: defaults, paper)")
     rows = [runners[r](kind.strip(), args) for kind in args.nets.split(",") if kind.strip() for r in recipes]
     print(
-        f"| {'net':8} | {'recipe':8} | {'device':6} | {'ms/update':>10} | {'agent steps/s':>14} | "
+        f"| {'net':8} | {'recipe':15} | {'device':6} | {'ms/update':>10} | {'agent steps/s':>14} | "
         f"{'frames/s (x4)':>14} |"
     )
-    print(f"|{'-' * 10}|{'-' * 10}|{'-' * 8}|{'-' * 12}|{'-' * 16}|{'-' * 16}|")
+    print(f"|{'-' * 10}|{'-' * 17}|{'-' * 8}|{'-' * 12}|{'-' * 16}|{'-' * 16}|")
     for r in rows:
         print(
-            f"| {r['net']:8} | {r['recipe']:8} | {args.device:6} | {r['ms']:10.1f} | {r['sps']:14,.0f} | "
+            f"| {r['net']:8} | {r['recipe']:15} | {args.device:6} | {r['ms']:10.1f} | {r['sps']:14,.0f} | "
             f"{4 * r['sps']:14,.0f} |"
         )
 
