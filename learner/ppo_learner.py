@@ -338,7 +338,9 @@ class PPOLearner:
         T = len(piece.rewards)
         cfg = self.config
         dev = self.device
-        obs = torch.as_tensor(np.asarray(piece.obs, np.float32), device=dev)
+        # a copy: the wire decodes arrays zero-copy over the message's read-only bytes, which torch may
+        # not share (it warned once per run)
+        obs = torch.tensor(np.asarray(piece.obs, np.float32), device=dev)
         terminated = np.asarray(piece.terminated, bool)
         truncated = np.asarray(piece.truncated, bool) & ~terminated  # terminal wins when both are set
         ended = terminated | truncated
