@@ -148,27 +148,20 @@ def cpu_has_native_bf16() -> bool:
 
 
 def torso_precision(choice: str, device: torch.device, model: ImpalaNet) -> str:
-    """``--precision`` resolved for this learner: 'fp32' or 'bf16'. bf16 covers an image torso only;
-    asking for it with any other torso is a :class:`ConfigError`."""
-    image = hasattr(model.torso, "compute_dtype")
-    if choice == "bf16" and not image:
+    """``--precision`` checked for this learner: bf16 covers an image torso only; asking for it with any
+    other torso is a :class:`ConfigError`."""
+    if choice == "bf16" and not hasattr(model.torso, "compute_dtype"):
         raise ConfigError(
             f"--precision bf16 runs an image torso's convolutions in bf16; this run's network has a "
-            f"{type(model.torso).__name__} torso (vector observations): use --precision fp32 or auto"
+            f"{type(model.torso).__name__} torso (vector observations): use --precision fp32"
         )
-    if choice == "auto" and image:
-        # GPUs: bf16 there is not measured by this project yet, so the default keeps fp32
-        native = device.type == "cpu" and cpu_has_native_bf16()
-        why = (
-            "this CPU has native bf16" if native else ("a GPU" if device.type != "cpu" else "no native bf16")
-        )
-        choice = "bf16" if native else "fp32"
-        log.info("learner precision: %s in the image torso (--precision auto: %s)", choice, why)
-    elif choice == "auto":
-        choice = "fp32"
-    elif choice == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-        log.warning(
-            "--precision bf16: this CPU has no native bf16 (AVX512-BF16/AMX); it is emulated and slower"
+    if choice == "bf16":
+        native = device.type != "cpu" or cpu_has_native_bf16()
+        log.info(
+            "learner precision: bf16 in the image torso%s",
+            ""
+            if native
+            else " (this CPU has no native bf16, AVX512-BF16 or AMX: emulated, slower than fp32)",
         )
     return choice
 

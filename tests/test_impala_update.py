@@ -148,11 +148,7 @@ def _learner(popart: bool, **overrides) -> tuple[VTraceLearner, torch.nn.Module]
     model = build_model("shallow", OBS, A)
     reference = copy.deepcopy(model)
     config = ImpalaConfig(
-        **{
-            k: v
-            for k, v in {**PAPER, **overrides, "popart": popart, "precision": "fp32"}.items()
-            if k in IMPALA_FIELDS
-        }
+        **{k: v for k, v in {**PAPER, **overrides, "popart": popart}.items() if k in IMPALA_FIELDS}
     )
     return VTraceLearner(model, config, torch.device("cpu"), total_frames=10_000_000), reference
 
@@ -216,7 +212,7 @@ def test_mean_reduction_is_not_the_papers_update():
 
 
 def test_bf16_torso_update_is_the_float32_update_to_within_its_rounding():
-    """--precision bf16 (the default on a CPU with native bf16) rounds the torso's activations and its weight
+    """--precision bf16 rounds the torso's activations and its weight
     gradients to 8 significant bits; the step it takes must still be float32's step: every tensor's change
     points the same way (cosine > 0.99) at the same size (within 5%). Both on the preset's Pong batch."""
     fp32, _ = _learner(False)
@@ -240,22 +236,23 @@ def test_bf16_torso_update_is_the_float32_update_to_within_its_rounding():
     assert not torch.equal(got["torso.conv1.weight"], want["torso.conv1.weight"])  # bf16 did run
 
 
-def test_precision_auto_is_bf16_only_for_an_image_torso_on_a_cpu_with_native_bf16():
+def test_precision_bf16_is_for_an_image_torso_and_fp32_is_the_default():
     from impala.run.config import ConfigError
     from learner.vtrace_learner import cpu_has_native_bf16, torso_precision
 
     image, vector = build_model("shallow", OBS, A), build_model("mlp", (4,), 2)
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object; nothing runs on it
-    native = cpu_has_native_bf16()
+    cpu = torch.device("cpu")
     with open("/proc/cpuinfo") as f:
         flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
-    assert native == bool({"avx512_bf16", "amx_bf16"} & flags)  # torch's CPUID check, read another way
-    assert torso_precision("auto", cpu, image) == ("bf16" if native else "fp32")
-    assert torso_precision("auto", cuda, image) == "fp32"  # GPUs: not measured here
-    assert torso_precision("auto", cpu, vector) == "fp32"
-    assert torso_precision("fp32", cpu, image) == "fp32" and torso_precision("bf16", cuda, image) == "bf16"
+    assert cpu_has_native_bf16() == bool(
+        {"avx512_bf16", "amx_bf16"} & flags
+    )  # torch's CPUID, read another way
+    assert torso_precision("fp32", cpu, image) == "fp32" and torso_precision("bf16", cpu, image) == "bf16"
+    assert torso_precision("fp32", cpu, vector) == "fp32"
     with pytest.raises(ConfigError, match="--precision bf16 runs an image torso"):
         torso_precision("bf16", cpu, vector)
+    default = VTraceLearner(build_model("shallow", OBS, A), ImpalaConfig(), cpu, total_frames=10**6)
+    assert default.precision == "fp32" and default.model.torso.compute_dtype is None
     learner = VTraceLearner(
         build_model("shallow", OBS, A), ImpalaConfig(precision="bf16"), cpu, total_frames=10**6
     )

@@ -17,7 +17,7 @@ from impala.run.config import ImpalaConfig, RunConfig, load_preset
 T, B, A, OBS = 5, 4, 6, (4, 84, 84)
 PRESET = os.path.join(os.path.dirname(__file__), "..", "configs", "atari.yaml")
 FIELDS = {f.name for f in dataclasses.fields(ImpalaConfig)}
-# fp32 (not --precision auto, bf16 on a CPU with native bf16): the equality below holds to float32's
+# fp32 (the default, named since --precision bf16 exists): the equality below holds to float32's
 # reordering error; bf16 rounds each rank's partial weight gradients to 1 part in 256
 CONFIGS = {
     "paper+popart": ImpalaConfig(

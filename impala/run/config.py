@@ -852,12 +852,13 @@ class ImpalaConfig:
     reward_clip: float = option(1.0, "Clip rewards to [-c, c] in the learner; 0 disables.")
     grad_norm_clip: float = option(0.5, "Global gradient-norm clip; 0 disables.")
     popart_beta: float = option(3e-4, "PopArt statistics step size.")
-    precision: Literal["auto", "fp32", "bf16"] = option(
-        "auto",
+    precision: Literal["fp32", "bf16"] = option(
+        "fp32",
         "The learner's arithmetic in an image torso (its convolutions and fc layer): 'fp32', or 'bf16' "
-        "(autocast; weights, optimizer, heads, losses and V-trace stay fp32, and so do the actors). 'auto': "
-        "bf16 on a CPU learner whose CPU does bf16 natively (AVX512-BF16 or AMX; about 1.5x faster "
-        "updates, BENCHMARKS.md), fp32 elsewhere (GPUs, vector observations).",
+        "(autocast; weights, optimizer, heads, losses and V-trace stay fp32, and so do the actors). bf16 "
+        "pays on a CPU with native bf16 (AVX512-BF16 or AMX: 1.4x the frames/s on Pong, 2-core AMD EPYC) "
+        "but its two Pong seeds needed 7.3-8.7M frames to 18 against fp32's 5.1-5.3M (BENCHMARKS.md), so it "
+        "is not the default.",
     )
     frame_dedup: bool = option(
         True,
