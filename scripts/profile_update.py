@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Which torch operations a learner update spends its time in: ``torch.profiler`` over the learner's own
+minibatch step (``VTraceLearner.step``), on a Pong-shaped batch, one torch thread.
+
+``scripts/cost_model.py`` splits an update into the stages the learner calls (forward, backward, optimizer,
+...); this goes one level down, to the kernels, grouped by their input shapes. It found the ReLU backward
+that ran on a strided path because the gradient came back in NCHW order into channels-last layers, and
+the two frame conversions per forward pass that ``--precision bf16`` now makes once per batch.
+
+    python scripts/profile_update.py                      # the defaults (fp32)
+    python scripts/profile_update.py --precision bf16 --rows 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+OBS, ACTIONS = (4, 84, 84), 6  # Pong
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the learner's --precision")
+    p.add_argument("--model", choices=("shallow", "nature", "deep"), default="shallow", help="the network")
+    p.add_argument("--steps", type=int, default=10, help="minibatch steps profiled (after 3 untimed)")
+    p.add_argument("--rows", type=int, default=20, help="operations listed, by their own CPU time")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.rows < 1:
+        p.error("--steps and --rows must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from impala.nets.impala_net import build_model
+    from impala.run.config import ImpalaConfig
+    from learner.vtrace_learner import VTraceLearner, select_unrolls
+
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = ImpalaConfig(precision=args.precision)
+    learner = VTraceLearner(
+        build_model(args.model, OBS, ACTIONS), config, torch.device("cpu"), total_frames=10**8
+    )
+    T, B = 32, config.batch_size
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "obs": torch.randint(0, 256, (T + 1, B, *OBS), generator=g, dtype=torch.uint8),
+        "first": torch.rand(T + 1, B, generator=g) < 0.01,
+        "actions": torch.randint(0, ACTIONS, (T, B), generator=g),
+        "rewards": torch.randint(-1, 2, (T, B), generator=g).float(),
+        "dones": torch.rand(T, B, generator=g) < 0.01,
+        "behaviour_logits": torch.randn(T, B, ACTIONS, generator=g),
+    }
+    batch = learner.prepare(batch)
+    batch = {**batch, **learner._batch_targets(batch)}  # the defaults' fixed targets, as train() adds them
+    idx = torch.arange(B // config.minibatches)  # one minibatch of whole unrolls, as train() selects them
+    minibatch = {k: select_unrolls(v, idx) for k, v in batch.items()}
+
+    def step() -> None:
+        learner.step(minibatch, frames_done=0)
+
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    ms = (time.perf_counter() - t0) / args.steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(args.steps):
+            step()
+    unrolls = B // config.minibatches
+    print(
+        f"{args.model} CNN, --precision {args.precision}, one minibatch step ({T} x {unrolls} "
+        f"unrolls = {T * unrolls} frames), 1 torch thread, torch {torch.__version__}: "
+        f"{ms:.1f} ms per step unprofiled; per-operation times below are over {args.steps} profiled steps "
+        f"(the profiler adds its own overhead)"
+    )
+    print(
+        prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total",
+            row_limit=args.rows,
+            max_name_column_width=34,
+            max_shapes_column_width=70,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
