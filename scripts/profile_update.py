@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-OBS, ACTIONS = (4, 84, 84), 6  # Pong
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_learner's batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
+    from bench_learner import NUM_ACTIONS, OBS_SHAPE, make_batch
+
     from impala.nets.impala_net import build_model
     from impala.run.config import ImpalaConfig
     from learner.vtrace_learner import VTraceLearner, select_unrolls
@@ -49,18 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     config = ImpalaConfig(precision=args.precision)
     learner = VTraceLearner(
-        build_model(args.model, OBS, ACTIONS), config, torch.device("cpu"), total_frames=10**8
+        build_model(args.model, OBS_SHAPE, NUM_ACTIONS), config, torch.device("cpu"), total_frames=10**8
     )
     T, B = 32, config.batch_size
-    g = torch.Generator().manual_seed(0)
-    batch = {
-        "obs": torch.randint(0, 256, (T + 1, B, *OBS), generator=g, dtype=torch.uint8),
-        "first": torch.rand(T + 1, B, generator=g) < 0.01,
-        "actions": torch.randint(0, ACTIONS, (T, B), generator=g),
-        "rewards": torch.randint(-1, 2, (T, B), generator=g).float(),
-        "dones": torch.rand(T, B, generator=g) < 0.01,
-        "behaviour_logits": torch.randn(T, B, ACTIONS, generator=g),
-    }
+    batch = make_batch(T, B, torch.device("cpu"), pin=False)  # bench_learner's synthetic Pong batch
     batch = learner.prepare(batch)
     batch = {**batch, **learner._batch_targets(batch)}  # the defaults' fixed targets, as train() adds them
     idx = torch.arange(B // config.minibatches)  # one minibatch of whole unrolls, as train() selects them
