@@ -856,9 +856,9 @@ class ImpalaConfig:
         "fp32",
         "The learner's arithmetic in an image torso (its convolutions and fc layer): 'fp32', or 'bf16' "
         "(autocast; weights, optimizer, heads, losses and V-trace stay fp32, and so do the actors). bf16 "
-        "pays on a CPU with native bf16 (AVX512-BF16 or AMX: 1.4x the frames/s on Pong, 2-core AMD EPYC) "
-        "but its two Pong seeds needed 7.3-8.7M frames to 18 against fp32's 5.1-5.3M (BENCHMARKS.md), so it "
-        "is not the default.",
+        "pays on a CPU with native bf16 (AVX512-BF16 or AMX: 1.4-1.6x the frames/s on Pong, 2-core AMD "
+        "EPYC) but its three Pong seeds needed 7.3-8.7M frames to 18 against fp32's 5.1-5.3M "
+        "(BENCHMARKS.md), so it is not the default.",
     )
     frame_dedup: bool = option(
         True,
