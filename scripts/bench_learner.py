@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--bf16",
         action="store_true",
         help="the paper recipe: bf16 autocast for the forward pass (the defaults recipe follows the "
-        "learner's --precision auto)",
+        "learner's default --precision)",
     )
     p.add_argument(
         "--channels-last", action="store_true", help="NHWC convolutions (meant for CUDA; runs on CPU too)"
@@ -116,7 +116,7 @@ def bench_defaults(kind: str, args: argparse.Namespace) -> dict:
     sec = (time.perf_counter() - t0) / args.iters
     return {
         "net": kind,
-        "recipe": f"defaults ({learner.precision})",  # --precision auto: bf16 on a CPU with native bf16
+        "recipe": f"defaults ({learner.precision})",  # the learner's --precision default
         "ms": sec * 1e3,
         "sps": args.unroll_length * args.batch_size / sec,
     }
