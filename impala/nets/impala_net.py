@@ -10,6 +10,7 @@ taken as already scaled to [0, 1].
 from __future__ import annotations
 
 import abc
+import contextlib
 
 from typing import NamedTuple, Sequence
 
@@ -165,9 +166,13 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] uint8 (or float in [0, 1]) -> [N, out_features] float32."""
         x = _scale_frames(x, self.channels_last, self.compute_dtype)
-        with torch.autocast(
-            x.device.type, dtype=self.compute_dtype or torch.bfloat16, enabled=self.compute_dtype is not None
-        ):
+        # no autocast context at all in float32: the actors call this for every step (2.8 us vs 0.25 us)
+        reduced = (
+            torch.autocast(x.device.type, dtype=self.compute_dtype)
+            if self.compute_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with reduced:
             x = self._conv_features(x)
             if self.channels_last and x.requires_grad:
                 x = _ChannelsLastGradient.apply(x)
