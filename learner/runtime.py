@@ -290,8 +290,9 @@ def _place(config: RunConfig) -> tuple[int, ...]:
     """``--cpu-affinity split``: pin this process (the learner, every thread) to its CPUs now and return the
     CPUs its local actors pin themselves to; () leaves placement to the kernel. ``--actor-nice`` is only
     logged here: each actor lowers its own priority when it starts."""
-    if config.actor_nice and config.workers:
-        log.info("local actors: %d, %d nice levels below the learner", config.workers, config.actor_nice)
+    nice = config.local_actor_nice()
+    if nice and config.workers:
+        log.info("local actors: %d, %d nice levels below the learner", config.workers, nice)
     if config.cpu_affinity != "split":
         return ()
     learner_cpus, actor_cpus = split_cpus(config.cpu_threads())
@@ -312,7 +313,7 @@ def _local_actors(config: RunConfig, plan: RunPlan, run_info: RunInfo, server: T
     configs = actor_configs(
         run_info, range(config.workers), trajectory_endpoint=server.trajectory_endpoint,
         params_endpoint=server.params_endpoint, seed=config.seed, curve=client_keys,
-        local_token=guard.local_token, cpus=cpus, nice=config.actor_nice,
+        local_token=guard.local_token, cpus=cpus, nice=config.local_actor_nice(),
     )  # fmt: skip
     if config.in_process:
         return ThreadActors(configs)

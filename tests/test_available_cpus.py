@@ -134,8 +134,8 @@ def test_the_impala_learner_takes_the_cores_its_actors_leave_and_at_least_two_fo
     priority (--actor-nice 0, the default), 2 for image observations (a second thread that sleeps when idle:
     launch_impala loads torch with OMP_WAIT_POLICY=PASSIVE unless the user set it, as libgomp itself
     reports, and leaves the variable unset for the processes it starts) and 1 for vector ones (an MLP
-    gains nothing from it); with niced actors (--actor-nice 10) 1; a user's --torch-threads and
-    OMP_WAIT_POLICY win."""
+    gains nothing from it); with actors niced by --actor-nice 10 alone 1, under --cpu-affinity learner-first
+    2 (its actors yield the second core); a user's --torch-threads and OMP_WAIT_POLICY win."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
     code = (
@@ -148,15 +148,17 @@ def test_the_impala_learner_takes_the_cores_its_actors_leave_and_at_least_two_fo
         "num_actions=6)\n"
         "cartpole = EnvInfo(EnvSpec('CartPole-v1'), (4,), 'float32', 'Box', 'Discrete', num_actions=2)\n"
         "two = RunConfig(workers=2)\n"
-        "print(learner_threads(RunConfig(workers=2, actor_nice=10), pong), learner_threads(two, pong), "
+        "first = RunConfig(workers=2, cpu_affinity='learner-first', actor_nice=10)\n"
+        "print(learner_threads(first, pong), "
+        "learner_threads(RunConfig(workers=2, actor_nice=10), pong), learner_threads(two, pong), "
         "learner_threads(two, cartpole), learner_threads(RunConfig(workers=2, torch_threads=3), pong), "
         "os.environ.get('OMP_WAIT_POLICY'))"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     env["OMP_DISPLAY_ENV"] = "TRUE"  # libgomp prints the settings it loaded with
     for cores, policy, want, loaded in (
-        ("0", None, "1 1 1 3 None", "PASSIVE"),
-        ("0,1", "ACTIVE", "1 2 1 3 ACTIVE", "ACTIVE"),
+        ("0", None, "1 1 1 1 3 None", "PASSIVE"),
+        ("0,1", "ACTIVE", "2 1 2 1 3 ACTIVE", "ACTIVE"),
     ):
         out = subprocess.run(
             ["taskset", "-c", cores, sys.executable, "-c", code],
@@ -166,5 +168,5 @@ def test_the_impala_learner_takes_the_cores_its_actors_leave_and_at_least_two_fo
             text=True,
         )
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split()[-5:] == want.split(), (cores, out.stdout)
+        assert out.stdout.split()[-6:] == want.split(), (cores, out.stdout)
         assert f"OMP_WAIT_POLICY = '{loaded}'" in out.stderr, out.stderr

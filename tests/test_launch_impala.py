@@ -230,6 +230,34 @@ def test_cpu_affinity_split_and_actor_nice_place_the_learner_and_its_actors(tmp_
         kill_group(proc)
 
 
+@pytest.mark.serial  # its learner takes every core it can; a neighbouring test would wait for them
+def test_cpu_affinity_learner_first_nices_the_actors_and_pins_nothing(tmp_path):
+    """--cpu-affinity learner-first: the actor processes (a restarted one too) 19 nice levels below the
+    learner, which keeps its own priority; nothing pinned; training goes on."""
+    everything = _compact_range(sorted(os.sched_getaffinity(0)))
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    proc = start(["launch_impala", "--workers", "2", *CARTPOLE, "--cpu-affinity", "learner-first",
+                  "--total-frames", "10000000", "--logdir", str(tmp_path)])  # fmt: skip
+    try:
+        assert wait_for(lambda: (tmp_path / "metrics.csv").exists() and len(_csv_rows(tmp_path)) >= 2, 120)
+        pids = actor_pids(proc.pid)
+        assert len(pids) == 2 and os.getpriority(os.PRIO_PROCESS, proc.pid) == ours
+        assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids} == {min(ours + 19, 19)}
+        threads = os.listdir(f"/proc/{proc.pid}/task")
+        placed = {_cpus_allowed(proc.pid, t) for t in threads} | {_cpus_allowed(p) for p in pids}
+        assert placed == {everything}
+        os.kill(pids[0], signal.SIGKILL)  # the pool's restart lowers itself too
+        assert wait_for(lambda: len(set(actor_pids(proc.pid)) - set(pids)) == 1, 60)
+        new = (set(actor_pids(proc.pid)) - set(pids)).pop()
+        assert wait_for(lambda: os.getpriority(os.PRIO_PROCESS, new) == min(ours + 19, 19), 30)
+        rows = len(_csv_rows(tmp_path))
+        assert wait_for(lambda: len(_csv_rows(tmp_path)) > rows + 1, 60)  # still training
+    finally:
+        kill_group(proc)
+    out = proc.communicate(timeout=30)[0]
+    assert "local actors: 2, 19 nice levels below the learner" in out, out[-2000:]
+
+
 def _compact_range(cpus: list[int]) -> str:
     """How /proc writes a CPU list: runs of consecutive CPUs as a-b."""
     runs, out = [], []
@@ -346,6 +374,7 @@ BAD_VALUES = [
     (["--actor-nice", "20"], "--actor-nice must be 0-19, got 20"),
     (["--actor-nice", "-1"], "--actor-nice must be 0-19, got -1"),
     (["--actor-nice", "5", "--in-process"], "--actor-nice lowers the local actor processes' priority"),
+    (["--cpu-affinity", "learner-first", "--in-process"], "--cpu-affinity learner-first runs the local"),
     (["--seed", "-1"], "--seed must be in 0.."),
     (["--rmsprop-eps", "-1"], "--rmsprop-eps must be > 0"),
     (["--rmsprop-momentum", "-1"], "--rmsprop-momentum must be >= 0"),

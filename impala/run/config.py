@@ -376,6 +376,9 @@ def read_yaml(path: str, what: str) -> Any:
 # --------------------------------------------------------------------------- RunConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# --cpu-affinity learner-first's actors: the lowest priority, so the learner's threads preempt them at once
+# (nice 19 weighs 15 against the learner's 1024); with 10 (weight 110) a second learner thread ran slower
+LEARNER_FIRST_NICE = 19
 MAX_SEED = 2**31 - 1  # room for seed + 1000 * actor id below numpy's 2**32 limit
 MIN_ABS_VALUE = 1e3
 # A dotted Python module name: what --env-package and the module of --env module:id may be (impala.envs checks
@@ -426,27 +429,31 @@ class RunConfig:
         "with a CUDA --device, one GPU per rank); each update's batch is split over them, --batch-size must "
         "divide. Rank 0 receives the unrolls, publishes weights and writes checkpoints.",
     )
-    cpu_affinity: Literal["auto", "off", "split"] = option(
+    cpu_affinity: Literal["auto", "off", "split", "learner-first"] = option(
         "auto",
-        "'split': pin the learner to CPUs of its own (--torch-threads of them, 1 by default) and the local "
-        "actors to the others, instead of leaving placement to the kernel. On a 2-core box with 2 actors it "
-        "ran Pong faster in 5 of 6 side-by-side pairs, 10-42%% (BENCHMARKS.md): the learner keeps its caches "
-        "and never waits for a core. 'auto' (launch_impala): split for image observations when the learner "
-        "runs on the CPU with local actor processes and no other run on this machine has claimed these "
-        "CPUs (a lock file per CPU in the temp folder, dropped when the run ends), the learner taking the "
-        "CPUs the actors leave (at least 1) unless --torch-threads, else 'off'; launch_ppo: "
-        "'off' (its actors wait during updates, so its learner uses every core then). Containers that "
-        "share cores but not a temp folder cannot see each other's claims: give them 'off', CPU sets of "
-        "their own, or a common folder in IMPALA_CPU_CLAIMS_DIR.",
+        "Where the learner and its local actor processes run. 'split': pin the learner to CPUs of its own "
+        "(--torch-threads of them, 1 by default) and the local actors to the others: on a 2-core box with "
+        "2 actors it ran Pong faster than the kernel's placement in 5 of 6 side-by-side pairs, 10-42%% "
+        "(BENCHMARKS.md). 'auto' (launch_impala): split for image observations when the learner runs on "
+        "the CPU with local actor processes and no other run on this machine has claimed these CPUs (a "
+        "lock file per CPU in the temp folder, dropped when the run ends), the learner taking the CPUs "
+        "the actors leave (at least 1) unless --torch-threads, else 'off'; launch_ppo: 'off' (its actors "
+        "wait during updates, so its learner uses every core then). 'learner-first' (opt-in): no pinning; "
+        "the actors run 19 nice levels below the learner (or --actor-nice, when above 0) and the learner "
+        "gets at least 2 torch threads, taking every core whenever its update can use it: 6-26%% more "
+        "frames/s than split on Pong on the 2-core box, 0.83-0.89 of the cost model's ceiling against "
+        "0.75-0.80, but its one Pong run took more frames to 18 (8.9M vs 5.3M), so not the default. "
+        "Containers that share cores but not a temp folder cannot see each other's claims: give them "
+        "'off', CPU sets of their own, or a common folder in IMPALA_CPU_CLAIMS_DIR.",
     )
     actor_nice: int = option(
         0,
         "Niceness the local actor processes add to their own (0-19) so that the learner, the critical "
         "path when its queue is full, takes a core before they do; they get every cycle it leaves. With "
-        "it the learner needs no second torch thread to win CPU time from them (one, unless "
-        "--torch-threads). On a 2-core box with 2 actors, 10 ran Pong 13%% faster than 0 in the cost "
-        "model's runs (BENCHMARKS.md); not the default until learning runs confirm it. Other programs at "
-        "niceness 0 in the same session come before the actors too.",
+        "it alone the learner keeps one torch thread (unless --torch-threads): with 10, one thread ran "
+        "Pong at 0.78-0.80 of the ceiling on a 2-core box. --cpu-affinity learner-first uses 19 when "
+        "this is 0, with a second learner thread. Other programs at niceness 0 in the same session come "
+        "before the actors too.",
     )
     overlap_updates: bool = option(
         False,
@@ -606,6 +613,11 @@ class RunConfig:
             "--cpu-affinity split pins one learner and its local actor processes apart: it needs "
             "--workers >= 1, no --in-process and one learner",
         )
+        need(
+            self.cpu_affinity != "learner-first" or (self.workers >= 1 and not self.in_process),
+            "--cpu-affinity learner-first runs the local actor processes below the learner's priority: it "
+            "needs --workers >= 1 and no --in-process (actor threads would lower the learner too)",
+        )
         need(0 <= self.actor_nice <= 19, f"--actor-nice must be 0-19, got {self.actor_nice}")
         need(
             self.actor_nice == 0 or not self.in_process,
@@ -746,6 +758,13 @@ class RunConfig:
             self, logdir=os.path.join(self.runs_dir, name), run_id=None
         )  # the folder now names it
 
+    def local_actor_nice(self) -> int:
+        """Nice levels the local actor processes add to their own: ``--actor-nice``, or
+        :data:`LEARNER_FIRST_NICE` under ``--cpu-affinity learner-first`` when that is 0."""
+        if self.cpu_affinity == "learner-first" and not self.actor_nice:
+            return LEARNER_FIRST_NICE
+        return self.actor_nice
+
     def cpu_threads(self, *, actors_wait_during_updates: bool = False, at_least: int = 1) -> int:
         """The learner's torch threads: ``--torch-threads``, else the cores the local actors leave, and
         at least ``at_least`` where the machine has that many cores.
@@ -753,12 +772,13 @@ class RunConfig:
         Each actor is single-threaded; a learner with as many threads as cores would make the OS
         time-slice them against each other (several times slower on a small machine). Actors that
         wait for new weights during an update (on-policy PPO) leave every core to it then. IMPALA's
-        learner asks for at least 2 with image observations when its actors run at its own priority
-        (``--actor-nice 0``, the default): where it is the bottleneck its actors spend most of their time
-        blocked on its back pressure, and a second learner thread that sleeps while idle uses the part of
-        their cores they leave (launch_impala loads torch with ``OMP_WAIT_POLICY=PASSIVE``). With niced
-        actors one thread takes a core whenever it is runnable, and a second one ran slower: it took the
-        actors' core too, at less than twice the speed (BENCHMARKS.md).
+        learner asks for at least 2 with image observations (``learner_threads``): under
+        ``--cpu-affinity learner-first`` its actors yield to it, so the second thread takes their core
+        whenever the update can use it; at one priority (``off``) its actors spend most of their time
+        blocked on its back pressure and a second thread that sleeps while idle (launch_impala loads torch
+        with ``OMP_WAIT_POLICY=PASSIVE``) uses the part of their cores they leave. With actors niced by
+        ``--actor-nice`` alone the learner keeps one thread, as measured with 10 (a second one took the
+        actors' core at less than twice the speed, BENCHMARKS.md).
         """
         if self.torch_threads:
             return self.torch_threads
@@ -766,8 +786,8 @@ class RunConfig:
             return 1
         cores = available_cpus()
         local = 0 if (self.in_process or actors_wait_during_updates) else self.workers
-        if self.actor_nice and local:  # the learner outranks its actors: no second thread to win CPU time
-            at_least = 1
+        if self.actor_nice and local and self.cpu_affinity != "learner-first":
+            at_least = 1  # the learner outranks its actors: one thread, as measured with --actor-nice 10
         return max(min(at_least, cores), cores - local)
 
 
