@@ -441,8 +441,9 @@ class RunConfig:
         "wait during updates, so its learner uses every core then). 'learner-first' (opt-in): no pinning; "
         "the actors run 19 nice levels below the learner (or --actor-nice, when above 0) and the learner "
         "gets at least 2 torch threads, taking every core whenever its update can use it: 6-26%% more "
-        "frames/s than split on Pong on the 2-core box, 0.83-0.89 of the cost model's ceiling against "
-        "0.75-0.80, but its one Pong run took more frames to 18 (8.9M vs 5.3M), so not the default. "
+        "frames/s than split on Pong on the 2-core box in 5 of 5 pairs, 0.75-0.89 of the cost model's "
+        "ceiling against 0.75-0.80, but its Pong runs took more frames to 18 (BENCHMARKS.md), so not "
+        "the default. "
         "Containers that share cores but not a temp folder cannot see each other's claims: give them "
         "'off', CPU sets of their own, or a common folder in IMPALA_CPU_CLAIMS_DIR.",
     )
