@@ -288,8 +288,8 @@ def claim_cpus(config: RunConfig, claim: CpuClaim, env: EnvInfo) -> RunConfig:
 
 def _place(config: RunConfig) -> tuple[int, ...]:
     """``--cpu-affinity split``: pin this process (the learner, every thread) to its CPUs now and return the
-    CPUs its local actors pin themselves to; () leaves placement to the kernel. ``--actor-nice`` is only
-    logged here: each actor lowers its own priority when it starts."""
+    CPUs its local actors pin themselves to; () leaves placement to the kernel. The actors' niceness
+    (``RunConfig.local_actor_nice``) is only logged here: each actor lowers its own priority as it starts."""
     nice = config.local_actor_nice()
     if nice and config.workers:
         log.info("local actors: %d, %d nice levels below the learner", config.workers, nice)

@@ -230,7 +230,7 @@ def test_cpu_affinity_split_and_actor_nice_place_the_learner_and_its_actors(tmp_
         kill_group(proc)
 
 
-@pytest.mark.serial  # its learner takes every core it can; a neighbouring test would wait for them
+@pytest.mark.serial  # its actors run at nice 19: beside other tests they would get few cycles and crawl
 def test_cpu_affinity_learner_first_nices_the_actors_and_pins_nothing(tmp_path):
     """--cpu-affinity learner-first: the actor processes (a restarted one too) 19 nice levels below the
     learner, which keeps its own priority; nothing pinned; training goes on."""
