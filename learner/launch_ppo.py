@@ -101,8 +101,9 @@ from impala.run.ppo_config import (
     actors_wait,
     config_from_args,
     config_to_argparse,
-    ppo_run_config,
     ppo_preset_dests,
+    ppo_run_config,
+    refuse_publish_delay,
     read_mlagents_yaml,
 )
 from learner.ppo_modes import MLAgentsPPOTrainer
@@ -146,6 +147,8 @@ RUN_HELP = {
     "torch_threads": "Learner CPU threads; 0 = all cores when actors wait during updates (--max-policy-lag "
     "0, or --trajectory-handling mlagents), else CPU count minus --workers.",
     "queue_size": "Unrolls buffered in the learner; 0 means max(16, 2 x envs).",
+    "publish_delay": "launch_impala's (actors acting on older weights); PPO sends each update's weights at "
+    "once: 0 or unset.",
     "max_policy_lag": "Drop unrolls collected with weights more than this many updates old (0: strictly "
     "on-policy, SB3's rollouts); "
     "'none' keeps all. Applies to --trajectory-handling rollout; 'mlagents' keeps every unroll (an agent's "
@@ -587,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     """``launch_ppo``: parse, resolve, probe the env, wire the run; bad input is one line, exit 2."""
     try:
         args = parse_args(argv)
+        refuse_publish_delay(getattr(args, "publish_delay", None))
         config = from_flags(RunConfig, args)
         options = from_flags(PPOLaunchOptions, args)
     except ConfigError as e:

@@ -245,19 +245,19 @@ def _server(
         queue_size=config.queue_size or trainer.queue_size, on_hello=guard.on_hello,
         curve_dir=config.curve or None, validate=trainer.validate,
         protected_ids=guard.verified_local, local_token=guard.local_token, task_names=task_names,
+        publish_delay=config.weights_delay(),
     )  # fmt: skip
     server.run_info = run_info.for_remote_actors().to_dict()
     return server
 
 
-def claim_cpus(config: RunConfig, claim: CpuClaim, env: EnvInfo) -> RunConfig:
+def resolve_cpu_affinity(config: RunConfig, claim: CpuClaim, env: EnvInfo) -> RunConfig:
     """``config`` with ``--cpu-affinity auto`` resolved (launch_impala, before the learner's threads are set):
-    'split' for image observations (a conv net: the learner is the bottleneck, and pinning was measured to
-    pay there) on a CPU learner with local actor processes, no CPU quota below its CPU set, CPUs enough for
-    its threads and the actors, when ``claim`` could take every CPU of the set (no other run on this
-    machine holds one), with ``--torch-threads`` (unless given) the CPUs the actors leave; else 'off'. An
-    explicit 'split' claims its CPUs too, and pins even where another run holds them (the user asked),
-    with a warning."""
+    'learner-first' for image observations (a conv net: the learner is the bottleneck, and its update
+    parallelizes) on a CPU learner with local actor processes, one learner rank and no CPU quota below
+    its CPU set; else 'off'. Nothing is pinned either way, so other runs on the machine need no claim.
+    An explicit 'split' claims its CPUs in ``claim`` (a lock file per CPU) and pins even where another
+    run holds them (the user asked), with a warning."""
     cpus = tuple(sorted(os.sched_getaffinity(0)))
     if config.cpu_affinity == "split":
         if not claim.take(cpus):
@@ -272,27 +272,21 @@ def claim_cpus(config: RunConfig, claim: CpuClaim, env: EnvInfo) -> RunConfig:
         return off
     if resolve_device(config.device).type != "cpu":  # measured on CPU learners only
         return off
-    # The learner keeps the CPUs its actors leave (on a 16-core box with 2 actors, 14 threads; on 2 cores
-    # with 2 actors, 1: the measured placement), now as CPUs of its own.
-    threads = config.torch_threads or max(1, len(cpus) - config.workers)
-    try:
-        split_cpus(threads)
-    except ValueError:  # not CPUs enough to give the actors some
-        return off
-    if not claim.take(cpus):
-        log.info("cpu affinity: another run on this machine has pinned to CPUs %s; the kernel places "
-                 "this one", ",".join(map(str, cpus)))  # fmt: skip
-        return off
-    return dataclasses.replace(config, cpu_affinity="split", torch_threads=threads)
+    return dataclasses.replace(config, cpu_affinity="learner-first")
 
 
 def _place(config: RunConfig) -> tuple[int, ...]:
     """``--cpu-affinity split``: pin this process (the learner, every thread) to its CPUs now and return the
     CPUs its local actors pin themselves to; () leaves placement to the kernel. The actors' niceness
-    (``RunConfig.local_actor_nice``) is only logged here: each actor lowers its own priority as it starts."""
+    (``RunConfig.local_actor_nice``) and the weights' delay are only logged here: each actor lowers its own
+    priority as it starts, the server delays the weights."""
     nice = config.local_actor_nice()
     if nice and config.workers:
         log.info("local actors: %d, %d nice levels below the learner", config.workers, nice)
+    delay = config.weights_delay()
+    if delay:
+        log.info("weights: the actors act on weights %d update%s behind the learner's (--publish-delay)",
+                 delay, "" if delay == 1 else "s")  # fmt: skip
     if config.cpu_affinity != "split":
         return ()
     learner_cpus, actor_cpus = split_cpus(config.cpu_threads())

@@ -198,6 +198,8 @@ class TrajectoryServer:
             ranges); returns a reason to drop it, or None.
         curve_dir: a CURVE keys directory (impala.transport.curve); when given, only actors
             holding an authorized key can connect, and traffic is encrypted.
+        publish_delay: :meth:`publish` sends the weights of this many versions before the ones it is
+            given (``--publish-delay``); the first weights go out at once.
     """
 
     def __init__(
@@ -214,6 +216,7 @@ class TrajectoryServer:
         protected_ids: set[int] | None = None,
         local_token: str = "",
         task_names: tuple[str, ...] = (),
+        publish_delay: int = 0,
     ) -> None:
         """``task_names``: a multi-task run's tasks; actor ``i`` runs task ``i % len(task_names)`` and
         each of its unrolls must say so (``task``); episode returns are also kept per task."""
@@ -236,6 +239,10 @@ class TrajectoryServer:
         self._pub_lock = threading.Lock()
         self._last_params: bytes | None = None
         self._reports_changed = False  # unknown or refused ids not yet in the packed weights message
+        self.publish_delay = publish_delay
+        # --publish-delay: the newest weights not sent yet, oldest first, as copies (the learner's arrays
+        # are views of weights the next optimizer step changes in place)
+        self._held: collections.deque[tuple[int, dict[str, np.ndarray]]] = collections.deque()
         self._heartbeat = threading.Thread(target=self._republish_loop, name="weights-heartbeat", daemon=True)
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -712,7 +719,14 @@ class TrajectoryServer:
         return wire.encode_packed("params", actor=0, version=version, arrays=arrays, info=info)
 
     def publish(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
-        """Send the weights of ``version`` to every actor (and re-send them every second)."""
+        """Send the weights of ``version`` to every actor (and re-send them every second); with
+        ``publish_delay`` d, keep them and send those given d calls before instead, if any (the first
+        weights go out at once: actors wait for some before they start)."""
+        if self.publish_delay and self._last_params is not None:
+            self._held.append((version, {name: np.array(a, copy=True) for name, a in arrays.items()}))
+            if len(self._held) <= self.publish_delay:
+                return
+            version, arrays = self._held.popleft()
         packed = self._pack(version, arrays)
         with self._pub_lock:
             self.published_version = version

@@ -685,6 +685,7 @@ RUN_BAD_VALUES = [
     (["--port", "70000"], "--port must be 0 or in 1..65534"),
     (["--total-steps", "-5"], "--total-steps must be > 0"),
     (["--learners", "2"], "--learners 2: the PPO learner runs as one process"),
+    (["--publish-delay", "1"], "--publish-delay 1: a PPO update trains on the weights its actors had"),
     (["--max-policy-lag", "0"], "--max-policy-lag 0: --trajectory-handling mlagents keeps every unroll"),
     (["--logdir", "/proc/no-such-dir"], "--logdir /proc/no-such-dir: cannot create it"),
 ]

@@ -356,3 +356,43 @@ def test_an_unknown_actor_of_another_run_counts_as_other_run_not_unknown(server,
         server.dropped
     )
     assert 77 not in server.unknown_recent and 78 in server.unknown_recent
+
+
+def test_a_publish_delay_sends_the_weights_of_earlier_updates_as_they_were():
+    """--publish-delay 2: the first weights go out at once; after that each publish sends the weights given
+    two calls before, unchanged by what the learner did to its arrays since (they are views of weights the
+    optimizer changes in place)."""
+    srv = TrajectoryServer(impala_unroll_schema(4, (4,), "float32", 2), publish_delay=2)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(srv.params_endpoint)
+    srv.start()
+
+    def newest_version(want: int) -> dict[str, np.ndarray]:
+        """Read weights messages (heartbeats re-send the newest every second) until version ``want``;
+        none may be newer."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if sub.poll(200):
+                msg = wire.decode_packed(sub.recv(), expect_kind="params")
+                assert msg.version <= want, (msg.version, want)
+                if msg.version == want:
+                    return msg.arrays
+        raise AssertionError(f"version {want} never arrived")
+
+    try:
+        weights = {"w": np.zeros(3, np.float32)}
+        srv.publish(0, weights)
+        assert newest_version(0)["w"].tolist() == [0, 0, 0] and srv.published_version == 0
+        for version in (1, 2, 3):
+            weights["w"][:] = version  # the learner's arrays change in place after every update
+            srv.publish(version, weights)
+        assert srv.published_version == 1
+        assert newest_version(1)["w"].tolist() == [1, 1, 1]  # as it was when given, not [3, 3, 3]
+        weights["w"][:] = 4
+        srv.publish(4, weights)
+        assert srv.published_version == 2 and newest_version(2)["w"].tolist() == [2, 2, 2]
+    finally:
+        sub.close()
+        srv.close()

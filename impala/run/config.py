@@ -379,6 +379,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # --cpu-affinity learner-first's actors: the lowest priority, so the learner's threads preempt them at once
 # (nice 19 weighs 15 against the learner's 1024); with 10 (weight 110) a second learner thread ran slower
 LEARNER_FIRST_NICE = 19
+MAX_PUBLISH_DELAY = 16  # updates; each held set of weights is a copy of the network
 MAX_SEED = 2**31 - 1  # room for seed + 1000 * actor id below numpy's 2**32 limit
 MIN_ABS_VALUE = 1e3
 # A dotted Python module name: what --env-package and the module of --env module:id may be (impala.envs checks
@@ -431,21 +432,17 @@ class RunConfig:
     )
     cpu_affinity: Literal["auto", "off", "split", "learner-first"] = option(
         "auto",
-        "Where the learner and its local actor processes run. 'split': pin the learner to CPUs of its own "
-        "(--torch-threads of them, 1 by default) and the local actors to the others: on a 2-core box with "
-        "2 actors it ran Pong faster than the kernel's placement in 5 of 6 side-by-side pairs, 10-42%% "
-        "(BENCHMARKS.md). 'auto' (launch_impala): split for image observations when the learner runs on "
-        "the CPU with local actor processes and no other run on this machine has claimed these CPUs (a "
-        "lock file per CPU in the temp folder, dropped when the run ends), the learner taking the CPUs "
-        "the actors leave (at least 1) unless --torch-threads, else 'off'; launch_ppo: 'off' (its actors "
-        "wait during updates, so its learner uses every core then). 'learner-first' (opt-in): no pinning; "
-        "the actors run 19 nice levels below the learner (or --actor-nice, when above 0) and the learner "
-        "gets at least 2 torch threads, taking every core whenever its update can use it: 6-26%% more "
-        "frames/s than split on Pong on the 2-core box in 5 of 5 pairs, 0.75-0.89 of the cost model's "
-        "ceiling against 0.75-0.80, but its Pong runs took more frames to 18 (BENCHMARKS.md), so not "
-        "the default. "
-        "Containers that share cores but not a temp folder cannot see each other's claims: give them "
-        "'off', CPU sets of their own, or a common folder in IMPALA_CPU_CLAIMS_DIR.",
+        "Where the learner and its local actor processes run. 'learner-first': nothing pinned; the local "
+        "actors run 19 nice levels below the learner (or --actor-nice, when above 0) and the learner gets "
+        "at least 2 torch threads, taking every core whenever its update can use it, the actors every "
+        "cycle it leaves (with --publish-delay 1 unless given). 'auto' (launch_impala): learner-first for "
+        "image observations when the learner runs on the CPU with local actor processes, else 'off' (the "
+        "kernel places everything); launch_ppo: 'off' (its actors wait during updates, so its learner "
+        "uses every core then). On Pong with 2 actors on a 2-core box learner-first ran at 0.83-0.89 of "
+        "the cost model's ceiling against 0.75-0.80 for split, and reached 18 in 4.7M frames and 18 "
+        "minutes (BENCHMARKS.md). 'split': pin the learner to CPUs of its own (--torch-threads of them, 1 "
+        "by default) and the local actors to the others; it claims its CPUs with a lock file per CPU in "
+        "the temp folder (IMPALA_CPU_CLAIMS_DIR to change it) and warns when another split run holds them.",
     )
     actor_nice: int = option(
         0,
@@ -559,6 +556,15 @@ class RunConfig:
         None,
         "Drop unrolls collected with weights more than this many updates old (0: on-policy only); unset "
         "keeps all.",
+    )
+    publish_delay: Optional[int] = option(
+        None,
+        "Send each update's weights to the actors this many updates after it, so that they act on weights "
+        "that much older than the learner's (the policy lag V-trace and the clipped objective correct for). "
+        "Unset: 1 under --cpu-affinity learner-first, whose learner outruns its actors (their weights were "
+        "0.6-0.8 updates old, and its Pong runs took 7.6-8.9M frames to 18 against 4.7M with 1, "
+        "BENCHMARKS.md), else 0; never above --max-policy-lag. launch_ppo: 0 (its actors wait for each "
+        "update's weights).",
     )
     max_abs_value: float = option(
         1e6,
@@ -674,6 +680,15 @@ class RunConfig:
             "--max-policy-lag must be >= 0 (0: on-policy only; leave it unset to keep all), got "
             f"{self.max_policy_lag}",
         )
+        need(
+            self.publish_delay is None or 0 <= self.publish_delay <= MAX_PUBLISH_DELAY,
+            f"--publish-delay must be 0-{MAX_PUBLISH_DELAY} updates, got {self.publish_delay}",
+        )
+        need(
+            None in (self.max_policy_lag, self.publish_delay) or self.publish_delay <= self.max_policy_lag,
+            f"--publish-delay {self.publish_delay} makes every unroll at least that many updates old, so "
+            f"--max-policy-lag {self.max_policy_lag} would drop them all: raise it or lower the delay",
+        )
         # below a few thousand, honest observations (Atari pixels are up to 255), logits and returns are
         # dropped
         need(
@@ -765,6 +780,15 @@ class RunConfig:
         if self.cpu_affinity == "learner-first" and not self.actor_nice:
             return LEARNER_FIRST_NICE
         return self.actor_nice
+
+    def weights_delay(self) -> int:
+        """Updates between the learner's weights and the actors': ``--publish-delay``, or where it is unset
+        1 under ``--cpu-affinity learner-first`` and 0 otherwise (its help says why), never above
+        ``--max-policy-lag`` (more would make every unroll too old to train on)."""
+        if self.publish_delay is not None:
+            return self.publish_delay
+        delay = 1 if self.cpu_affinity == "learner-first" else 0
+        return delay if self.max_policy_lag is None else min(delay, self.max_policy_lag)
 
     def cpu_threads(self, *, actors_wait_during_updates: bool = False, at_least: int = 1) -> int:
         """The learner's torch threads: ``--torch-threads``, else the cores the local actors leave, and

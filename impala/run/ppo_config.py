@@ -914,6 +914,16 @@ def actors_wait(run: RunConfig, config: PPOConfig) -> bool:
     return run.max_policy_lag == 0 or config.trajectory_handling == "mlagents"
 
 
+def refuse_publish_delay(delay: int | None) -> None:
+    """PPO sends each update's weights at once: a ``--publish-delay`` above 0 is a :class:`ConfigError`
+    (launch_ppo checks it before RunConfig weighs it against ``--max-policy-lag``)."""
+    if delay:
+        raise ConfigError(
+            f"--publish-delay {delay}: a PPO update trains on the weights its actors had, so each "
+            "update's weights go out at once (0); --publish-delay is launch_impala's"
+        )
+
+
 def ppo_run_config(
     run: RunConfig, config: PPOConfig, *, lag_given: bool, agents_per_instance: int | None = None
 ) -> tuple[RunConfig, str | None]:
@@ -921,7 +931,8 @@ def ppo_run_config(
     rule of each trajectory handling, the unroll length T (:func:`choose_unroll_length`), envs per actor (a
     Unity
     build's agent count), and the step budget (the config's ``max_steps`` unless one was given). Returns the
-    resolved RunConfig and a note to log when T was changed."""
+    resolved RunConfig and a note to log when T was changed. Weights go to the actors as soon as they exist
+    (``--publish-delay`` 0)."""
     if run.learners > 1:
         raise ConfigError(
             f"--learners {run.learners}: the PPO learner runs as one process for now (its buffer-wide "
@@ -929,6 +940,8 @@ def ppo_run_config(
             "normalization, minibatch order and normalizer updates would need cross-rank statistics first); "
             "launch_impala has --learners"
         )
+    refuse_publish_delay(run.publish_delay)
+    run = dataclasses.replace(run, publish_delay=0)
     if config.trajectory_handling == "mlagents":
         if lag_given and run.max_policy_lag is not None:
             raise ConfigError(
