@@ -36,7 +36,7 @@ from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from learner.group import LearnerGroupError
 from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
-from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, resolve_cpu_affinity, run
+from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, claim_cpus, run
 from learner.vtrace_learner import IMPALA_UNROLL, ImpalaTrainer, learner_threads, start_group
 
 log = logging.getLogger("launch_impala")
@@ -138,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail("launch_impala", e)
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
-    claim = CpuClaim()  # the CPUs an explicit split holds until it ends (a second one is warned)
+    claim = CpuClaim()  # the CPUs a pinned run holds until it ends (a second run then leaves them be)
     try:
         prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         env, tasks, note = probe_run_envs(config)
-        config = resolve_cpu_affinity(config, claim, env)
-        config = dataclasses.replace(config, publish_delay=config.weights_delay())  # recorded as run
+        config = claim_cpus(config, claim, env)
+        config = dataclasses.replace(config, publish_delay=config.weights_delay())  # config.yaml says which
         torch.set_num_threads(learner_threads(config, env))
         trainer = ImpalaTrainer(
             impala, config, env, group=start_group(impala, config, env, tasks), tasks=tasks

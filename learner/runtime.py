@@ -251,13 +251,14 @@ def _server(
     return server
 
 
-def resolve_cpu_affinity(config: RunConfig, claim: CpuClaim, env: EnvInfo) -> RunConfig:
+def claim_cpus(config: RunConfig, claim: CpuClaim, env: EnvInfo) -> RunConfig:
     """``config`` with ``--cpu-affinity auto`` resolved (launch_impala, before the learner's threads are set):
-    'learner-first' for image observations (a conv net: the learner is the bottleneck, and its update
-    parallelizes) on a CPU learner with local actor processes, one learner rank and no CPU quota below
-    its CPU set; else 'off'. Nothing is pinned either way, so other runs on the machine need no claim.
-    An explicit 'split' claims its CPUs in ``claim`` (a lock file per CPU) and pins even where another
-    run holds them (the user asked), with a warning."""
+    'split' for image observations (a conv net: the learner is the bottleneck, and pinning was measured to
+    pay there) on a CPU learner with local actor processes, no CPU quota below its CPU set, CPUs enough for
+    its threads and the actors, when ``claim`` could take every CPU of the set (no other run on this
+    machine holds one), with ``--torch-threads`` (unless given) the CPUs the actors leave; else 'off'. An
+    explicit 'split' claims its CPUs too, and pins even where another run holds them (the user asked),
+    with a warning."""
     cpus = tuple(sorted(os.sched_getaffinity(0)))
     if config.cpu_affinity == "split":
         if not claim.take(cpus):
@@ -272,7 +273,18 @@ def resolve_cpu_affinity(config: RunConfig, claim: CpuClaim, env: EnvInfo) -> Ru
         return off
     if resolve_device(config.device).type != "cpu":  # measured on CPU learners only
         return off
-    return dataclasses.replace(config, cpu_affinity="learner-first")
+    # The learner keeps the CPUs its actors leave (on a 16-core box with 2 actors, 14 threads; on 2 cores
+    # with 2 actors, 1: the measured placement), now as CPUs of its own.
+    threads = config.torch_threads or max(1, len(cpus) - config.workers)
+    try:
+        split_cpus(threads)
+    except ValueError:  # not CPUs enough to give the actors some
+        return off
+    if not claim.take(cpus):
+        log.info("cpu affinity: another run on this machine has pinned to CPUs %s; the kernel places "
+                 "this one", ",".join(map(str, cpus)))  # fmt: skip
+        return off
+    return dataclasses.replace(config, cpu_affinity="split", torch_threads=threads)
 
 
 def _place(config: RunConfig) -> tuple[int, ...]:

@@ -132,7 +132,7 @@ LEARNER_THREADS = 2
 def learner_threads(run: RunConfig, env: EnvInfo) -> int:
     """Torch threads for one learner rank. Image observations (a conv net, whose update parallelizes) get
     at least LEARNER_THREADS unless the actors were niced below the learner by ``--actor-nice`` alone: with
-    ``--cpu-affinity learner-first`` (what ``auto`` picks for them) the second thread takes the actors' core
+    ``--cpu-affinity learner-first`` (opt-in) the second thread takes the actors' core
     whenever the update can use it (Pong, 2 actors on 2 cores: 0.75-0.89 of the cost model's ceiling,
     four runs of five at 0.83 or above, against 0.75-0.80 for one pinned thread, BENCHMARKS.md).
     Vector observations (an MLP of small layers) keep the cores the actors leave, at least 1: there a

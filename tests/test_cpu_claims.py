@@ -1,5 +1,5 @@
-"""--cpu-affinity: what 'auto' (launch_impala's default) resolves to, and the CPU claims of 'split' (a split
-run that finds another one's claims says so); the claims are flocks the kernel drops however a run ends."""
+"""--cpu-affinity auto (launch_impala's default): a run pins its learner and actors apart only where no other
+run on the machine has; the claims are flocks that the kernel drops however a run ends."""
 
 import dataclasses
 import os
@@ -12,7 +12,7 @@ from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo
 from impala.run.config import RunConfig
 from impala.run.cpus import CpuClaim
-from learner.runtime import resolve_cpu_affinity
+from learner.runtime import claim_cpus
 from procs import actor_pids, kill_group, start, wait_for
 
 CPUS = tuple(sorted(os.sched_getaffinity(0)))
@@ -67,27 +67,34 @@ VECTOR = EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num
 
 
 @two_cpus
-def test_auto_puts_the_learner_first_only_for_a_cpu_learner_of_images_with_local_actors(tmp_path):
+def test_auto_splits_only_a_cpu_learner_of_images_with_local_actors_whose_cpus_are_free(tmp_path):
     base = RunConfig(env="PixelCatch-v0", workers=2, device="cpu")
     claim = CpuClaim(str(tmp_path))
-    resolved = resolve_cpu_affinity(base, claim, IMAGE)
-    assert resolved.cpu_affinity == "learner-first" and claim.cpus == ()  # nothing pinned, nothing claimed
-    assert resolved.local_actor_nice() == 19 and resolved.weights_delay() == 1
+    try:
+        resolved = claim_cpus(base, claim, IMAGE)
+        assert resolved.cpu_affinity == "split" and claim.cpus == CPUS
+        # the learner's threads: the CPUs its 2 actors leave, at least one (a 16-core box: 14)
+        assert resolved.torch_threads == max(1, len(CPUS) - 2) == resolved.cpu_threads()
+        # another run's process (a second claim in the same folder) finds them held
+        other = CpuClaim(str(tmp_path))
+        assert claim_cpus(base, other, IMAGE).cpu_affinity == "off" and other.cpus == ()
+    finally:
+        claim.release()
     for change, env in (
-        ({}, VECTOR),  # an MLP learner: the actors are the bottleneck
+        ({}, VECTOR),  # an MLP learner: the actors are the bottleneck, not pinned apart
         ({"workers": 0}, IMAGE),  # remote actors only
         ({"in_process": True}, IMAGE),  # actors are threads of the learner
         ({"learners": 2}, IMAGE),
+        ({"torch_threads": len(CPUS)}, IMAGE),  # no CPU left for the actors
         ({"cpu_affinity": "off"}, IMAGE),
     ):
-        off = resolve_cpu_affinity(dataclasses.replace(base, **change), claim, env)
-        assert off.cpu_affinity == "off" and off.weights_delay() == 0 and off.local_actor_nice() == 0, change
-    explicit = CpuClaim(str(tmp_path))  # an explicit split claims, whatever the observations
+        free = CpuClaim(str(tmp_path))
+        assert claim_cpus(dataclasses.replace(base, **change), free, env).cpu_affinity == "off", change
+        assert free.cpus == (), change
+    explicit = CpuClaim(str(tmp_path))  # an explicit split claims as well, whatever the observations
     split = dataclasses.replace(base, cpu_affinity="split")
-    assert resolve_cpu_affinity(split, explicit, VECTOR).cpu_affinity == "split"
+    assert claim_cpus(split, explicit, VECTOR).cpu_affinity == "split"
     assert explicit.cpus == CPUS
-    other = CpuClaim(str(tmp_path))  # a second split run pins too (the user asked), holding no claim
-    assert resolve_cpu_affinity(split, other, IMAGE).cpu_affinity == "split" and other.cpus == ()
     explicit.release()
 
 
@@ -96,32 +103,33 @@ def _cpus_allowed(pid: int) -> str:
         return next(line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
 
 
-def _pixel_catch(tmp_path, name: str, *flags: str) -> subprocess.Popen:
+def _pixel_catch(tmp_path, name: str) -> subprocess.Popen:
     return start(
         ["launch_impala", "--workers", "2", "--env", "PixelCatch-v0", "--batch-size", "8",
-         "--total-frames", "10000000", "--no-progress", "--logdir", str(tmp_path / name), *flags],
+         "--total-frames", "10000000", "--no-progress", "--logdir", str(tmp_path / name)],
         extra_env={"IMPALA_CPU_CLAIMS_DIR": str(tmp_path / "claims")},
     )  # fmt: skip
 
 
 @two_cpus
-def test_a_second_split_run_is_warned_until_the_first_is_gone(tmp_path):
-    """Two launch_impala runs with --cpu-affinity split, one claims folder: both pin (learner on the first
-    CPU, actors on the rest), the second with a warning that the first holds those CPUs. Once the first
-    is killed (SIGKILL: no cleanup), a third pins without one."""
-    first = _pixel_catch(tmp_path, "first", "--cpu-affinity", "split")
+def test_two_runs_on_one_machine_pin_only_the_first(tmp_path):
+    """Two launch_impala runs of an image env with the defaults, one claims folder: the first pins (learner
+    on the first CPU, actors on the rest), the second leaves placement to the kernel and says why. Once the
+    first is killed (SIGKILL: no cleanup), a third pins again."""
+    everything = f"{CPUS[0]}-{CPUS[-1]}" if CPUS == tuple(range(CPUS[0], CPUS[-1] + 1)) else None
+    first = _pixel_catch(tmp_path, "first")
     second = third = None
     try:
         assert wait_for(lambda: len(actor_pids(first.pid)) == 2, 120)
         assert _cpus_allowed(first.pid) == str(CPUS[0])
-        second = _pixel_catch(tmp_path, "second", "--cpu-affinity", "split")
+        second = _pixel_catch(tmp_path, "second")
         assert wait_for(lambda: len(actor_pids(second.pid)) == 2, 120)
-        assert _cpus_allowed(second.pid) == str(CPUS[0])
+        assert _cpus_allowed(second.pid) != str(CPUS[0])
+        if everything:
+            assert {_cpus_allowed(p) for p in [second.pid, *actor_pids(second.pid)]} == {everything}
         kill_group(first)
         first.wait(30)
-        kill_group(second)
-        second.wait(30)
-        third = _pixel_catch(tmp_path, "third", "--cpu-affinity", "split")
+        third = _pixel_catch(tmp_path, "third")
         assert wait_for(lambda: len(actor_pids(third.pid)) == 2, 120)
         assert _cpus_allowed(third.pid) == str(CPUS[0])
     finally:
@@ -129,30 +137,6 @@ def test_a_second_split_run_is_warned_until_the_first_is_gone(tmp_path):
             if proc is not None:
                 kill_group(proc)
     outs = [proc.communicate(timeout=30)[0] for proc in (first, second, third)]
-    warning = "another run on this machine has pinned to these CPUs too"
-    assert "cpu affinity: the learner on CPU" in outs[0] and warning not in outs[0], outs[0][-2000:]
-    assert warning in outs[1], outs[1][-2000:]
-    assert "cpu affinity: the learner on CPU" in outs[2] and warning not in outs[2], outs[2][-2000:]
-
-
-@two_cpus
-def test_auto_runs_an_image_env_learner_first(tmp_path):
-    """launch_impala's defaults on an image env: nothing pinned, the actors 19 nice levels down, the
-    learner's weights published one update late (the log and config.yaml say so)."""
-    run = _pixel_catch(tmp_path, "auto")
-    lowest = min(os.getpriority(os.PRIO_PROCESS, 0) + 19, 19)
-    try:
-        assert wait_for(lambda: len(actor_pids(run.pid)) == 2, 120)
-        pids = actor_pids(run.pid)
-        # each actor lowers its own priority as it starts
-        assert wait_for(lambda: {os.getpriority(os.PRIO_PROCESS, p) for p in pids} == {lowest}, 60)
-        everything = _cpus_allowed(os.getpid())
-        assert {_cpus_allowed(p) for p in [run.pid, *pids]} == {everything}
-        assert wait_for(lambda: (tmp_path / "auto" / "config.yaml").exists(), 60)
-    finally:
-        kill_group(run)
-    out = run.communicate(timeout=30)[0]
-    assert "local actors: 2, 19 nice levels below the learner" in out, out[-2000:]
-    assert "1 update behind the learner's" in out, out[-2000:]
-    record = (tmp_path / "auto" / "config.yaml").read_text()
-    assert "cpu_affinity: learner-first" in record and "publish_delay: 1" in record, record
+    assert "cpu affinity: the learner on CPU" in outs[0], outs[0][-2000:]
+    assert "another run on this machine has pinned to CPUs" in outs[1], outs[1][-2000:]
+    assert "cpu affinity: the learner on CPU" in outs[2], outs[2][-2000:]

@@ -256,6 +256,9 @@ def test_cpu_affinity_learner_first_nices_the_actors_and_pins_nothing(tmp_path):
         kill_group(proc)
     out = proc.communicate(timeout=30)[0]
     assert "local actors: 2, 19 nice levels below the learner" in out, out[-2000:]
+    # and, unless --publish-delay says otherwise, the actors' weights one update behind
+    assert "weights: the actors act on weights 1 update behind the learner's" in out, out[-2000:]
+    assert "publish_delay: 1" in (tmp_path / "config.yaml").read_text()
 
 
 def _compact_range(cpus: list[int]) -> str:

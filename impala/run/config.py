@@ -432,17 +432,23 @@ class RunConfig:
     )
     cpu_affinity: Literal["auto", "off", "split", "learner-first"] = option(
         "auto",
-        "Where the learner and its local actor processes run. 'learner-first': nothing pinned; the local "
-        "actors run 19 nice levels below the learner (or --actor-nice, when above 0) and the learner gets "
-        "at least 2 torch threads, taking every core whenever its update can use it, the actors every "
-        "cycle it leaves (with --publish-delay 1 unless given). 'auto' (launch_impala): learner-first for "
-        "image observations when the learner runs on the CPU with local actor processes, else 'off' (the "
-        "kernel places everything); launch_ppo: 'off' (its actors wait during updates, so its learner "
-        "uses every core then). On Pong with 2 actors on a 2-core box learner-first ran at 0.83-0.89 of "
-        "the cost model's ceiling against 0.75-0.80 for split, and reached 18 in 4.7M frames and 18 "
-        "minutes (BENCHMARKS.md). 'split': pin the learner to CPUs of its own (--torch-threads of them, 1 "
-        "by default) and the local actors to the others; it claims its CPUs with a lock file per CPU in "
-        "the temp folder (IMPALA_CPU_CLAIMS_DIR to change it) and warns when another split run holds them.",
+        "Where the learner and its local actor processes run. 'split': pin the learner to CPUs of its own "
+        "(--torch-threads of them, 1 by default) and the local actors to the others: on a 2-core box with "
+        "2 actors it ran Pong faster than the kernel's placement in 5 of 6 side-by-side pairs, 10-42%% "
+        "(BENCHMARKS.md). 'auto' (launch_impala): split for image observations when the learner runs on "
+        "the CPU with local actor processes and no other run on this machine has claimed these CPUs (a "
+        "lock file per CPU in the temp folder, dropped when the run ends), the learner taking the CPUs "
+        "the actors leave (at least 1) unless --torch-threads, else 'off'; launch_ppo: 'off' (its actors "
+        "wait during updates, so its learner uses every core then). 'learner-first' (opt-in): no pinning; "
+        "the actors run 19 nice levels below the learner (or --actor-nice, when above 0), the learner "
+        "gets at least 2 torch threads, taking every core whenever its update can use it, and the "
+        "actors' weights are one update behind (--publish-delay 1 unless given). On Pong on the 2-core box "
+        "it ran at 0.75-0.91 of the cost model's ceiling (median 0.86) against 0.75-0.80 for split and "
+        "reached 18 at 4.7M and 6.0M frames in 18 and 23 minutes against split's 4.7-5.3M in 23-24; "
+        "not the default until other games say it is no worse (on Breakout one seed scored 58 at 10M "
+        "frames against 75 for the defaults, BENCHMARKS.md). "
+        "Containers that share cores but not a temp folder cannot see each other's claims: give them "
+        "'off', CPU sets of their own, or a common folder in IMPALA_CPU_CLAIMS_DIR.",
     )
     actor_nice: int = option(
         0,
@@ -562,7 +568,7 @@ class RunConfig:
         "Send each update's weights to the actors this many updates after it, so that they act on weights "
         "that much older than the learner's (the policy lag V-trace and the clipped objective correct for). "
         "Unset: 1 under --cpu-affinity learner-first, whose learner outruns its actors (their weights were "
-        "0.6-0.8 updates old, and its Pong runs took 7.6-8.9M frames to 18 against 4.7M with 1, "
+        "0.6-0.8 updates old, and its Pong runs took 7.6-8.9M frames to 18 against 4.7M and 6.0M with 1, "
         "BENCHMARKS.md), else 0; never above --max-policy-lag. launch_ppo: 0 (its actors wait for each "
         "update's weights).",
     )
