@@ -19,7 +19,7 @@ import sys
 import learner.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
 import torch
 
-from impala.run.checkpoint import prepare_run_folder
+from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder
 from impala.run.config import (
     ConfigError,
     FlagParser,
@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail("launch_impala", e)
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     claim = CpuClaim()  # the CPUs a pinned run holds until it ends (a second run then leaves them be)
+    created = False  # whether this start made the run folder (a failed start takes it away again)
     try:
-        prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
+        created = prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         env, tasks, note = probe_run_envs(config)
         config = claim_cpus(config, claim, env)
         config = dataclasses.replace(config, publish_delay=config.weights_delay())  # config.yaml says which
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch_impala: {e}", flush=True)
         return 0
     except START_ERRORS as e:
+        drop_unused_run_folder(config.logdir, created)
         return fail("launch_impala", e)
     except LearnerGroupError as e:  # not bad input: the run started and lost a rank
         saved = os.path.isfile(config.checkpoint_path)

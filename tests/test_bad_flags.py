@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -175,6 +176,10 @@ def test_bad_flag_value_is_one_line_and_exit_2(prog, flag, value, tmp_path, caps
     )  # the flag, its option name (PPO's YAML-shared messages), or the value
     assert any(n and n in lines[0] for n in names), (
         f"the message names neither the flag nor the value: {lines[0]}"
+    )
+    # a start that failed leaves no empty run folder behind
+    assert not (tmp_path / "run").exists(), (
+        f"{prog} {flag}={value!r} left {sorted(os.listdir(tmp_path / 'run'))}"
     )
 
 

@@ -304,11 +304,16 @@ def test_ctrl_c_leaves_no_child_processes(tmp_path):
     ]
 
 
-def test_unknown_env_id_lists_close_matches():
-    out = run(["launch_impala", "--env", "PongDeterministc-v4", "--workers", "1"], timeout=60)
+def test_unknown_env_id_lists_close_matches(tmp_path):
+    folder = tmp_path / "new-run"
+    argv = ["launch_impala", "--env", "PongDeterministc-v4", "--workers", "1", "--logdir", str(folder)]
+    out = run(argv, timeout=60)
     assert out.returncode == 2
     assert "unknown env id 'PongDeterministc-v4'" in out.stderr and "PongDeterministic-v4" in out.stderr
     assert "Traceback" not in out.stderr
+    assert not folder.exists()  # the folder made for the run went with the failed start
+    folder.mkdir()  # one that was there before stays, empty or not
+    assert run(argv, timeout=60).returncode == 2 and folder.is_dir()
 
 
 def test_port_in_use_names_port_and_flag(tmp_path):
@@ -406,14 +411,18 @@ BAD_VALUES = [
 
 
 @pytest.mark.parametrize("argv,message", BAD_VALUES, ids=[a[0] for a, _ in BAD_VALUES])
-def test_bad_values_are_one_line_errors_before_anything_starts(argv, message, capsys):
+def test_bad_values_are_one_line_errors_before_anything_starts(argv, message, capsys, tmp_path, monkeypatch):
     from learner.launch_impala import main
 
     if argv[:2] == ["--device", "cuda:7"] and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
+    monkeypatch.chdir(tmp_path)  # the default run folder, runs/<env>-<time>, goes here
     assert main([*argv, "--workers", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("launch_impala: error: ") and message in err[0], err
+    # and the run folder the failed start made (for the values found wrong after it) is gone again
+    left = list((tmp_path / "runs").iterdir()) if (tmp_path / "runs").exists() else []
+    assert not left, left
 
 
 def test_bad_log_level_and_preset_from_the_real_cli(tmp_path):

@@ -15,7 +15,7 @@ from actors.loop import actor_configs
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import probe_env
-from impala.run.checkpoint import CheckpointError, load_checkpoint, prepare_run_folder
+from impala.run.checkpoint import CheckpointError, drop_unused_run_folder, load_checkpoint, prepare_run_folder
 from impala.run.config import (
     ConfigError,
     FlagParser,
@@ -390,3 +390,18 @@ def test_a_folder_holding_a_run_is_refused_unless_resume_or_force(tmp_path):
     assert (folder / "metrics.csv").exists()
     prepare_run_folder(str(folder), resume=False, force=True)
     assert sorted(os.listdir(folder)) == ["notes.txt"]  # only the run's own files went
+
+
+def test_a_failed_start_takes_away_only_the_empty_folder_it_made(tmp_path):
+    made = tmp_path / "made"
+    assert prepare_run_folder(str(made), resume=False, force=False) is True
+    assert prepare_run_folder(str(made), resume=False, force=False) is False  # there now: not made again
+    drop_unused_run_folder(str(made), created=False)
+    assert made.is_dir()  # not this start's folder: it stays
+    drop_unused_run_folder(str(made), created=True)
+    assert not made.exists()
+    written = tmp_path / "written"
+    prepare_run_folder(str(written), resume=False, force=False)
+    (written / "config.yaml").write_text("env: CartPole-v1\n")
+    drop_unused_run_folder(str(written), created=True)  # something was written: nothing is removed
+    assert (written / "config.yaml").read_text() == "env: CartPole-v1\n"

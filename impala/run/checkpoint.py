@@ -223,10 +223,12 @@ def run_files(path: str) -> list[str]:
     ]
 
 
-def prepare_run_folder(path: str, *, resume: bool, force: bool) -> None:
+def prepare_run_folder(path: str, *, resume: bool, force: bool) -> bool:
     """Make the run folder ready at start-up, not at the first checkpoint: created and writable, and never
     another run's folder by accident. A folder that holds a run is refused unless ``resume`` (continue it) or
-    ``force`` (its run files are deleted first)."""
+    ``force`` (its run files are deleted first). Returns whether it created the folder, so that a start that
+    fails later (a bad env id, a port in use) can take it away again (``drop_unused_run_folder``)."""
+    created = not os.path.isdir(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
@@ -235,7 +237,7 @@ def prepare_run_folder(path: str, *, resume: bool, force: bool) -> None:
         raise ConfigError(f"--logdir {path}: not writable")
     held = run_files(path)
     if not held or resume:
-        return
+        return created
     if not force:
         raise ConfigError(
             f"run folder {path} holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): pass "
@@ -251,3 +253,16 @@ def prepare_run_folder(path: str, *, resume: bool, force: bool) -> None:
             ) from None
         except OSError as e:
             raise ConfigError(f"--force: cannot delete {os.path.join(path, name)} ({e.strerror})") from None
+    return created
+
+
+def drop_unused_run_folder(path: str, created: bool) -> None:
+    """Remove the run folder ``prepare_run_folder`` created for a start that then failed, if nothing was
+    written into it: a run that never started leaves no empty folder behind. A folder that holds anything
+    (or that was there before) stays."""
+    if not created:
+        return
+    try:
+        os.rmdir(path)
+    except OSError:  # not empty, or gone: either way nothing of a run is lost
+        pass
