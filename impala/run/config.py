@@ -445,8 +445,8 @@ class RunConfig:
         "actors' weights are one update behind (--publish-delay 1 unless given). On Pong on the 2-core box "
         "it ran at 0.75-0.91 of the cost model's ceiling (median 0.86) against 0.75-0.80 for split and "
         "reached 18 at 4.7M and 6.0M frames in 18 and 23 minutes against split's 4.7-5.3M in 23-24; "
-        "not the default until other games say it is no worse (Breakout at 10M frames: 58.3 against "
-        "56.3 for split the same day, one seed each; SpaceInvaders not run yet; docs/ATARI.md). "
+        "not the default: at 10M frames it was level with split on Breakout (58.3 against 56.3) and "
+        "behind on SpaceInvaders (449.9 against 507.1), one seed each (docs/ATARI.md). "
         "Containers that share cores but not a temp folder cannot see each other's claims: give them "
         "'off', CPU sets of their own, or a common folder in IMPALA_CPU_CLAIMS_DIR.",
     )
