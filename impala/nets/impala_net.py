@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from impala.algos.popart import PopArtValueHead
+from impala.nets.onednn_linear import linear
 
 __all__ = [
     "CoreState",
@@ -135,12 +136,15 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
         """``obs`` [..., C, H, W], same shape and values, in the memory order :meth:`forward` reads without
         reordering (channels innermost after :meth:`to_channels_last`; otherwise ``obs`` itself). With a
         :attr:`compute_dtype`, uint8 frames come back scaled to [0, 1] in that dtype: the values the
-        forward pass's autocast would make of them, made once.
+        forward pass's autocast would make of them, made once. In float32 on CPU they come back scaled
+        too, the values :meth:`forward` makes of them (on a GPU they stay uint8: a batch of float32
+        frames is 4x the memory, and there the conversion costs next to nothing).
 
         The learner lays out each batch once: reordering the uint8 frames inside every minibatch's forward
         pass was a quarter of a CPU update (2-core Intel Xeon, 4 x 4 minibatches, BENCHMARKS.md), and
         scaling them there, then rounding to bf16, two copies of every frame in each of the 33
-        forward passes a batch gets (about 7% of a bf16 update, 2-core AMD EPYC)."""
+        forward passes a batch gets (about 7% of a bf16 update, 2-core AMD EPYC; in float32 on CPU,
+        scaling once made a whole update 2-15% faster, although each minibatch then copies 4x the bytes)."""
         if obs.dim() < 4:
             return obs
         nhwc = obs.movedim(-3, -1).contiguous() if self.channels_last else obs
@@ -149,6 +153,8 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
             # values autocast makes of the float32 frames (tests/test_impala_net.py), at a third of the
             # time of converting through float32 and of a one-pass strided uint8 -> bf16 multiply
             nhwc = nhwc.to(self.compute_dtype).mul_(1.0 / 255.0)
+        elif obs.dtype == torch.uint8 and obs.device.type == "cpu":
+            nhwc = nhwc.float().mul_(1.0 / 255.0)  # _scale_frames' own operations: the same values
         return nhwc.movedim(-1, -3) if self.channels_last else nhwc
 
     @abc.abstractmethod
@@ -176,7 +182,7 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
             x = self._conv_features(x)
             if self.channels_last and x.requires_grad:
                 x = _ChannelsLastGradient.apply(x)
-            x = self._track("fc", F.relu(self.fc(x.flatten(1))))
+            x = self._track("fc", F.relu(linear(x.flatten(1), self.fc.weight, self.fc.bias)))
         return x.float()
 
 
