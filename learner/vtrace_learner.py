@@ -223,6 +223,7 @@ class VTraceLearner:
         self._shuffle = torch.Generator().manual_seed(seed)
         self._staging: dict[int, dict[str, torch.Tensor]] = {}  # buffer set (slot) -> arrays
         self._staging_b = 0
+        self._laid_out: dict[int, torch.Tensor] = {}  # slot -> the frames prepare laid out last
 
     def learning_rate(self, frames_done: int) -> float:
         if not self.config.lr_decay:
@@ -239,7 +240,7 @@ class VTraceLearner:
         a slot is safe once the update that read it has returned (``step`` reads its losses back to
         the host, which waits for the copy): a batch staged while another trains takes the other slot.
         """
-        return self.prepare(self.stage_host(unrolls, schema, slot))
+        return self.prepare(self.stage_host(unrolls, schema, slot), slot)
 
     def stage_host(
         self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema, slot: int = 0
@@ -263,8 +264,10 @@ class VTraceLearner:
         stack_time_major(unrolls, schema, out={k: v.numpy() for k, v in buffers.items()})
         return dict(buffers)
 
-    def prepare(self, staged: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host arrays -> the device, and each frame-once unroll's stacks rebuilt there."""
+    def prepare(self, staged: Mapping[str, torch.Tensor], slot: int | None = None) -> dict[str, torch.Tensor]:
+        """Host arrays -> the device, and each frame-once unroll's stacks rebuilt there, laid out for the
+        torso. With a ``slot``, the frames are laid out over the previous batch of that slot (the same
+        reuse rule as :meth:`stage`'s buffers); without one, into fresh memory."""
         if self.device.type == "cpu":
             batch = dict(staged)
         else:
@@ -275,7 +278,9 @@ class VTraceLearner:
             batch["obs"] = rebuild_frame_stacks(batch.pop("obs_head"), batch.pop("frames"), batch["first"])
         lay_out = getattr(self.model.torso, "lay_out", None)  # image torsos
         if lay_out is not None:
-            batch["obs"] = lay_out(batch["obs"])
+            batch["obs"] = lay_out(batch["obs"], out=self._laid_out.get(slot) if slot is not None else None)
+            if slot is not None:
+                self._laid_out[slot] = batch["obs"]
         return batch
 
     def train(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
@@ -613,7 +618,7 @@ class ImpalaTrainer:
         try:
             self.group.command(UPDATE, frames_done)
             staged = self.learner.stage_host(self._pending[:B], self.schema)
-            batch = self.learner.prepare(self.group.scatter(staged, self.schema, B))
+            batch = self.learner.prepare(self.group.scatter(staged, self.schema, B), slot=0)
         except RuntimeError as e:
             if not lost_peer(e):
                 raise
@@ -653,7 +658,7 @@ class ImpalaTrainer:
             cmd, frames_done = self.group.command()
             if cmd == STOP:
                 return updates
-            batch = self.learner.prepare(self.group.scatter(None, self.schema, self.config.batch_size))
+            batch = self.learner.prepare(self.group.scatter(None, self.schema, self.config.batch_size), slot=0)
             self.learner.train(batch, frames_done=frames_done)
             updates += 1
 

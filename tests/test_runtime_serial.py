@@ -199,3 +199,41 @@ def test_a_dead_evaluation_process_does_not_hold_the_launcher_at_exit(tmp_path):
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "exiting" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_staging_into_a_slot_lays_the_frames_out_over_its_previous_batch():
+    """An image learner on CPU lays each batch's frames out as float32 over the previous batch of the same
+    staging slot (no fresh 120 MB per Pong batch); the values are a fresh layout's, and the other slot's
+    batch, which may still be training, is left alone."""
+    import numpy as np
+    import torch
+
+    from impala.nets.impala_net import build_model
+    from impala.transport.trajectory import impala_unroll_schema, stack_time_major
+    from learner.vtrace_learner import VTraceLearner
+
+    schema = impala_unroll_schema(3, (4, 84, 84), "uint8", 6)
+    learner = VTraceLearner(
+        build_model("shallow", (4, 84, 84), 6), ImpalaConfig(), torch.device("cpu"), total_frames=1000
+    )
+    learner.model.torso.to_channels_last()
+    rng = np.random.default_rng(1)
+
+    def unrolls():
+        out = []
+        for _ in range(2):
+            u = schema.allocate()
+            for k, v in u.items():
+                v[...] = rng.integers(0, 2 if v.dtype == bool else 255, size=v.shape)
+            out.append(u)
+        return out
+
+    first, second, third = unrolls(), unrolls(), unrolls()
+    slot0 = learner.stage(first, schema, slot=0)["obs"]
+    slot1 = learner.stage(second, schema, slot=1)["obs"]
+    kept = slot1.clone()
+    again = learner.stage(third, schema, slot=0)["obs"]
+    assert again is slot0 and again.dtype == torch.float32
+    want = learner.model.torso.lay_out(torch.from_numpy(stack_time_major(third, schema)["obs"]))
+    assert torch.equal(again, want) and again.stride() == want.stride()
+    assert torch.equal(slot1, kept)

@@ -132,7 +132,7 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
         self.channels_last = True
         return self.to(memory_format=torch.channels_last)
 
-    def lay_out(self, obs: torch.Tensor) -> torch.Tensor:
+    def lay_out(self, obs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``obs`` [..., C, H, W], same shape and values, in the memory order :meth:`forward` reads without
         reordering (channels innermost after :meth:`to_channels_last`; otherwise ``obs`` itself). With a
         :attr:`compute_dtype`, uint8 frames come back scaled to [0, 1] in that dtype: the values the
@@ -140,22 +140,41 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
         too, the values :meth:`forward` makes of them (on a GPU they stay uint8: a batch of float32
         frames is 4x the memory, and there the conversion costs next to nothing).
 
+        ``out``: what an earlier call returned for frames of the same shape, to be written over (the
+        learner passes the previous batch's of the same staging slot). A fresh batch of float32 frames is
+        120 MB on Pong's defaults, and the operating system hands fresh memory over a page at a time:
+        29,000 page faults per batch, 60-80 ms of a 750 ms update (2-core AMD EPYC). Anything else in
+        ``out`` (another shape, dtype or memory order) is ignored.
+
         The learner lays out each batch once: reordering the uint8 frames inside every minibatch's forward
         pass was a quarter of a CPU update (2-core Intel Xeon, 4 x 4 minibatches, BENCHMARKS.md), and
         scaling them there, then rounding to bf16, two copies of every frame in each of the 33
-        forward passes a batch gets (about 7% of a bf16 update, 2-core AMD EPYC; in float32 on CPU,
-        scaling once made a whole update 2-15% faster, although each minibatch then copies 4x the bytes)."""
+        forward passes a batch gets (about 7% of a bf16 update, 2-core AMD EPYC)."""
         if obs.dim() < 4:
             return obs
+        scale_to = None
+        if obs.dtype == torch.uint8:
+            if self.compute_dtype is not None:
+                scale_to = self.compute_dtype
+            elif obs.device.type == "cpu":
+                scale_to = torch.float32
+        if scale_to is not None and out is not None and self._fits(out, obs, scale_to):
+            target = out.movedim(-3, -1) if self.channels_last else out
+            target.copy_(obs.movedim(-3, -1) if self.channels_last else obs).mul_(1.0 / 255.0)
+            return out
         nhwc = obs.movedim(-3, -1).contiguous() if self.channels_last else obs
-        if self.compute_dtype is not None and obs.dtype == torch.uint8:
+        if scale_to is not None:
             # uint8 -> bf16 is exact, and bf16's in-place multiply computes in float32 and rounds once: the
             # values autocast makes of the float32 frames (tests/test_impala_net.py), at a third of the
-            # time of converting through float32 and of a one-pass strided uint8 -> bf16 multiply
-            nhwc = nhwc.to(self.compute_dtype).mul_(1.0 / 255.0)
-        elif obs.dtype == torch.uint8 and obs.device.type == "cpu":
-            nhwc = nhwc.float().mul_(1.0 / 255.0)  # _scale_frames' own operations: the same values
+            # time of converting through float32 and of a one-pass strided uint8 -> bf16 multiply. In
+            # float32 these are _scale_frames' own operations: the same values.
+            nhwc = nhwc.to(scale_to).mul_(1.0 / 255.0)
         return nhwc.movedim(-1, -3) if self.channels_last else nhwc
+
+    def _fits(self, out: torch.Tensor, obs: torch.Tensor, dtype: torch.dtype) -> bool:
+        if out.shape != obs.shape or out.dtype != dtype or out.device != obs.device:
+            return False
+        return (out.movedim(-3, -1) if self.channels_last else out).is_contiguous()
 
     @abc.abstractmethod
     def _conv_features(self, x: torch.Tensor) -> torch.Tensor:
