@@ -658,7 +658,9 @@ class ImpalaTrainer:
             cmd, frames_done = self.group.command()
             if cmd == STOP:
                 return updates
-            batch = self.learner.prepare(self.group.scatter(None, self.schema, self.config.batch_size), slot=0)
+            batch = self.learner.prepare(
+                self.group.scatter(None, self.schema, self.config.batch_size), slot=0
+            )
             self.learner.train(batch, frames_done=frames_done)
             updates += 1
 
