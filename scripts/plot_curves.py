@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import sys
 
 import matplotlib
 
@@ -23,7 +24,8 @@ def read(source: str, key: str) -> tuple[list[float], list[float], list[float]]:
     """(frames, values, seconds) from a run directory's metrics.csv or a frames,time,<key> CSV."""
     path = source if os.path.isfile(source) else os.path.join(source, "metrics.csv")
     if not os.path.isfile(path):
-        raise SystemExit(f"plot_curves: no metrics.csv in {source!r}")
+        print(f"plot_curves: no metrics.csv in {source!r}", file=sys.stderr)
+        raise SystemExit(2)
     xs, ys, ts = [], [], []
     with open(path) as f:
         for row in csv.DictReader(f):
@@ -54,9 +56,11 @@ def main() -> None:
     args = ap.parse_args()
     labels = args.labels or args.logdirs
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for logdir, label in zip(args.logdirs, labels):
+    # the default cycle has 10 colours: an 11th curve would share the first one's
+    palette = plt.get_cmap("tab10" if len(args.logdirs) <= 10 else "tab20").colors
+    for i, (logdir, label) in enumerate(zip(args.logdirs, labels)):
         xs, ys, ts = read(logdir, args.key)
-        (line,) = ax1.plot(xs, ys, label=label)
+        (line,) = ax1.plot(xs, ys, label=label, color=palette[i % len(palette)])
         if not all(t != t for t in ts):  # NaN: no wall times to draw
             ax2.plot([t / 60 for t in ts], ys, label=label, color=line.get_color())
     for ax, xl in ((ax1, "environment frames"), (ax2, "wall-clock minutes")):
