@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("launch_impala", e)
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     claim = CpuClaim()  # the CPUs a pinned run holds until it ends (a second run then leaves them be)
-    created = False  # whether this start made the run folder (a failed start takes it away again)
+    created: tuple[str, ...] = ()  # the folders this start made (a failed start takes them away again)
     try:
         created = prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         env, tasks, note = probe_run_envs(config)
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch_impala: {e}", flush=True)
         return 0
     except START_ERRORS as e:
-        drop_unused_run_folder(config.logdir, created)
+        drop_unused_run_folder(created)
         return fail("launch_impala", e)
     except LearnerGroupError as e:  # not bad input: the run started and lost a rank
         saved = os.path.isfile(config.checkpoint_path)

@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail("launch_ppo", e)
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
-    folder, created = "", False  # the run folder this start made, if it did (a failed start takes it away)
+    created: tuple[str, ...] = ()  # the folders this start made (a failed start takes them away again)
     try:
         if options.unity_build and config.env:
             raise ConfigError("pass either --unity-build or --env, not both")
@@ -614,7 +614,6 @@ def main(argv: list[str] | None = None) -> int:
             f"ppo-{config.env or ('unity' if options.unity_build else STAND_IN_ENV)}"
         )
         created = prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
-        folder = config.logdir  # --inference --resume plays into a folder inside it
         config, init_path = inference_folder(config, options)
         init_path = init_path or initialize_path(config, options, file)
         # --max-policy-lag's default depends on --trajectory-handling: whether it was given decides
@@ -677,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch_ppo: {e}", flush=True)
         return 0
     except (*START_ERRORS, UnityEnvError) as e:
-        drop_unused_run_folder(folder, created)
+        drop_unused_run_folder(created)
         return fail("launch_ppo", e)
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
     print(

@@ -472,6 +472,8 @@ def test_bad_input_is_one_line_and_exit_2(doc, extra, expected, tmp_path, capsys
     path = write_yaml(tmp_path / "t.yaml", doc)
     assert main_rc(path, *PENDULUM, *extra) == 2
     assert expected in error_line(capsys)
+    # a failed start leaves none of the folders it made: RESULTS_DIR/RUN_ID/<behaviour> nor new parents
+    assert os.listdir(tmp_path) == ["t.yaml"]
 
 
 # ------------------------------------------------------------------ checkpoints, initialize_from, inference

@@ -392,16 +392,36 @@ def test_a_folder_holding_a_run_is_refused_unless_resume_or_force(tmp_path):
     assert sorted(os.listdir(folder)) == ["notes.txt"]  # only the run's own files went
 
 
-def test_a_failed_start_takes_away_only_the_empty_folder_it_made(tmp_path):
+def test_a_failed_start_takes_away_only_the_empty_folders_it_made(tmp_path):
     made = tmp_path / "made"
-    assert prepare_run_folder(str(made), resume=False, force=False) is True
-    assert prepare_run_folder(str(made), resume=False, force=False) is False  # there now: not made again
-    drop_unused_run_folder(str(made), created=False)
+    assert prepare_run_folder(str(made), resume=False, force=False) == (str(made),)
+    assert prepare_run_folder(str(made), resume=False, force=False) == ()  # there now: not made again
+    drop_unused_run_folder(())
     assert made.is_dir()  # not this start's folder: it stays
-    drop_unused_run_folder(str(made), created=True)
+    drop_unused_run_folder((str(made),))
     assert not made.exists()
     written = tmp_path / "written"
-    prepare_run_folder(str(written), resume=False, force=False)
+    created = prepare_run_folder(str(written), resume=False, force=False)
     (written / "config.yaml").write_text("env: CartPole-v1\n")
-    drop_unused_run_folder(str(written), created=True)  # something was written: nothing is removed
+    drop_unused_run_folder(created)  # something was written: nothing is removed
     assert (written / "config.yaml").read_text() == "env: CartPole-v1\n"
+
+
+def test_a_failed_start_takes_away_the_new_parents_too_and_stops_at_one_that_holds_anything(tmp_path):
+    # mlagents-learn's RESULTS_DIR/RUN_ID/<behaviour>, all three new: all three go
+    run = tmp_path / "results" / "crawler" / "Crawler"
+    created = prepare_run_folder(str(run), resume=False, force=False)
+    assert created == (str(run), str(run.parent), str(run.parent.parent))
+    drop_unused_run_folder(created)
+    assert sorted(os.listdir(tmp_path)) == []
+    # RUN_ID new, RESULTS_DIR there before: RESULTS_DIR stays
+    (tmp_path / "results").mkdir()
+    created = prepare_run_folder(str(run), resume=False, force=False)
+    assert created == (str(run), str(run.parent))
+    drop_unused_run_folder(created)
+    assert os.listdir(tmp_path / "results") == []
+    # something written into a new parent (another behaviour's folder): it and everything above it stay
+    created = prepare_run_folder(str(run), resume=False, force=False)
+    (run.parent / "Walker").mkdir()
+    drop_unused_run_folder(created)
+    assert not run.exists() and sorted(os.listdir(run.parent)) == ["Walker"]

@@ -223,12 +223,21 @@ def run_files(path: str) -> list[str]:
     ]
 
 
-def prepare_run_folder(path: str, *, resume: bool, force: bool) -> bool:
+def prepare_run_folder(path: str, *, resume: bool, force: bool) -> tuple[str, ...]:
     """Make the run folder ready at start-up, not at the first checkpoint: created and writable, and never
     another run's folder by accident. A folder that holds a run is refused unless ``resume`` (continue it) or
-    ``force`` (its run files are deleted first). Returns whether it created the folder, so that a start that
-    fails later (a bad env id, a port in use) can take it away again (``drop_unused_run_folder``)."""
-    created = not os.path.isdir(path)
+    ``force`` (its run files are deleted first). Returns the folders it created, the run folder first, then
+    each new parent (``runs/``, or mlagents-learn's RESULTS_DIR/RUN_ID), so that a start that fails later
+    (a bad env id, a port in use) can take them away again (``drop_unused_run_folder``)."""
+    created = []
+    folder = os.path.abspath(path)
+    while not os.path.isdir(folder):
+        created.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    created = tuple(created)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
@@ -256,13 +265,12 @@ def prepare_run_folder(path: str, *, resume: bool, force: bool) -> bool:
     return created
 
 
-def drop_unused_run_folder(path: str, created: bool) -> None:
-    """Remove the run folder ``prepare_run_folder`` created for a start that then failed, if nothing was
-    written into it: a run that never started leaves no empty folder behind. A folder that holds anything
-    (or that was there before) stays."""
-    if not created:
-        return
-    try:
-        os.rmdir(path)
-    except OSError:  # not empty, or gone: either way nothing of a run is lost
-        pass
+def drop_unused_run_folder(created: tuple[str, ...]) -> None:
+    """Remove the folders ``prepare_run_folder`` created for a start that then failed, innermost first, as
+    long as each is empty: a run that never started leaves no empty folder behind. A folder that holds
+    anything (or that was there before) stays, and so does every folder above it."""
+    for folder in created:
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty, or gone: either way nothing of a run is lost
+            return
