@@ -229,15 +229,12 @@ def prepare_run_folder(path: str, *, resume: bool, force: bool) -> tuple[str, ..
     ``force`` (its run files are deleted first). Returns the folders it created, the run folder first, then
     each new parent (``runs/``, or mlagents-learn's RESULTS_DIR/RUN_ID), so that a start that fails later
     (a bad env id, a port in use) can take them away again (``drop_unused_run_folder``)."""
-    created = []
+    missing = []  # the run folder, then each parent that is not there yet
     folder = os.path.abspath(path)
-    while not os.path.isdir(folder):
-        created.append(folder)
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            break
-        folder = parent
-    created = tuple(created)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    created = tuple(missing)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
