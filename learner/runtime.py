@@ -460,6 +460,10 @@ def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.E
     else:
         if in_flight is not None:  # the last batch of the budget
             after_update(in_flight.result())
+        # a timed curve ends at the run's last update, even when the budget ran out inside one interval
+        # (rows counted in agent steps keep ML-Agents' summary_freq: only at its multiples)
+        if metrics and not plan.log_every_steps and progress.env_frames > rows.last_frames:
+            log_row()
     finally:
         if updates is not None:
             updates.shutdown()

@@ -192,6 +192,19 @@ def test_learner_sigkill_then_resume_continues_from_checkpoint(tmp_path):
     assert resumed and float(resumed[0]["charts/episodes"]) >= episodes["total"], (resumed[:1], episodes)
 
 
+def test_a_run_shorter_than_one_log_interval_still_ends_its_curve_at_its_last_frames(tmp_path):
+    """The budget runs out long before the first --log-interval: the curve still gets its closing row, at
+    the frames the run stopped at (a resumed run's few thousand frames must show on its curve)."""
+    argv = list(CARTPOLE)
+    argv[argv.index("--log-interval") + 1] = "3600"
+    out = run(["launch_impala", "--workers", "1", *argv, "--total-frames", "3000", "--logdir", str(tmp_path)],
+              timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _csv_rows(tmp_path)
+    assert len(rows) == 1, rows
+    assert int(float(rows[0]["charts/env_frames"])) == _frames(_done_line(out.stdout)) >= 3000
+
+
 def _cpus_allowed(pid: int, task: str | int | None = None) -> str:
     path = f"/proc/{pid}/status" if task is None else f"/proc/{pid}/task/{task}/status"
     with open(path) as f:
