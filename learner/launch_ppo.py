@@ -379,21 +379,22 @@ def mlagents_run_folder(config: RunConfig, behavior: str | None) -> RunConfig:
     return dataclasses.replace(config, logdir=os.path.join(config.runs_dir, run_id, name), run_id=None)
 
 
-def inference_folder(config: RunConfig, options: PPOLaunchOptions) -> tuple[RunConfig, str | None]:
+def inference_folder(
+    config: RunConfig, options: PPOLaunchOptions
+) -> tuple[RunConfig, str | None, tuple[str, ...]]:
     """``--inference --resume`` plays the run's own checkpoint without touching the run: its rows go to
     RUN_FOLDER/inference/ (replaced each time), the weights come from RUN_FOLDER/checkpoint.pt, and the run's
-    counters, metrics and finished marker stay as training left them. Returns the config and that
-    checkpoint (None for any other run)."""
+    counters, metrics and finished marker stay as training left them. Returns the config, that checkpoint
+    (None for any other run) and the folders it created (``prepare_run_folder``)."""
     if not (options.inference and config.resume):
-        return config, None
+        return config, None, ()
     if not os.path.isfile(config.checkpoint_path):
         raise ConfigError(f"--inference --resume: no checkpoint at {config.checkpoint_path} to play")
     own = config.checkpoint_path
     config = dataclasses.replace(
         config, logdir=os.path.join(config.logdir, "inference"), resume=False, force=True
     )
-    prepare_run_folder(config.logdir, resume=False, force=True)
-    return config, own
+    return config, own, prepare_run_folder(config.logdir, resume=False, force=True)
 
 
 def initialize_path(config: RunConfig, options: PPOLaunchOptions, file: Any) -> str | None:
@@ -614,7 +615,8 @@ def main(argv: list[str] | None = None) -> int:
             f"ppo-{config.env or ('unity' if options.unity_build else STAND_IN_ENV)}"
         )
         created = prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
-        config, init_path = inference_folder(config, options)
+        config, init_path, inference_created = inference_folder(config, options)
+        created = inference_created + created  # innermost first: a failed start takes RUN/inference away
         init_path = init_path or initialize_path(config, options, file)
         # --max-policy-lag's default depends on --trajectory-handling: whether it was given decides
         config, note = ppo_run_config(config, ppo_config, lag_given="max_policy_lag" in args.given)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -529,6 +530,13 @@ def test_checkpoints_initialize_from_and_inference(tmp_path, capsys, caplog, mon
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()} == before
     with open(folder / "inference" / "metrics.csv") as f:
         assert len(list(csv.DictReader(f))) >= 1  # rows without updates (summary_freq in steps)
+    # a start that fails after it made RUN/inference (the env id is checked later) takes that folder away
+    shutil.rmtree(folder / "inference")
+    capsys.readouterr()
+    assert main_rc(small, "--run-id", "A", "--resume", "--inference", *PENDULUM, "--env", "Pendulum-v9") == 2
+    assert "Pendulum-v9" in error_line(capsys)
+    assert not (folder / "inference").exists()
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()} == before
 
     # --force starts A over: its numbered checkpoints go with its other files
     assert main_rc(small, "--run-id", "A", "--force", *PENDULUM) == 0
