@@ -40,8 +40,10 @@ class ActorConfig:
     """Everything a child needs, as plain picklable data.
 
     actor_id: this actor's index (also its Unity ``worker_id``).
-    env: what to build inside ``run()``.
+    env: what to build inside ``run()`` (a multi-task actor: its first env's task).
     num_envs: envs stepped together with one batched forward pass.
+    tasks / task_envs: a multi-task run's task of each env (``RunInfo.actor_tasks``) and the run's
+        envs in task order; env ``k`` plays ``task_envs[tasks[k]]``. Empty in a single-task run.
     unroll_length: steps per env per unroll (T).
     trajectory_endpoint / params_endpoint: the learner's ZeroMQ endpoints.
     agent: which agent adapter to run, with its settings (``impala.transport.messages``).
@@ -63,11 +65,23 @@ class ActorConfig:
     curve: Any = None  # impala.transport.curve.ClientKeys when the learner requires CURVE
     local_token: str = ""  # handed to the learner's own actors at spawn; proves a hello is theirs
     learner_timeout_s: float = 60.0  # no weights heartbeat for this long: the learner is gone, exit
-    task: int = (
-        0  # multi-task runs: the index of this actor's env in the run's task list, sent with every unroll
-    )
+    tasks: tuple[int, ...] = ()  # multi-task runs: each env's task index, sent with each of its unrolls
+    task_envs: tuple[EnvSpec, ...] = ()
     cpus: tuple[int, ...] = ()  # --cpu-affinity split: the CPUs this actor's process pins itself to
     nice: int = 0  # --actor-nice: added to this actor process's niceness when it starts
+
+    @property
+    def env_specs(self) -> tuple[EnvSpec, ...]:
+        """What each of the ``num_envs`` envs plays."""
+        if not self.tasks:
+            return (self.env,) * self.num_envs
+        return tuple(self.task_envs[t] for t in self.tasks)
+
+    def distinct_tasks(self) -> list[tuple[int, EnvSpec]]:
+        """(task, spec) of each task this actor plays, in task order (one ``(0, env)`` without tasks)."""
+        if not self.tasks:
+            return [(0, self.env)]
+        return [(t, self.task_envs[t]) for t in sorted(set(self.tasks))]
 
 
 def actor_configs(
@@ -80,14 +94,16 @@ def actor_configs(
     **settings: Any,
 ) -> list[ActorConfig]:
     """The one place an actor's configuration is made (the learner's own actors, ``impala-actors`` on other
-    machines, ``frameskip_check``'s worker check). Actor ``i`` runs task ``i % N`` of the run and seeds its
-    envs with ``seed + 1000 * i``: by id, so machines started alike (other ids, same seed) never share seeds.
+    machines, ``frameskip_check``'s worker check). A multi-task run deals its tasks over the actors' envs
+    (``RunInfo.task_of``), and actor ``i`` seeds its envs with ``seed + 1000 * i``: by id, so machines started
+    alike (other ids, same seed) never share seeds.
     ``settings`` are further :class:`ActorConfig` fields (CURVE keys, the local token, timeouts)."""
     return [
         ActorConfig(
             actor_id=i,
             env=run.task_envs[run.task_of(i)],
-            task=run.task_of(i),
+            tasks=run.actor_tasks(i) if run.tasks else (),
+            task_envs=run.tasks,
             num_envs=run.envs_per_worker,
             unroll_length=run.unroll_length,
             trajectory_endpoint=trajectory_endpoint,
@@ -112,7 +128,7 @@ def build_vec_env(config: ActorConfig):
 
         kw = dict(config.env.kwargs)
         return UnityVecEnv(kw.pop("file_name"), worker_id=config.actor_id, seed=config.seed, **kw)
-    return GymVecEnv(config.env, config.num_envs, seed=config.seed)
+    return GymVecEnv(config.env_specs, config.num_envs, seed=config.seed)
 
 
 class ActorLink:
@@ -231,11 +247,15 @@ def run_actor(
     "max_unrolls", "stopped", "no_weights", "learner_gone" or "refused".
     """
     stop_event = stop_event or threading.Event()
-    # Measured here, on a probe env built from the same spec (Unity builds have none).
-    fingerprint = (
-        None
+    # Measured here, on a probe env built from the same spec (Unity builds have none); a multi-task actor
+    # measures each game it plays.
+    fingerprints = (
+        []
         if config.env.is_unity
-        else measure_env_fingerprint(config.env, seed=config.seed, steps=config.fingerprint_steps).to_dict()
+        else [
+            [task, measure_env_fingerprint(spec, seed=config.seed, steps=config.fingerprint_steps).to_dict()]
+            for task, spec in config.distinct_tasks()
+        ]
     )
     envs = build_vec_env(config)
     link: ActorLink | None = None
@@ -247,7 +267,14 @@ def run_actor(
         # The nonce tells this actor's own hellos apart from anyone else's in its name: when the learner
         # reports a refused hello for our id with our nonce, the refusal is ours.
         nonce = secrets.token_hex(8)
-        hello_info = {"fingerprint": fingerprint, "pid": os.getpid(), "num_envs": K, "nonce": nonce}
+        hello_info = {
+            "fingerprint": fingerprints[0][1] if fingerprints else None,
+            "pid": os.getpid(),
+            "num_envs": K,
+            "nonce": nonce,
+        }
+        if config.tasks:
+            hello_info["task_fingerprints"] = fingerprints
         if config.local_token:
             hello_info["local_token"] = config.local_token
         hello = wire.encode("hello", actor=config.actor_id, version=-1, info=hello_info)
@@ -289,7 +316,7 @@ def run_actor(
             for name, value in agent.unroll_start(obs).items():
                 buf[name][:] = value
             if "task" in buf:
-                buf["task"][:] = config.task
+                buf["task"][:] = np.asarray(config.tasks or (0,) * K).reshape(K, *buf["task"].shape[1:])
             for t in range(T):
                 for name, value in agent.observation(obs, first).items():
                     buf[name][:, t] = value

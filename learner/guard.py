@@ -1,11 +1,12 @@
 """The fingerprint guard: no actor trains the learner on other dynamics than the env it probed.
 
 Every actor measures its env (frame skip, sticky actions, action count, observation shape, episode
-limit) and sends that fingerprint in its hello; :meth:`FingerprintGuard.on_hello` compares it with the
-learner's own measurement of the actor's task. Ids below ``--workers`` belong to this learner's own
-actors: only they know the run's local token, so a peer that merely reaches the port cannot pose as
-one. A refused *local* actor means the run itself is misconfigured and stops it before training
-(:meth:`check`); any other refused hello is only kept out, its data dropped and counted.
+limit) and sends that fingerprint in its hello (a multi-task actor: one per game its envs play);
+:meth:`FingerprintGuard.on_hello` compares it with the learner's own measurement of the actor's tasks.
+Ids below ``--workers`` belong to this learner's own actors: only they know the run's local token, so a
+peer that merely reaches the port cannot pose as one. A refused *local* actor means the run itself is
+misconfigured and stops it before training (:meth:`check`); any other refused hello is only kept out, its
+data dropped and counted.
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ from typing import Any, Mapping, Sequence
 
 from impala.envs.fingerprint import EnvFingerprint, FingerprintMismatchError, compare_fingerprints
 from impala.envs.probe import EnvInfo
+from impala.transport.messages import deal_task
 
 
 class FingerprintGuard:
-    """Judges hellos against the tasks' probed envs (a multi-task run deals task ``id % N`` to actor
-    ``id``)."""
+    """Judges hellos against the tasks' probed envs (a multi-task run deals its tasks over the actors'
+    ``envs_per_worker`` envs, :func:`impala.transport.messages.deal_task`)."""
 
-    def __init__(self, tasks: Sequence[EnvInfo], local_workers: int) -> None:
+    def __init__(self, tasks: Sequence[EnvInfo], local_workers: int, envs_per_worker: int = 1) -> None:
         self.tasks = tuple(tasks)
         self.local_workers = local_workers
+        self.envs_per_worker = envs_per_worker
         self.local_token = secrets.token_hex(16)  # handed to the local actors at spawn
         self.verified_local: set[int] = set()  # local ids whose hello carried the token
         self.local_refusals: dict[int, str] = {}  # verified local actors whose env differs
@@ -46,12 +49,35 @@ class FingerprintGuard:
                 self.local_refusals[actor] = reason
         return reason
 
+    def actor_tasks(self, actor: int) -> list[int]:
+        """The tasks actor ``actor``'s envs play, each once, in task order."""
+        n, k = len(self.tasks), self.envs_per_worker
+        return sorted({deal_task(actor, env, k, n) for env in range(k)})
+
     def problem(self, info: Mapping[str, Any], actor: int) -> str | None:
-        """What differs between the hello's fingerprint and the actor's task, or None."""
-        reference = self.tasks[actor % len(self.tasks)].fingerprint
+        """What differs between the hello's fingerprints and the actor's tasks, or None."""
+        if len(self.tasks) == 1:
+            return self._compare(0, info.get("fingerprint"))
+        raw = info.get("task_fingerprints")
+        if not isinstance(raw, list) or len(raw) > len(self.tasks):
+            raw = []
+        theirs = {
+            row[0]: row[1] for row in raw if isinstance(row, list) and len(row) == 2 and type(row[0]) is int
+        }
+        for task in self.actor_tasks(actor):
+            if self.tasks[task].fingerprint is None:
+                continue
+            if task not in theirs:
+                return f"hello carries no env fingerprint for task {task} ({self.tasks[task].spec.id})"
+            reason = self._compare(task, theirs[task])
+            if reason is not None:
+                return f"task {task} ({self.tasks[task].spec.id}): {reason}"
+        return None
+
+    def _compare(self, task: int, raw: Any) -> str | None:
+        reference = self.tasks[task].fingerprint
         if reference is None:  # an env the learner could not fingerprint (nothing to compare)
             return None
-        raw = info.get("fingerprint")
         if not isinstance(raw, dict):
             return "hello carries no env fingerprint"
         try:

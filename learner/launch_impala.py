@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import sys
 
@@ -32,6 +33,8 @@ from impala.run.config import (
     load_preset,
 )
 from impala.envs import EnvSpec
+from impala.envs.atari import human_normalized_score
+from impala.transport.messages import task_shares
 from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from learner.group import LearnerGroupError
 from impala.run.cpus import CpuClaim
@@ -83,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
 MULTI_TASK_DEFAULTS = {"popart": True, "reward_clip": 0.0}
 
 
+def balanced_envs_per_worker(workers: int, num_tasks: int, default: int) -> int:
+    """Envs per actor for a multi-task run where ``--envs-per-worker`` is not set: the smallest count from
+    ``default`` up that deals every task the same number of envs (``workers * K`` a multiple of the tasks:
+    2 actors and 5 games get 5 envs each), unless that needs more than twice the envs every task needs
+    at least one of; then that many, and the tasks' shares differ by one env."""
+    if workers < 1:
+        return default
+    step = num_tasks // math.gcd(workers, num_tasks)
+    balanced = max(step, -(-default // step) * step)
+    enough = max(default, -(-num_tasks // workers))
+    return balanced if balanced <= max(8, 2 * enough) else enough
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Defaults < ``--config`` preset < flags given on the command line (``args.given``; ``args.preset`` names
     the options the preset set: the multi-task defaults apply only to the others)."""
@@ -112,6 +128,9 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
         impala = dataclasses.replace(
             impala, **{k: v for k, v in MULTI_TASK_DEFAULTS.items() if k not in chosen}
         )
+        if "envs_per_worker" not in chosen:
+            k = balanced_envs_per_worker(config.workers, len(config.tasks), config.envs_per_worker)
+            config = dataclasses.replace(config, envs_per_worker=k)
     if impala.batch_size % config.learners or (impala.batch_size // config.learners) % impala.minibatches:
         raise ConfigError(
             f"--learners {config.learners} splits each batch: --batch-size {impala.batch_size} must divide "
@@ -128,6 +147,52 @@ def probe_run_envs(config: RunConfig) -> tuple[EnvInfo, tuple[EnvInfo, ...], str
         return probe_env(specs[0], seed=config.seed), (), ""
     tasks, note = probe_tasks(specs, seed=config.seed)
     return tasks[0], tuple(tasks), note
+
+
+def log_multi_task(config: RunConfig, impala: ImpalaConfig, tasks: tuple[EnvInfo, ...], note: str) -> None:
+    """A multi-task run's start: its tasks and how the local actors' envs are dealt to them, its value
+    scaling and rewards, and warnings for what is legal but unusual."""
+    shares = task_shares(config.workers, config.envs_per_worker, len(tasks))
+    log.info(
+        "multi-task: %d tasks (%s); %s; rewards %s (the PopArt-IMPALA paper trains on unclipped rewards; "
+        "--popart/--no-popart and --reward-clip override)",
+        len(tasks),
+        ", ".join(f"{i}: {t.spec.id}" for i, t in enumerate(tasks)),
+        "PopArt per task" if impala.popart else "no PopArt",
+        f"clipped to +-{impala.reward_clip:g}" if impala.reward_clip else "unclipped",
+    )
+    if config.workers:
+        log.info(
+            "multi-task: %d actors x %d envs, envs per task: %s",
+            config.workers,
+            config.envs_per_worker,
+            ", ".join(f"{t.spec.id} {n}" for t, n in zip(tasks, shares)),
+        )
+    if note:
+        log.info("multi-task: %s", note)
+    if config.workers and len(set(shares)) > 1:
+        log.warning(
+            "multi-task: %d actors x %d envs do not divide evenly over %d tasks (envs per task: %s): the "
+            "tasks get unequal frames; --envs-per-worker a multiple of %d evens them",
+            config.workers,
+            config.envs_per_worker,
+            len(tasks),
+            ", ".join(map(str, shares)),
+            len(tasks) // math.gcd(config.workers, len(tasks)),
+        )
+    if impala.popart and impala.reward_clip:
+        log.warning(
+            "multi-task: PopArt with rewards clipped to +-%g: the tasks' reward scales are already alike, "
+            "which is what PopArt is for; the PopArt-IMPALA paper trains on unclipped rewards",
+            impala.reward_clip,
+        )
+    unscored = [t.spec.id for t in tasks if t.spec.atari and human_normalized_score(t.spec.id, 0.0) is None]
+    if unscored:
+        log.warning(
+            "multi-task: no human reference score for %s: left out of the median and mean human-normalized "
+            "score",
+            ", ".join(unscored),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,25 +221,13 @@ def main(argv: list[str] | None = None) -> int:
             tasks=tasks,
         )
         if tasks:
-            log.info(
-                "multi-task: %d tasks, actor i runs task i %% %d (%s); %s; rewards %s (the PopArt-IMPALA "
-                "paper trains "
-                "on unclipped rewards; --popart/--no-popart and --reward-clip override)",
-                len(tasks),
-                len(tasks),
-                ", ".join(f"{i}: {t.spec.id}" for i, t in enumerate(tasks)),
-                "PopArt per task" if impala.popart else "no PopArt",
-                f"clipped to +-{impala.reward_clip:g}" if impala.reward_clip else "unclipped",
+            log_multi_task(config, impala, tasks, note)
+        elif impala.popart and impala.reward_clip:
+            log.warning(
+                "PopArt with rewards clipped to +-%g: its value scale is that of the clipped rewards; "
+                "--reward-clip 0 trains on the raw scores, as the PopArt papers do",
+                impala.reward_clip,
             )
-            if note:
-                log.info("multi-task: %s", note)
-            if config.workers and config.workers < len(tasks):
-                log.warning(
-                    "--workers %d < %d tasks: tasks %s get no local actor",
-                    config.workers,
-                    len(tasks),
-                    ", ".join(t.spec.id for t in tasks[config.workers :]),
-                )
         for info in tasks or (env,):
             log.info("%s; learner on %s", info.description, trainer.device)
         result: RunResult = run(trainer, config, plan)

@@ -52,6 +52,13 @@ class LogRows:
         self.last_time, self.last_frames = time.monotonic() if since is None else since, env_frames
         self.next_steps = (agent_steps // every_steps + 1) * every_steps if every_steps else 0
         self.lags: list[float] = []
+        self.task_lags: list[list[float]] = [[] for _ in task_names]
+
+    def record_lag(self, lag: float, task: int = 0) -> None:
+        """One accepted unroll's policy lag (and, in a multi-task run, its task's)."""
+        self.lags.append(lag)
+        if self.task_names:
+            self.task_lags[task].append(lag)
 
     def due(self, agent_steps: int = 0) -> bool:
         if self.every_steps:
@@ -80,5 +87,9 @@ class LogRows:
         row["charts/actor_restarts"] = actor_restarts
         if self.task_names:
             row.update(task_rows(self.task_names, progress.task_frames, task_means))
+            for name, lags in zip(self.task_names, self.task_lags):
+                if lags:
+                    row[f"tasks/{name}/policy_lag"] = float(np.mean(lags))
         self.last_time, self.last_frames, self.lags = now, progress.env_frames, []
+        self.task_lags = [[] for _ in self.task_names]
         return row

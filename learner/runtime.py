@@ -109,7 +109,7 @@ class RunPlan:
     actor_class: type = Actor  # an Actor subclass to start instead (custom envs or instrumentation)
     tasks: tuple[
         EnvInfo, ...
-    ] = ()  # a multi-task run's envs in task order (``env`` is the first); actor i runs task i % N
+    ] = ()  # a multi-task run's envs in task order (``env`` is the first); RunInfo.task_of deals them
     log_every_steps: int | None = None  # a log row per this many agent steps instead of --log-interval
     checkpoint_every_steps: int | None = None  # also a numbered checkpoint per this many agent steps
     keep_checkpoints: int = 5  # numbered checkpoints kept
@@ -177,7 +177,7 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
     config = config.with_run_folder(plan.env.spec.id)
     tasks = plan.tasks or (plan.env,)
     progress = resume(trainer, config, tasks) if config.resume else Progress(task_frames=[0] * len(tasks))
-    guard = FingerprintGuard(tasks, local_workers=config.workers)
+    guard = FingerprintGuard(tasks, local_workers=config.workers, envs_per_worker=config.envs_per_worker)
     run_info = _run_info(trainer, config, plan)  # a new run id: remote actors say hello again
     tracker = _tracker(config, plan, run_info.run_id)  # before any socket: one that cannot start is bad input
     client_keys = prepare_server(config.curve) if config.curve else None  # makes the keys the server loads
@@ -245,7 +245,7 @@ def _server(
         queue_size=config.queue_size or trainer.queue_size, on_hello=guard.on_hello,
         curve_dir=config.curve or None, validate=trainer.validate,
         protected_ids=guard.verified_local, local_token=guard.local_token, task_names=task_names,
-        publish_delay=config.weights_delay(),
+        task_of=run_info.task_of if task_names else None, publish_delay=config.weights_delay(),
     )  # fmt: skip
     server.run_info = run_info.for_remote_actors().to_dict()
     return server
@@ -432,12 +432,13 @@ def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.E
             if config.max_policy_lag is not None and lag > config.max_policy_lag:
                 server.count_stale()
                 continue
-            rows.lags.append(lag)
+            task = int(msg.arrays["task"][0]) if server.task_names else 0
+            rows.record_lag(lag, task)
             trainer.ingest(msg, progress.version)
             progress.agent_steps += config.unroll_length
             progress.env_frames += frames_per_unroll
             if server.task_names:
-                progress.task_frames[int(msg.arrays["task"][0])] += frames_per_unroll
+                progress.task_frames[task] += frames_per_unroll
             if not trainer.ready():
                 if between_updates and rows.due(progress.agent_steps):
                     log_row()

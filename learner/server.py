@@ -216,12 +216,15 @@ class TrajectoryServer:
         protected_ids: set[int] | None = None,
         local_token: str = "",
         task_names: tuple[str, ...] = (),
+        task_of: Callable[[int, int], int] | None = None,
         publish_delay: int = 0,
     ) -> None:
-        """``task_names``: a multi-task run's tasks; actor ``i`` runs task ``i % len(task_names)`` and
-        each of its unrolls must say so (``task``); episode returns are also kept per task."""
+        """``task_names``: a multi-task run's tasks; env ``k`` of actor ``i`` plays task ``task_of(i, k)``
+        (``RunInfo.task_of``; by default ``i % len(task_names)``) and each of its unrolls must say so
+        (``task``); episode returns are also kept per task."""
         self.auth = None
         self.task_names = tuple(task_names)
+        self.task_of = task_of or (lambda actor, env: actor % len(self.task_names))
         # Accepted actors that a refused hello must not evict (the learner's own, verified actors):
         # otherwise anyone reaching the port could lock one out by sending a bad hello in its name.
         self.protected_ids = protected_ids if protected_ids is not None else set()
@@ -556,15 +559,15 @@ class TrajectoryServer:
             self._lose_episode(actor, msg.info)
             return
         problem = self.validate(msg.arrays)
-        task = 0
-        if problem is None and self.task_names:
-            task, expected = int(msg.arrays["task"][0]), actor % len(self.task_names)
-            if task != expected:  # tasks are dealt by actor id: an unroll labelled otherwise is mislabelled
-                problem = f"unroll labelled task {task}, but actor {actor} runs task {expected}"
         env = msg.info.get("env", 0)
         num_envs = self.accepted[actor].get("num_envs", MAX_ENVS_PER_ACTOR)
         if problem is None and (type(env) is not int or not 0 <= env < num_envs):
             problem = f"env index {env!r} outside [0, {num_envs})"
+        task = 0
+        if problem is None and self.task_names:
+            task, expected = int(msg.arrays["task"][0]), self.task_of(actor, env)
+            if task != expected:  # tasks are dealt by (actor, env): another label is a mislabel
+                problem = f"unroll labelled task {task}, but env {env} of actor {actor} plays task {expected}"
         if problem is not None:
             self._drop("schema", actor, problem)
             self._lose_episode(actor, msg.info)

@@ -24,7 +24,13 @@ from impala.envs.probe import EnvInfo
 from impala.transport.messages import ImpalaAgentSpec
 from impala.nets.impala_net import ImpalaNet, build_model
 from impala.transport.params import state_dict_arrays
-from impala.algos.impala_losses import BatchTargets, impala_loss, popart_impala_loss, vtrace_targets
+from impala.algos.impala_losses import (
+    BatchTargets,
+    entropy_per_step,
+    impala_loss,
+    popart_impala_loss,
+    vtrace_targets,
+)
 from impala.algos.popart import unnormalize
 from impala.transport.trajectory import (
     TrajectorySchema,
@@ -220,6 +226,7 @@ class VTraceLearner:
         self.updates = 0
         self.skipped_updates = 0  # steps dropped because their loss or gradient was not finite
         self._health: dict[str, float] = {}
+        self._task_sums: torch.Tensor | None = None  # multi-task: per-task sums since the last report
         self._shuffle = torch.Generator().manual_seed(seed)
         self._staging: dict[int, dict[str, torch.Tensor]] = {}  # buffer set (slot) -> arrays
         self._staging_b = 0
@@ -454,8 +461,11 @@ class VTraceLearner:
         else:
             metrics["popart/mu"] = float(state.mu[0])
             metrics["popart/sigma"] = float(state.sigma[0])
+        if self.task_names:
+            self._add_task_health(loss, logits[:T], values[:T], task_ids[:T])
         if measure:
             self._health = self._measure_health(loss, logits, values, torso)
+            self._health.update(self._task_health())
         metrics.update(self._health)
         return metrics
 
@@ -484,6 +494,49 @@ class VTraceLearner:
         for layer, alive in getattr(torso, "activity", {}).items():
             health[f"health/alive_{layer}"] = alive
         return health
+
+    @torch.no_grad()
+    def _add_task_health(
+        self, loss: Any, logits: torch.Tensor, values: torch.Tensor, task_ids: torch.Tensor
+    ) -> None:
+        """Add this minibatch's per-task sums to the ones :meth:`_task_health` reports (multi-task runs)."""
+        per_step = torch.stack(
+            [
+                entropy_per_step(logits.detach()),
+                loss.pg_advantages.abs(),
+                (loss.value_targets - values.detach()).abs(),
+                torch.ones_like(values),
+            ],
+            dim=-1,
+        ).reshape(-1, 4)
+        if self._task_sums is None:
+            self._task_sums = torch.zeros(
+                len(self.task_names), 4, dtype=torch.float64, device=per_step.device
+            )
+        self._task_sums.index_add_(0, task_ids.reshape(-1), per_step.double())
+
+    def _task_health(self) -> dict[str, float]:
+        """Per task, over the minibatches since the last report: the policy's entropy; the mean |advantage|
+        that multiplies its log-probabilities in the policy term (after PopArt's scaling and the minibatch
+        standardization) and the task's share of their sum (its weight in the policy gradient); its share
+        of the steps trained; and the value error in the regression's units. A task the others crowd out
+        shows a weight share far below its step share."""
+        sums, self._task_sums = self._task_sums, None
+        if sums is None:
+            return {}
+        sums = sums.cpu()
+        total_adv, total_steps = float(sums[:, 1].sum()), float(sums[:, 3].sum())
+        out = {}
+        for i, name in enumerate(self.task_names):
+            entropy, adv, err, n = (float(x) for x in sums[i])
+            if not n:
+                continue
+            out[f"tasks/{name}/entropy"] = entropy / n
+            out[f"tasks/{name}/adv_abs"] = adv / n
+            out[f"tasks/{name}/pg_weight_share"] = adv / total_adv if total_adv > 0 else float("nan")
+            out[f"tasks/{name}/step_share"] = n / total_steps
+            out[f"tasks/{name}/value_error"] = err / n
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {

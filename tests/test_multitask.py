@@ -23,7 +23,7 @@ from impala.run.config import ImpalaConfig
 from impala.envs import EnvSpec
 from impala.envs.atari import human_normalized_score
 from impala.envs.probe import probe_tasks
-from impala.transport.messages import ImpalaAgentSpec, RunInfo
+from impala.transport.messages import ImpalaAgentSpec, RunInfo, deal_task, task_shares
 from impala.nets.impala_net import build_model
 from impala.transport.trajectory import impala_unroll_schema
 from learner import launch_impala, launch_ppo
@@ -200,8 +200,9 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
     [
         (
             "CartPole-v1,PongDeterministic-v4",
-            "task PongDeterministic-v4 has observations (4, 84, 84) uint8, but CartPole-v1 has (4,) float32",
+            "--env mixes Atari games (PongDeterministic-v4) with other envs (CartPole-v1)",
         ),
+        ("CartPole-v1,PixelCatch-v0", "task PixelCatch-v0 has observations"),
         ("CartPole-v1,CartPole-v1", "a task is listed twice"),
         ("CartPole-v1,,Acrobot-v1", "an empty env id in the list"),
         ("CartPole-v1,CartPole-v9", "unknown env id 'CartPole-v9'"),
@@ -239,13 +240,16 @@ def test_atari_games_with_different_minimal_action_sets_use_the_full_set():
 # ---------------------------------------------------------------------------- the wire
 
 
-def test_the_server_drops_an_unroll_labelled_with_another_task():
+def test_the_server_drops_an_unroll_labelled_with_another_task_than_its_env_plays():
     schema = impala_unroll_schema(4, (3,), "float32", 2, num_tasks=2)
+    run_info = RunInfo("r", EnvSpec("CartPole-v1"), ImpalaAgentSpec("mlp", num_tasks=2), 4, 3,
+                       (EnvSpec("CartPole-v1"), EnvSpec("CartPoleX1000-v1")))  # fmt: skip
     server = TrajectoryServer(
         schema,
         queue_size=8,
         on_hello=lambda actor, info: None,
         task_names=("A-v0", "B-v0"),
+        task_of=run_info.task_of,  # 3 envs per actor: actor 4's envs play tasks 0, 1, 0
         validate=lambda arrays: None if 0 <= arrays["task"][0] < 2 else "task out of range",
     )
     server.start()
@@ -254,41 +258,93 @@ def test_the_server_drops_an_unroll_labelled_with_another_task():
     push.connect(server.trajectory_endpoint)
     try:
         for actor in (4, 5):
-            push.send_multipart([bytes(f) for f in wire.encode("hello", actor=actor, version=-1, info={})])
+            hello = wire.encode("hello", actor=actor, version=-1, info={"num_envs": 3})
+            push.send_multipart([bytes(f) for f in hello])
 
-        def unroll(actor, task, ret):
+        def unroll(actor, env, task, ret):
             u = schema.allocate()
             u["behaviour_logits"][:] = 0.5
             u["task"][:] = task
             u["first"][0], u["rewards"][0], u["dones"][3] = True, ret, True  # one whole episode of return ret
-            return [bytes(f) for f in wire.encode("unroll", actor=actor, version=0, arrays=u)]
+            return [
+                bytes(f) for f in wire.encode("unroll", actor=actor, version=0, arrays=u, info={"env": env})
+            ]
 
-        push.send_multipart(unroll(4, 0, 1.0))  # actor 4 runs task 4 % 2 = 0: kept
-        push.send_multipart(unroll(5, 1, 1000.0))  # actor 5 runs task 1: kept
-        push.send_multipart(unroll(5, 0, 7.0))  # actor 5 claiming task 0: dropped
-        push.send_multipart(unroll(4, 9, 7.0))  # out of range: dropped by validate
+        push.send_multipart(unroll(4, 0, 0, 1.0))  # env 0 of actor 4: slot 12, task 0: kept
+        push.send_multipart(unroll(4, 1, 1, 1000.0))  # env 1 of actor 4: slot 13, task 1: kept
+        push.send_multipart(unroll(5, 0, 1, 1000.0))  # env 0 of actor 5: slot 15, task 1: kept
+        push.send_multipart(unroll(4, 2, 1, 7.0))  # env 2 of actor 4 plays task 0, not 1: dropped
+        push.send_multipart(unroll(5, 1, 1, 7.0))  # env 1 of actor 5 plays task 0: dropped
+        push.send_multipart(unroll(4, 0, 9, 7.0))  # out of range: dropped by validate
+        push.send_multipart(unroll(4, 3, 1, 7.0))  # no env 3 (its hello said 3 envs): dropped
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and server.dropped["schema"] < 2:
+        while time.monotonic() < deadline and server.dropped["schema"] < 4:
             time.sleep(0.02)
-        assert server.dropped["schema"] == 2
-        assert [server.get(timeout=1).arrays["task"][0] for _ in range(2)] == [0, 1]
+        assert server.dropped["schema"] == 4
+        assert [server.get(timeout=1).arrays["task"][0] for _ in range(3)] == [0, 1, 1]
         assert server.task_mean_returns() == {"A-v0": 1.0, "B-v0": 1000.0}
     finally:
         push.close()
         server.close()
 
 
-def test_run_info_deals_tasks_by_actor_id_and_checks_the_heads():
+def test_run_info_deals_tasks_over_the_actors_envs_and_checks_the_heads():
     tasks = (EnvSpec("CartPole-v1"), EnvSpec("CartPoleX1000-v1"))
     info = RunInfo("r", tasks[0], ImpalaAgentSpec("mlp", num_tasks=2), 20, 4, tasks)
     back = RunInfo.from_dict(json.loads(json.dumps(info.to_dict())))
-    assert back == info and [back.task_of(i) for i in range(5)] == [0, 1, 0, 1, 0]
-    assert back.task_envs[back.task_of(7)].id == "CartPoleX1000-v1"
+    # each actor's 4 envs alternate between the two tasks, so even one actor plays both
+    assert back == info and [back.actor_tasks(i) for i in range(3)] == [(0, 1, 0, 1)] * 3
+    assert back.task_envs[back.task_of(7, 3)].id == "CartPoleX1000-v1"
     bad = dict(info.to_dict(), agent=ImpalaAgentSpec("mlp", num_tasks=3).to_dict())
     with pytest.raises(ValueError, match="2 tasks but the agent has 3 value heads"):
         RunInfo.from_dict(bad)
     single = RunInfo("r", tasks[0], ImpalaAgentSpec("mlp"), 20, 4)
     assert RunInfo.from_dict(single.to_dict()).task_envs == (tasks[0],)
+
+
+@pytest.mark.parametrize(
+    "workers, envs, tasks, shares",
+    [
+        (2, 5, 5, [2, 2, 2, 2, 2]),  # the five-game run: each actor plays every game once
+        (2, 4, 5, [2, 2, 2, 1, 1]),  # the old default, uneven: the launcher warns
+        (1, 4, 2, [2, 2]),
+        (16, 5, 5, [16] * 5),
+        (3, 1, 5, [1, 1, 1, 0, 0]),  # too few envs: two tasks get none
+    ],
+)
+def test_every_task_gets_its_share_of_envs_however_few_actors(workers, envs, tasks, shares):
+    assert task_shares(workers, envs, tasks) == shares
+    # the same dealing, env by env, as an actor and the learner's check see it
+    dealt = [deal_task(a, k, envs, tasks) for a in range(workers) for k in range(envs)]
+    assert [dealt.count(t) for t in range(tasks)] == shares
+
+
+@pytest.mark.parametrize(
+    "workers, tasks, expected",
+    [(2, 5, 5), (2, 2, 4), (1, 5, 5), (2, 3, 6), (16, 5, 5), (4, 2, 4), (2, 57, 57), (16, 57, 4), (0, 5, 4)],
+)
+def test_a_multi_task_run_picks_envs_per_actor_that_deal_the_tasks_evenly(workers, tasks, expected):
+    k = launch_impala.balanced_envs_per_worker(workers, tasks, 4)
+    assert k == expected
+    if workers:
+        shares = task_shares(workers, k, tasks)
+        assert min(shares) >= 1 and max(shares) - min(shares) <= 1
+
+
+def test_the_launcher_deals_five_games_over_two_actors_evenly_unless_told(tmp_path):
+    games = ",".join(
+        f"{g}Deterministic-v4" for g in ("Pong", "Breakout", "SpaceInvaders", "BeamRider", "MsPacman")
+    )
+
+    def resolved(*argv):
+        config, _ = launch_impala.resolve(
+            launch_impala.parse_args(["--env", games, "--logdir", str(tmp_path), *argv])
+        )
+        return config.envs_per_worker
+
+    assert resolved() == 5
+    assert resolved("--envs-per-worker", "4") == 4  # given: kept (and the start warns, see below)
+    assert resolved("--workers", "16") == 5
 
 
 # ---------------------------------------------------------------------------- the learner
@@ -380,3 +436,33 @@ def test_multi_task_defaults_yield_to_flags_and_presets(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("popart: false\nreward_clip: 5\n")
     assert resolved("--config", str(preset), "--env", TASKS) == (False, 5.0)
+
+
+def test_the_start_says_how_tasks_share_the_envs_and_warns_where_it_is_unusual(tmp_path, caplog):
+    infos, note = probe_tasks([EnvSpec("PongDeterministic-v4"), EnvSpec("BreakoutDeterministic-v4")])
+
+    def start_lines(*argv):
+        config, impala = launch_impala.resolve(
+            launch_impala.parse_args(
+                ["--env", "PongDeterministic-v4,BreakoutDeterministic-v4", "--logdir", str(tmp_path), *argv]
+            )
+        )
+        caplog.clear()
+        with caplog.at_level("INFO", logger="launch_impala"):
+            launch_impala.log_multi_task(config, impala, tuple(infos), note)
+        return [(r.levelname, r.getMessage()) for r in caplog.records]
+
+    lines = start_lines()  # 2 actors x 4 envs: 4 each, no warning
+    assert ("INFO", "multi-task: 2 actors x 4 envs, envs per task: PongDeterministic-v4 4, "
+            "BreakoutDeterministic-v4 4") in lines  # fmt: skip
+    assert not [m for level, m in lines if level == "WARNING"]
+    # 2 x 3 envs deal evenly (3 and 3): the one warning is for clipped rewards under PopArt
+    warnings = [
+        m for level, m in start_lines("--envs-per-worker", "3", "--reward-clip", "1") if level == "WARNING"
+    ]
+    assert len(warnings) == 1 and "PopArt with rewards clipped to +-1" in warnings[0], warnings
+    uneven = [m for level, m in start_lines("--workers", "1", "--envs-per-worker", "3") if level == "WARNING"]
+    assert uneven == [
+        "multi-task: 1 actors x 3 envs do not divide evenly over 2 tasks (envs per task: 2, 1): the tasks "
+        "get unequal frames; --envs-per-worker a multiple of 2 evens them"
+    ]

@@ -65,9 +65,18 @@ def test_guard_refuses_a_local_id_without_the_token_and_only_keeps_remote_mismat
 
 def test_guard_checks_each_actor_against_its_own_task(cartpole):
     acrobot = probe_env(EnvSpec("Acrobot-v1"), seed=0)
+    # one env per actor: actor 5 plays task 1 (5 % 2), actor 4 task 0
     guard = FingerprintGuard([cartpole, acrobot], local_workers=0)
-    assert guard.on_hello(5, {"fingerprint": acrobot.fingerprint.to_dict()}) is None  # 5 % 2 = task 1
-    assert guard.on_hello(4, {"fingerprint": acrobot.fingerprint.to_dict()}) is not None
+    fp = {0: cartpole.fingerprint.to_dict(), 1: acrobot.fingerprint.to_dict()}
+    assert guard.on_hello(5, {"task_fingerprints": [[1, fp[1]]]}) is None
+    assert "no env fingerprint for task 0" in guard.on_hello(4, {"task_fingerprints": [[1, fp[1]]]})
+    assert "task 0 (CartPole-v1)" in guard.on_hello(4, {"task_fingerprints": [[0, fp[1]]]})
+    # three envs per actor: every actor plays both tasks and must show both
+    guard = FingerprintGuard([cartpole, acrobot], local_workers=0, envs_per_worker=3)
+    assert guard.on_hello(4, {"task_fingerprints": [[0, fp[0]], [1, fp[1]]]}) is None
+    assert "task 1 (Acrobot-v1)" in guard.on_hello(4, {"task_fingerprints": [[0, fp[0]], [1, fp[0]]]})
+    assert "no env fingerprint for task 1" in guard.on_hello(4, {"task_fingerprints": [[0, fp[0]]]})
+    assert guard.on_hello(4, {"task_fingerprints": "junk"}) is not None
 
 
 # --------------------------------------------------------------------------- budget
@@ -237,7 +246,9 @@ def test_actor_configs_deal_tasks_and_seeds_by_id(cartpole):
     )
     assert [c.actor_id for c in configs] == [1000, 1001, 1002]
     assert [c.seed for c in configs] == [7 + 1000 * i for i in (1000, 1001, 1002)]
-    assert [c.task for c in configs] == [0, 1, 0] and configs[1].env == acrobot.spec
+    # the run's 2 tasks dealt over every actor's 3 envs in turn (env slot 3 * id + k plays task slot % 2)
+    assert [c.tasks for c in configs] == [(0, 1, 0), (1, 0, 1), (0, 1, 0)] and configs[1].env == acrobot.spec
+    assert configs[1].env_specs == (acrobot.spec, cartpole.spec, acrobot.spec)
     assert all(c.unroll_length == 20 and c.num_envs == 3 and c.local_token == "t" for c in configs)
 
 

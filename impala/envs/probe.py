@@ -232,9 +232,16 @@ def probe_tasks(specs: list[EnvSpec], *, seed: int = 0) -> tuple[list[EnvInfo], 
     game) and a note saying so ("" when nothing changed). Observation shapes, dtypes, frame skips and
     action counts that still differ are a :class:`ConfigError` naming the task.
     """
+    atari = [spec.atari for spec in specs]
+    if any(atari) and not all(atari):
+        games = ", ".join(s.id for s in specs if s.atari)
+        others = ", ".join(s.id for s in specs if not s.atari)
+        raise ConfigError(
+            f"--env mixes Atari games ({games}) with other envs ({others}); one multi-task network needs "
+            "one kind of observation: list Atari games only, or other envs only"
+        )
     infos = [probe_env(spec, seed=seed) for spec in specs]
     note = ""
-    atari = [info.spec.atari for info in infos]
     if len(infos) > 1 and all(atari) and len({info.action_meanings for info in infos}) > 1:
         minimal = ", ".join(f"{info.spec.id}: {info.num_actions}" for info in infos)
         full = [

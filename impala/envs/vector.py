@@ -51,14 +51,18 @@ class EpisodeTracker:
 
 
 class GymVecEnv:
-    """K gymnasium envs built from one ``EnvSpec`` in the calling process."""
+    """K gymnasium envs built in the calling process: K of one ``EnvSpec``, or one per spec of a sequence
+    of K (a multi-task actor's games; they must share observation and action spaces)."""
 
-    def __init__(self, spec: EnvSpec, num_envs: int, *, seed: int = 0) -> None:
+    def __init__(self, spec: EnvSpec | Sequence[EnvSpec], num_envs: int, *, seed: int = 0) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
-        self.spec = spec
+        specs = (spec,) * num_envs if isinstance(spec, EnvSpec) else tuple(spec)
+        if len(specs) != num_envs:
+            raise ValueError(f"{len(specs)} env specs for {num_envs} envs")
+        self.spec = specs[0]
         self.num_envs = num_envs
-        self.envs = [make_env(spec, seed=seed + i) for i in range(num_envs)]
+        self.envs = [make_env(s, seed=seed + i) for i, s in enumerate(specs)]
         self.observation_space = self.envs[0].observation_space
         self.action_space = self.envs[0].action_space
         self._seed = seed

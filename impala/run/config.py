@@ -404,7 +404,8 @@ class RunConfig:
         "PongDeterministic-v4",
         "Environment id (classic Atari ids such as PongDeterministic-v4, ale-py ids, or gymnasium ids such "
         "as CartPole-v1). launch_impala also takes a comma-separated list for one multi-task agent "
-        "(PopArt-IMPALA), e.g. PongDeterministic-v4,BreakoutDeterministic-v4: actor i runs task i %% N.",
+        "(PopArt-IMPALA), e.g. PongDeterministic-v4,BreakoutDeterministic-v4: the tasks are dealt over the "
+        "actors' envs in turn, each task the same number of envs where --envs-per-worker allows.",
     )
     env_package: str = option(
         "",

@@ -197,6 +197,24 @@ def agent_spec_from_dict(d: Mapping[str, Any]) -> AgentSpec:
     return AGENT_SPECS[kind].from_dict(d)
 
 
+def deal_task(actor_id: int, env_index: int, envs_per_worker: int, num_tasks: int) -> int:
+    """Which task env ``env_index`` of actor ``actor_id`` plays: the run's env slots (actor-major, K per
+    actor) are dealt to the tasks round-robin, so every task gets ``workers * K / N`` envs (within one)
+    however few actors there are. The envs of one actor step in lockstep, so equal envs are equal frames:
+    with 2 actors of 5 envs and 5 games, each actor plays every game once. Local and remote actors alike;
+    the learner checks every unroll's task against this."""
+    return (actor_id * envs_per_worker + env_index) % num_tasks
+
+
+def task_shares(workers: int, envs_per_worker: int, num_tasks: int) -> list[int]:
+    """How many of ``workers`` actors' envs :func:`deal_task` gives each task."""
+    shares = [0] * num_tasks
+    for actor in range(workers):
+        for k in range(envs_per_worker):
+            shares[deal_task(actor, k, envs_per_worker, num_tasks)] += 1
+    return shares
+
+
 @dataclass(frozen=True)
 class RunInfo:
     """What a remote actor runs, sent with every weights message: a new ``run_id`` means a new
@@ -207,17 +225,19 @@ class RunInfo:
     agent: AgentSpec
     unroll_length: int
     envs_per_worker: int
-    tasks: tuple[
-        EnvSpec, ...
-    ] = ()  # a multi-task run's envs, in task order; actor i runs task i % len(tasks)
+    tasks: tuple[EnvSpec, ...] = ()  # a multi-task run's envs, in task order (see deal_task)
 
     @property
     def task_envs(self) -> tuple[EnvSpec, ...]:
         return self.tasks or (self.env,)
 
-    def task_of(self, actor_id: int) -> int:
-        """Tasks are dealt to actors round-robin by id (local and remote actors alike)."""
-        return actor_id % len(self.task_envs)
+    def task_of(self, actor_id: int, env_index: int = 0) -> int:
+        """The task of env ``env_index`` of actor ``actor_id`` (:func:`deal_task`)."""
+        return deal_task(actor_id, env_index, self.envs_per_worker, len(self.task_envs))
+
+    def actor_tasks(self, actor_id: int) -> tuple[int, ...]:
+        """The task of each of actor ``actor_id``'s envs, in env order."""
+        return tuple(self.task_of(actor_id, k) for k in range(self.envs_per_worker))
 
     def for_remote_actors(self) -> "RunInfo":
         """What the learner tells actors it did not start: none of them is its only actor (a PPO spec's

@@ -90,7 +90,8 @@ def impala_unroll_schema(
     An Atari unroll shrinks about k-fold (3 of every 4 frames were sent again before).
 
     ``num_tasks`` > 1 (multi-task PopArt-IMPALA): ``task`` holds the unroll's task index (one per
-    unroll; an actor runs one task), which picks the PopArt statistics and value head the learner uses.
+    unroll; each env of an actor plays one task), which picks the PopArt statistics and value head the
+    learner uses.
     """
     T = unroll_length
     if frame_stack > 1:
