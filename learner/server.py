@@ -55,6 +55,20 @@ MAX_ENVS_PER_ACTOR = 10_000  # an unroll's env index bound when the hello did no
 # an actor that just died (say, killed and restarting) must not shrink the others' share for long, and
 # one that sends less often than this waits for room like any other (it is never over its share).
 ACTIVE_S = 0.25
+# An id whose messages came over two connections within this many seconds sends over several at once
+# (a restarted actor's old connection goes quiet when its process dies).
+CONNECTIONS_S = 5.0
+MAX_SOURCES = 64  # connections remembered per id
+
+
+def _source(frames: list) -> int | None:
+    """The file descriptor of the connection a received message came over (ZeroMQ's SRCFD), or None for
+    frames that did not come from a socket."""
+    try:
+        return int(frames[0].get(zmq.SRCFD))
+    except (AttributeError, TypeError, ValueError, zmq.ZMQError):
+        return None
+
 
 # Every reason a message can be dropped for; all are always reported (CSV columns stay fixed).
 DROP_REASONS = (
@@ -144,8 +158,11 @@ class FairQueue:
             waiting = self._by_actor.get(actor)
             return len(waiting) if waiting else 0
 
-    def put(self, msg: wire.Message, timeout: float, guaranteed: int = 0) -> None:
+    def put(self, msg: wire.Message, timeout: float, guaranteed: int = 0, cap: int | None = None) -> None:
         """Append ``msg``; raise queue.Full if no room came within ``timeout`` seconds.
+
+        ``cap``: while ``msg``'s id holds this many unrolls or more, wait too (its fair share: an id
+        sending over one connection is held to it by back pressure, not by losing data).
 
         ``guaranteed``: the unrolls every id is sure of (its equal part of the queue). While another id
         holds more than that, an id holding fewer is queued even when ``maxsize`` unrolls wait, up to
@@ -155,6 +172,8 @@ class FairQueue:
         others hold above their equal parts is at most ``maxsize``."""
 
         def room() -> bool:
+            if cap is not None and len(self._by_actor.get(msg.actor, ())) >= cap:
+                return False
             if self._size < self.maxsize:
                 return True
             if self._size >= 2 * self.maxsize or len(self._by_actor.get(msg.actor, ())) >= guaranteed:
@@ -167,6 +186,11 @@ class FairQueue:
             self._by_actor.setdefault(msg.actor, collections.deque()).append(msg)
             self._size += 1
             self._cond.notify_all()
+
+    def waiting_ids(self) -> set[int]:
+        """The ids with unrolls waiting."""
+        with self._cond:
+            return set(self._by_actor)
 
     def get(self, timeout: float | None = None) -> wire.Message:
         """The next actor's oldest unroll; raise queue.Empty after ``timeout`` seconds."""
@@ -295,6 +319,8 @@ class TrajectoryServer:
         # With CURVE: each actor id belongs to the client key (ZAP User-Id) whose hello first claimed it.
         self.owners: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.dropped: collections.Counter[str] = collections.Counter()
+        self._sources: dict[int, dict[int, float]] = {}  # actor -> its connections' fds, last seen
+        self._told_over_share: set[int] = set()  # ids whose over-share drops were logged
         self.received = 0
         # Episode statistics are summed here from the rewards and episode ends of accepted unrolls, per
         # (actor, env) stream: what a peer claims in an unroll's info never reaches them.
@@ -382,6 +408,39 @@ class TrajectoryServer:
             with self._pub_lock:
                 if self._last_params is not None and not self.pub.closed:
                     self.pub.send(self._last_params, copy=False)
+
+    def _connections_of(self, actor: int, source: int | None) -> int:
+        """How many connections ``actor``'s messages came over in the last CONNECTIONS_S seconds, this
+        one (``source``, its file descriptor) included. An actor process has one; a restarted one a
+        new one, while its old one goes quiet."""
+        if source is None:  # a message handed in without a socket (tests): one connection
+            return 1
+        now = time.monotonic()
+        seen = self._sources.setdefault(actor, {})
+        seen[source] = now
+        if len(seen) > 1:
+            for fd in [fd for fd, t in seen.items() if now - t > CONNECTIONS_S]:
+                del seen[fd]
+            while len(seen) > MAX_SOURCES:
+                del seen[next(iter(seen))]
+        while len(self._sources) > 2 * MAX_ACTORS:
+            del self._sources[next(iter(self._sources))]
+        return len(seen)
+
+    def _drop_over_share(self, actor: int, connections: int, share: int) -> None:
+        """Drop an unroll of an id over its share on several connections; say so once per id."""
+        with self._stats_lock:
+            self.dropped["over_share"] += 1
+        self._account(actor)[3] += 1
+        if actor not in self._told_over_share and len(self._told_over_share) < MAX_ACTORS:
+            self._told_over_share.add(actor)
+            log.warning(
+                "actor %s sends over %d connections at once and holds its fair share of the learner's queue "
+                "(%d unrolls): its unrolls over that share are dropped (transport/dropped_over_share)",
+                actor,
+                connections,
+                share,
+            )
 
     def _drop(self, reason: str, actor: Any, detail: str) -> None:
         with self._stats_lock:
@@ -535,16 +594,16 @@ class TrajectoryServer:
                     while len(self.unknown_recent) > MAX_UNKNOWN_REPORTED:
                         self.unknown_recent.popitem(last=False)
             return
-        # Before decoding (cheap): an id holding its share of the queue or more has this unroll
-        # dropped. Queueing it would hand the slots to whichever connections the receive thread reads
-        # most often (ZeroMQ reads connections in turn): one id over 16 connections took 16 of every
-        # 17 slots. An id under its share is queued, or waits for room (back pressure, as ever), and
-        # the learner takes unrolls round-robin across ids.
+        # Before decoding (cheap): an id holding its share of the queue or more while it sends over
+        # several connections at once has this unroll dropped. Waiting for room would hand the receive
+        # thread to whichever connections ZeroMQ reads most often (it reads connections in turn): one id
+        # over 16 connections took 16 of every 17 reads. An id on one connection (every honest actor)
+        # waits for its share instead: while it waits, its connection is not read, and the others' are
+        # in turn once its unroll is in, so back pressure holds it to its share and no data is lost.
         share = self.fair_share()
-        queued = self.queue.queued(actor)
-        if queued >= share:
-            self._drop("over_share", actor, f"{queued} unrolls already queued (fair share {share})")
-            self._account(actor)[3] += 1
+        connections = self._connections_of(actor, _source(frames))
+        if connections > 1 and self.queue.queued(actor) >= share:
+            self._drop_over_share(actor, connections, share)
             self._lose_episode(actor, header["info"])
             return
         try:
@@ -601,7 +660,7 @@ class TrajectoryServer:
         seen[2] = time.monotonic()
         while not self._stop.is_set():
             try:
-                self.queue.put(msg, timeout=0.1, guaranteed=self._equal_part())
+                self.queue.put(msg, timeout=0.1, guaranteed=self._equal_part(), cap=self.fair_share())
                 return
             except queue.Full:
                 continue
@@ -670,11 +729,14 @@ class TrajectoryServer:
             return None
 
     def _equal_part(self) -> int:
-        """ceil(queue size / active actors) (active: an accepted message within ACTIVE_S): the queued
-        unrolls every id is sure of (``FairQueue.put`` queues them even when the queue is full)."""
+        """ceil(queue size / active actors) (active: an accepted message within ACTIVE_S, or unrolls
+        waiting in the queue, so that an actor held to its share does not look idle and let the others'
+        shares grow): the queued unrolls every id is sure of (``FairQueue.put`` queues them even when
+        the queue is full)."""
         now = time.monotonic()
         if now - self._active_at > 0.05:
-            self._active = max(1, sum(now - t < ACTIVE_S for t in self.last_seen.values()))
+            recent = {a for a, t in list(self.last_seen.items()) if now - t < ACTIVE_S}
+            self._active = max(1, len(recent | self.queue.waiting_ids()))
             self._active_at = now
         return -(-self.queue.maxsize // self._active)
 

@@ -246,6 +246,37 @@ def test_one_id_gets_at_most_its_share_of_the_queue():
         srv.close()
 
 
+def test_an_id_on_one_connection_waits_for_its_share_and_loses_nothing():
+    """The same queue and shares as above, but actor 1 sends its 20 unrolls over one connection, as
+    every actor process does: over its share it waits (its connection is not read meanwhile) instead of
+    being dropped, actor 2's unrolls still get in, and as the learner takes unrolls all 20 arrive."""
+    srv = TrajectoryServer(SCHEMA, queue_size=8)
+    srv.start()
+    one, other = (zmq.Context.instance().socket(zmq.PUSH) for _ in range(2))
+    try:
+        for s in (one, other):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(srv.trajectory_endpoint)
+        u = SCHEMA.allocate()
+        one.send_multipart(_frames("hello", 1))
+        other.send_multipart(_frames("hello", 2))
+        assert _wait(lambda: {1, 2} <= set(srv.accepted))
+        srv.last_seen[2] = time.monotonic() + 60  # actor 2 stays active
+        for _ in range(20):
+            one.send_multipart(_frames("unroll", 1, u))
+        assert _wait(lambda: srv.queue.queued(1) == 6)  # its share, ceil(8 / 2) + 2, then it waits
+        time.sleep(0.3)
+        assert srv.queue.queued(1) == 6 and srv.dropped["over_share"] == 0
+        other.send_multipart(_frames("unroll", 2, u))
+        other.send_multipart(_frames("unroll", 2, u))
+        got = [m.actor for m in _drain(srv, 22)]
+        assert sorted(got) == [1] * 20 + [2] * 2 and srv.dropped["over_share"] == 0, (got, dict(srv.dropped))
+    finally:
+        one.close()
+        other.close()
+        srv.close()
+
+
 def test_the_queue_hands_unrolls_out_round_robin_across_ids():
     from learner.server import FairQueue
 
