@@ -20,6 +20,13 @@ from actors.loop import LEARNER_GONE_EXIT, REFUSED_EXIT, ActorConfig, run_actor
 from impala.run.cpus import pin_process
 
 
+def _unwind_once(signum: int, frame: object) -> None:
+    """SIGTERM in an actor: unwind through ``run_actor``'s cleanup, once; a second SIGTERM during that cleanup
+    (or during the interpreter's exit) is ignored rather than raised inside it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(0)
+
+
 class Actor(multiprocessing.Process):
     """One actor process. Holds only its config until ``run()``."""
 
@@ -35,7 +42,7 @@ class Actor(multiprocessing.Process):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         # The pool stops actors with SIGTERM: unwind (not die) so run_actor's finally closes the
         # envs; a Unity player would otherwise outlive its actor.
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+        signal.signal(signal.SIGTERM, _unwind_once)
         if self.config.cpus:  # spawned from a learner pinned to its own CPUs: move to the actors'
             pin_process(self.config.cpus)
         if self.config.nice:  # below the learner: it takes a core first when both are runnable
@@ -43,6 +50,9 @@ class Actor(multiprocessing.Process):
         torch.set_num_threads(1)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s actor-%(process)d %(message)s")
         why = run_actor(self.config, parent_pid=os.getppid())
+        # Exiting from here on: a SIGTERM now (the pool stopping its actors) must not raise SystemExit inside
+        # multiprocessing's atexit callbacks ("Exception ignored in atexit callback ... SystemExit: 0").
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if why == "learner_gone":
             sys.exit(LEARNER_GONE_EXIT)  # the pool does not restart an actor whose learner is gone
         if why == "refused":

@@ -23,14 +23,22 @@ from typing import Any, Callable, Sequence
 
 from impala.envs import UNITY_ENGINE_KWARGS
 from impala.envs.probe import EnvInfo
-from impala.run.checkpoint import FINISHED_MARKER, CheckpointError, load_checkpoint, save_checkpoint
+from impala.run.checkpoint import (
+    FINISHED_MARKER,
+    CheckpointError,
+    load_checkpoint,
+    run_files,
+    save_checkpoint,
+)
 from impala.run.config import RunConfig
+from impala.run.metrics import atomic_write_text
 from impala.transport.messages import RunInfo
 from learner.budget import Budget
 
 log = logging.getLogger(__name__)
 
 LOUD_AFTER_S = 30 * 60.0  # a run unable to checkpoint for this long says so at error level
+RETRY_FAILED_S = 60.0  # a checkpoint that failed is tried again this often (a disk freed gets one soon)
 
 
 @dataclass
@@ -64,6 +72,13 @@ def resume(trainer: Any, config: RunConfig, tasks: Sequence[EnvInfo]) -> Progres
             "(its budget); nothing to resume. Raise --total-frames/--total-steps to train on, or start a new "
             "--logdir"
         )
+    if not os.path.exists(config.checkpoint_path) and run_files(config.logdir):
+        # the folder holds a run that never reached its first update (its config.yaml, some rows): there
+        # is nothing to continue from, so the run starts from its beginning with its own settings
+        log.info(
+            "%s holds no checkpoint (its run trained nothing): starting it from the beginning", config.logdir
+        )
+        return Progress(task_frames=[0] * len(tasks))
     state = load_checkpoint(config.checkpoint_path, keys=("trainer", "env_frames", "version"))
     saved_tasks = [t.get("id") if isinstance(t, dict) else t for t in state.get("tasks") or []]
     if saved_tasks != task_names:
@@ -205,6 +220,7 @@ class Checkpointer:
         self._export_failures: set[str] = set()
         self.last_try = self.last_success = time.monotonic()
         self.failing_since: float | None = None
+        self.said_loud = False  # the error for a long outage was said
         self.best_return = float("-inf")  # best.pt's evaluation, this run
         self.evaluated: tuple[int, dict[str, Any]] | None = None  # (frames, state) of the evaluation playing
         self.start = time.monotonic()
@@ -267,7 +283,9 @@ class Checkpointer:
             self.next_numbered = (steps // self.every_steps + 1) * self.every_steps
             if self.save():
                 self._numbered(steps)
-        elif time.monotonic() - self.last_try >= self.every_s:
+        elif time.monotonic() - self.last_try >= (
+            self.every_s if self.failing_since is None else min(self.every_s, RETRY_FAILED_S)
+        ):
             self.save()
 
     def numbered_name(self) -> str:
@@ -307,30 +325,33 @@ class Checkpointer:
         ) as e:  # disk full, a directory at the path, permissions, I/O: train on, retry next time
             self._failed(f"{type(e).__name__}: {e.strerror or e}")
             return False
-        self.last_success, self.failing_since = time.monotonic(), None
+        if self.failing_since is not None:
+            log.info("checkpoint %s is written again", self.path)
+        self.last_success, self.failing_since, self.said_loud = time.monotonic(), None, False
         self._export()
         return True
 
     def _failed(self, reason: str) -> None:
+        """One warning when checkpoints start failing, one error if it lasts LOUD_AFTER_S; the retries in
+        between are quiet (``maybe_save`` retries every RETRY_FAILED_S)."""
         now = time.monotonic()
-        self.failing_since = self.failing_since or now
-        down_s = now - self.failing_since
-        if down_s >= LOUD_AFTER_S:
+        if self.failing_since is None:
+            self.failing_since = now
+            log.warning(
+                "checkpoint %s not written (%s); training goes on, the previous checkpoint is kept, and the "
+                "write is retried every %.0f s",
+                self.path,
+                reason,
+                min(self.every_s, RETRY_FAILED_S),
+            )
+        elif now - self.failing_since >= LOUD_AFTER_S and not self.said_loud:
+            self.said_loud = True
             log.error(
                 "no checkpoint could be written for %.0f minutes (%s): a crash now loses everything since "
-                "the last "
-                "one; free space or fix %s",
-                down_s / 60,
+                "the last one; free space or fix %s",
+                (now - self.failing_since) / 60,
                 reason,
                 self.path,
-            )
-        else:
-            log.warning(
-                "checkpoint %s not written (%s); training goes on, the previous checkpoint is kept, the next "
-                "write "
-                "retries",
-                self.path,
-                reason,
             )
 
     def _export(self) -> None:
@@ -347,21 +368,19 @@ class Checkpointer:
                 log.warning("ONNX export beside %s failed: %s", self.path, e)
 
     def final(self, *, finished: bool) -> str:
-        """At exit: save if anything was trained; mark the run finished if its budget was used up. Returns the
-        checkpoint's path if one exists, else ""."""
+        """At exit: save if anything was trained; mark the run finished if its budget was used up and it
+        trained (a run whose budget ended before its first update is not finished: it can be resumed, or
+        started again in its folder). Returns the checkpoint's path if one exists, else ""."""
         if self.progress.version > self.start_version:
             self.save()
-        if finished:
+        if finished and self.progress.version > 0:
+            marker = {
+                "env_frames": self.progress.env_frames,
+                "agent_steps": self.progress.agent_steps,
+                "version": self.progress.version,
+            }
             try:
-                with open(os.path.join(self.logdir, FINISHED_MARKER), "w") as f:
-                    json.dump(
-                        {
-                            "env_frames": self.progress.env_frames,
-                            "agent_steps": self.progress.agent_steps,
-                            "version": self.progress.version,
-                        },
-                        f,
-                    )
+                atomic_write_text(os.path.join(self.logdir, FINISHED_MARKER), json.dumps(marker))
             except OSError as e:
                 log.warning("could not write the finished marker in %s: %s", self.logdir, e.strerror or e)
         return self.path if os.path.isfile(self.path) else ""

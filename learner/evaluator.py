@@ -250,6 +250,9 @@ class EvalJob:
     def env_spec(self, render: bool) -> EnvSpec:
         spec = self.protocol.env
         if render and not spec.atari:  # gymnasium envs draw only when built to (Atari: the ALE's screen)
+            # off-screen drawing needs no display: without this, pygame's SDL looks for one and prints
+            # "XDG_RUNTIME_DIR is invalid" on a headless box (the frames come out the same)
+            os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
             return dataclasses.replace(spec, kwargs={**spec.kwargs, "render_mode": "rgb_array"})
         return spec
 

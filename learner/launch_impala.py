@@ -20,7 +20,7 @@ import sys
 import learner.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
 import torch
 
-from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder
+from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
     ConfigError,
     FlagParser,
@@ -28,9 +28,14 @@ from impala.run.config import (
     RunConfig,
     add_flags,
     apply_preset,
+    apply_saved,
     fail,
     from_flags,
     load_preset,
+    resume_changes,
+    resume_folder,
+    resume_record,
+    saved_settings,
 )
 from impala.envs import EnvSpec
 from impala.envs.atari import human_normalized_score
@@ -99,11 +104,22 @@ def balanced_envs_per_worker(workers: int, num_tasks: int, default: int) -> int:
     return balanced if balanced <= max(8, 2 * enough) else enough
 
 
+# What a resumed run cannot change: what it plays and the shape of its network (and PopArt's value head).
+FIXED_ON_RESUME = ("env", "env_kwargs", "env_package", "model", "use_lstm", "popart")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Defaults < ``--config`` preset < flags given on the command line (``args.given``; ``args.preset`` names
-    the options the preset set: the multi-task defaults apply only to the others)."""
+    """Defaults < a resumed run's own settings (its config.yaml) < ``--config`` preset < flags given on the
+    command line (``args.given``; ``args.preset`` names the options the preset or the resumed run set: the
+    multi-task defaults apply only to the others). ``args.saved`` / ``args.resumes``: the resumed run's
+    settings and earlier resumes (empty for a new run)."""
     args = build_parser().parse_args(argv)
-    return apply_preset(args, load_preset(args.config, (RunConfig, ImpalaConfig)) if args.config else {})
+    apply_preset(args, load_preset(args.config, (RunConfig, ImpalaConfig)) if args.config else {})
+    args.saved, args.resumes = {}, []
+    if args.resume:
+        args.saved, args.resumes = saved_settings(resume_folder(args), {None: (RunConfig, ImpalaConfig)})
+        apply_saved(args, args.saved)
+    return args
 
 
 def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
@@ -131,6 +147,9 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
         if "envs_per_worker" not in chosen:
             k = balanced_envs_per_worker(config.workers, len(config.tasks), config.envs_per_worker)
             config = dataclasses.replace(config, envs_per_worker=k)
+    args.resume_changes = resume_changes(
+        args.saved, {**dataclasses.asdict(config), **dataclasses.asdict(impala)}, FIXED_ON_RESUME
+    )
     if impala.batch_size % config.learners or (impala.batch_size // config.learners) % impala.minibatches:
         raise ConfigError(
             f"--learners {config.learners} splits each batch: --batch-size {impala.batch_size} must divide "
@@ -214,12 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         trainer = ImpalaTrainer(
             impala, config, env, group=start_group(impala, config, env, tasks), tasks=tasks
         )
-        plan = RunPlan(
-            env,
-            f"impala {config.env}",
-            {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""},
-            tasks=tasks,
-        )
+        record = {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""}
+        if config.resume:
+            for name, old, new in args.resume_changes:
+                log.info("resume: %s %s -> %s", name, old, new)
+            if args.saved:
+                record["resumes"] = resume_record(args.resumes, args.resume_changes)
+        plan = RunPlan(env, f"impala {config.env}", record, tasks=tasks)
         if tasks:
             log_multi_task(config, impala, tasks, note)
         elif impala.popart and impala.reward_clip:
@@ -251,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         claim.release()
+        release_run_folders()
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
     print(
         f"launch_impala: done: {result.env_frames} env frames ({result.agent_steps} agent steps), "

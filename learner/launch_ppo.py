@@ -69,11 +69,11 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder
+from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
     RUN_ID,
     ConfigError,
@@ -88,6 +88,10 @@ from impala.run.config import (
     load_preset,
     need,
     option,
+    resume_changes,
+    resume_record,
+    saved_settings,
+    apply_saved,
 )
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env, probe_unity
@@ -587,33 +591,94 @@ def _env_or_build(args: argparse.Namespace) -> None:
     args.unity_build, args.env = build, None
 
 
+class Resolved(NamedTuple):
+    """A launch_ppo command line resolved: its run settings (run folder included), launch options and PPO
+    options, the trainer YAML's path (None: PPO's own presets), and whether it is the stand-in Crawler job."""
+
+    config: RunConfig
+    options: PPOLaunchOptions
+    ppo: PPOConfig
+    trainer_config: str | None
+    crawler_job: bool
+
+
+# What a resumed run cannot change: what it plays and the shape of its network.
+FIXED_ON_RESUME = (
+    "env",
+    "env_kwargs",
+    "env_package",
+    "unity_build",
+    "hidden_units",
+    "num_layers",
+    "activation",
+)
+# A run's config.yaml: its sections -> the settings each holds (PPO's first: the run's seed is the one kept)
+SAVED_SECTIONS = {"ppo": (PPOConfig,), "run": (RunConfig,), "launch": (PPOLaunchOptions,), None: (PPOSource,)}
+PPO_NAMES = frozenset(f.name for cls in (PPOConfig, PPOSource) for f in dataclasses.fields(cls)) - {"seed"}
+
+
+def resolve(args: argparse.Namespace) -> Resolved:
+    """The run the parsed flags describe, its folder resolved (mlagents-learn's RESULTS_DIR/RUN_ID/<behaviour>
+    in its form)."""
+    refuse_publish_delay(getattr(args, "publish_delay", None))
+    config = from_flags(RunConfig, args)
+    options = from_flags(PPOLaunchOptions, args)
+    if options.unity_build and config.env:
+        raise ConfigError("pass either --unity-build or --env, not both")
+    check_engine_options(args, options)
+    file = args.trainer_file
+    if args.mlagents_form and options.unity_build and options.unity_behavior is None and file.behavior:
+        # mlagents-learn trains the build's behaviour of that name (Crawler matches Crawler?team=0)
+        options = dataclasses.replace(options, unity_behavior=file.behavior)
+    crawler_job = config.env is None and not options.unity_build
+    trainer_config = args.ppo__trainer_config or (str(CRAWLER_CONFIG) if config.env is None else None)
+    ppo_config = config_from_args(args, default_trainer_config=trainer_config, seed=config.seed)
+    if args.mlagents_form and config.logdir is None:  # RESULTS_DIR/RUN_ID/<behaviour>, as mlagents-learn
+        config = mlagents_run_folder(
+            config, (file.behavior if file else None) or options.unity_behavior or config.env
+        )
+    config = config.with_run_folder(f"ppo-{config.env or ('unity' if options.unity_build else STAND_IN_ENV)}")
+    return Resolved(config, options, ppo_config, trainer_config, crawler_job)
+
+
+def resume_as_it_was(args: argparse.Namespace, resolved: Resolved) -> tuple[Resolved, list, list | None]:
+    """``--resume``: the run's own settings from its config.yaml under the command line's (a trainer YAML
+    given again is the PPO configuration, as mlagents-learn --resume reads it), resolved again; with the
+    changes the command line makes and the run's resumes so far. A change of a setting a running run cannot
+    change is one line, exit 2."""
+    saved, resumes = saved_settings(resolved.config.logdir, SAVED_SECTIONS)
+    if not saved:  # a run of an older version, or one that never started: the command line as given
+        return resolved, [], None
+    if "ppo__trainer_config" in args.given:
+        saved = {k: v for k, v in saved.items() if k not in PPO_NAMES or k in ("semantics", "behavior")}
+    apply_saved(args, saved, dest_prefix=dict.fromkeys(PPO_NAMES, "ppo__"))
+    resolved = resolve(args)
+    now = {
+        **{k: v for k, v in dataclasses.asdict(resolved.ppo).items() if k != "seed"},
+        **dataclasses.asdict(resolved.config),
+        **dataclasses.asdict(resolved.options),
+        "semantics": args.ppo__semantics,
+        "trainer_config": resolved.trainer_config,
+    }
+    return resolved, resume_changes(saved, now, FIXED_ON_RESUME), resumes
+
+
 def main(argv: list[str] | None = None) -> int:
     """``launch_ppo``: parse, resolve, probe the env, wire the run; bad input is one line, exit 2."""
     try:
         args = parse_args(argv)
-        refuse_publish_delay(getattr(args, "publish_delay", None))
-        config = from_flags(RunConfig, args)
-        options = from_flags(PPOLaunchOptions, args)
+        resolved, changes, resumes = resolve(args), [], None
+        if resolved.config.resume:
+            resolved, changes, resumes = resume_as_it_was(args, resolved)
     except ConfigError as e:
         return fail("launch_ppo", e)
+    config, options, ppo_config = resolved.config, resolved.options, resolved.ppo
+    trainer_config, crawler_job, file = resolved.trainer_config, resolved.crawler_job, args.trainer_file
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
+    for name, old, new in changes:
+        log.info("resume: %s %s -> %s", name, old, new)
     created: tuple[str, ...] = ()  # the folders this start made (a failed start takes them away again)
     try:
-        if options.unity_build and config.env:
-            raise ConfigError("pass either --unity-build or --env, not both")
-        check_engine_options(args, options)
-        file = args.trainer_file
-        if args.mlagents_form and options.unity_build and options.unity_behavior is None and file.behavior:
-            # mlagents-learn trains the build's behaviour of that name (Crawler matches Crawler?team=0)
-            options = dataclasses.replace(options, unity_behavior=file.behavior)
-        crawler_job = config.env is None and not options.unity_build
-        trainer_config = args.ppo__trainer_config or (str(CRAWLER_CONFIG) if config.env is None else None)
-        ppo_config = config_from_args(args, default_trainer_config=trainer_config, seed=config.seed)
-        if args.mlagents_form and config.logdir is None:  # RESULTS_DIR/RUN_ID/<behaviour>, as mlagents-learn
-            config = mlagents_run_folder(config, file.behavior or options.unity_behavior or config.env)
-        config = config.with_run_folder(
-            f"ppo-{config.env or ('unity' if options.unity_build else STAND_IN_ENV)}"
-        )
         created = prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         config, init_path, inference_created = inference_folder(config, options)
         created = inference_created + created  # innermost first: a failed start takes RUN/inference away
@@ -662,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                 "trainer_config": trainer_config,
                 "env": env.spec.id,
                 "unroll_length": config.unroll_length,
+                **({"resumes": resume_record(resumes, changes)} if resumes is not None else {}),
             },
             hello_timeout=max(180.0, options.unity_timeout + 120.0),
             log_every_steps=options.summary_freq,
@@ -680,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
     except (*START_ERRORS, UnityEnvError) as e:
         drop_unused_run_folder(created)
         return fail("launch_ppo", e)
+    finally:
+        release_run_folders()
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
     print(
         f"launch_ppo: done: {result.agent_steps} agent steps, {result.updates} updates, mean return (last "

@@ -37,18 +37,29 @@ def _evaluation_worker(jobs: Any, results: Any, envs: list[dict], agent: dict, e
             for spec in specs:
                 prefix = f"eval/{spec.id}/" if len(specs) > 1 else "eval/"
                 task_video = video if spec is specs[0] else ""  # the first task's episode is recorded
-                result = evaluate_params(
-                    spec,
-                    agent_spec,
-                    params,
-                    protocol="train",
-                    policy="greedy",
-                    episodes=episodes,
-                    workers=0,
-                    seed=seed,
-                    video=task_video,
-                    video_max_frames=600 if task_video else 0,
-                )
+
+                def play(video_path: str) -> Any:
+                    return evaluate_params(
+                        spec,
+                        agent_spec,
+                        params,
+                        protocol="train",
+                        policy="greedy",
+                        episodes=episodes,
+                        workers=0,
+                        seed=seed,
+                        video=video_path,
+                        video_max_frames=600 if video_path else 0,
+                    )
+
+                try:
+                    result = play(task_video)
+                except OSError as e:  # the video could not be written (a full disk): the scores still count
+                    if not task_video:
+                        raise
+                    row["video_error"] = f"{e.strerror or e}"
+                    video = ""
+                    result = play("")
                 row.update({f"{prefix}{k}_return": float(v) for k, v in result.stats.items()})
                 row.update(
                     {
@@ -68,6 +79,7 @@ class PeriodicEval:
     def __init__(self, config: RunConfig, run_info: RunInfo) -> None:
         self.every, self.episodes, self.seed = config.eval_every, config.eval_episodes, config.seed + 7777
         self.video_dir = config.logdir if config.eval_video else ""
+        self.video_failing = False  # said once per outage
         self.run_info = run_info
         self.ctx = multiprocessing.get_context("spawn")
         self.jobs: Any = None
@@ -124,6 +136,15 @@ class PeriodicEval:
         if "error" in row:
             log.error("evaluation at %d frames failed: %s", frames, row["error"])
             return None
+        video_error = row.pop("video_error", None)
+        if video_error is not None and not self.video_failing:
+            log.warning(
+                "evaluation videos cannot be written (%s): the scores are kept, videos resume later",
+                video_error,
+            )
+        elif video_error is None and video and self.video_failing:
+            log.info("evaluation videos are written again")
+        self.video_failing = video_error is not None
         means = {k: v for k, v in row.items() if k.endswith("mean_return")}
         log.info(
             "eval at %d frames over %d episodes: %s",

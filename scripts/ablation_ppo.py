@@ -570,7 +570,9 @@ def dry_run(variants: list[Variant], args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--mode", choices=("leave-one-out", "presets"), default="leave-one-out")
     p.add_argument("--env", default="Ant-v5")
     p.add_argument(

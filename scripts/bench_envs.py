@@ -137,7 +137,9 @@ def _child(python: str, path: str, args: argparse.Namespace) -> dict | str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--game", default="pong", choices=sorted(GAMES))
     ap.add_argument("--envs", type=int, default=4, help="envs per process, the actors' K (default 4)")
     ap.add_argument("--seconds", type=float, default=10.0, help="wall seconds measured per path")

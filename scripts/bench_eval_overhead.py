@@ -51,7 +51,9 @@ def run(env: str, seconds: float, extra: list[str]) -> tuple[float, int, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--env", default="CartPole-v1")
     ap.add_argument("--seconds", type=float, default=90.0)
     ap.add_argument("--eval-every", type=int, default=20000)

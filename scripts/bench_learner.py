@@ -39,7 +39,9 @@ NUM_ACTIONS = 6  # Pong
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = cuda if available"
     )

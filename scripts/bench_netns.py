@@ -87,7 +87,9 @@ def one_run(dedup: bool, seconds: float, port: int, workers: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--seconds", type=float, default=90.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--port", type=int, default=47600)

@@ -139,7 +139,9 @@ def run_sb3(net: str, args: argparse.Namespace, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--env", default="Ant-v5")
     p.add_argument("--nets", nargs="+", choices=sorted(NETS), default=["small", "crawler"])
     p.add_argument("--n-envs", type=int, default=8)

@@ -107,7 +107,9 @@ def system_throughput(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--env", default="PongDeterministic-v4")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--seconds", type=float, default=60.0, help="Measured seconds for each of (a) and (b).")

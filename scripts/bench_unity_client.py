@@ -351,7 +351,9 @@ def run_child(mode: str, variant: str, seconds: float, profile: bool) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument(
         "--modes", default="replay,grpc,transport,fake", help="comma-separated: replay, grpc, transport, fake"
     )

@@ -25,7 +25,9 @@ SETTINGS = [
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--env", default="PongDeterministic-v4")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=50.0)

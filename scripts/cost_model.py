@@ -245,7 +245,9 @@ def breakdown(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--env", default="PongDeterministic-v4")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="cores the run gets (default: all)")
     ap.add_argument("--envs-per-worker", type=int, default=4)

@@ -32,7 +32,9 @@ def _calibration(text: str) -> tuple[tuple[float, float], tuple[float, float]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("image")
     ap.add_argument("--y", required=True, help="two y gridlines as PIXEL:VALUE,PIXEL:VALUE")
     ap.add_argument("--x", required=True, help="two x ticks as PIXEL:STEPS,PIXEL:STEPS")

@@ -40,7 +40,9 @@ def read(source: str, key: str) -> tuple[list[float], list[float], list[float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("logdirs", nargs="+")
     ap.add_argument("--labels", nargs="*")
     ap.add_argument("--key", default="charts/mean_return_100")

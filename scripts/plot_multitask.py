@@ -38,7 +38,9 @@ def series(rows: list[dict[str, str]], x_key: str, y_key: str) -> tuple[list[flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("logdirs", nargs="+")
     ap.add_argument("--labels", nargs="*")
     ap.add_argument("--title", default="")

@@ -25,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_learner's batc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the learner's --precision")
     p.add_argument("--model", choices=("shallow", "nature", "deep"), default="shallow", help="the network")
     p.add_argument("--steps", type=int, default=10, help="minibatch steps profiled (after 3 untimed)")

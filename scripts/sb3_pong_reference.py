@@ -25,7 +25,9 @@ FRAME_SKIP = 4  # PongDeterministic-v4
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--out", required=True, help="CSV to write.")
     ap.add_argument(
         "--steps", type=int, default=2_500_000, help="Agent steps (the lr decays to 0 over them)."

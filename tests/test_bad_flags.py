@@ -184,6 +184,28 @@ def test_bad_flag_value_is_one_line_and_exit_2(prog, flag, value, tmp_path, caps
 
 
 @pytest.mark.parametrize("prog", sorted(SCRIPTS))
+def test_an_abbreviated_flag_is_refused_and_the_full_one_suggested(prog, tmp_path, capsys, monkeypatch):
+    """Every script refuses a prefix of one of its flags (argparse would take --total-frame for
+    --total-frames, and --lr for --lr-decay) in one line, exit 2, naming the flag it resembles."""
+    module = importlib.import_module(SCRIPTS[prog].split(":")[0])
+    flags = [
+        max(a.option_strings, key=len)
+        for a in module.build_parser()._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction)
+    ]
+    flag = max(flags, key=len)  # the longest flag: its prefix is no other flag
+    monkeypatch.chdir(tmp_path)
+    try:
+        rc = module.main([*BASE[prog], flag[:-1] + "=1"])
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, err[-1500:]
+    assert f"unrecognized arguments: {flag[:-1]}=1" in lines[0] and f"-> {flag}?" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("prog", sorted(SCRIPTS))
 def test_help_shows_each_default_once(prog):
     module = importlib.import_module(SCRIPTS[prog].split(":")[0])
     text = " ".join(module.build_parser().format_help().split())

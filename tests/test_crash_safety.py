@@ -295,6 +295,17 @@ def test_resume_from_another_networks_checkpoint_is_one_line_and_exit_2(tmp_path
         real_process=True,
     )
     assert rc == 2 and "Traceback" not in err, err[-2000:]
+    # the run's own config.yaml says what it plays: another env is refused before the checkpoint is read
+    assert (
+        "the run's env is 'CartPole-v1'; 'Acrobot-v1' cannot take its place" in err.strip().splitlines()[-1]
+    )
+    (logdir / "config.yaml").unlink()  # a run of a version without config.yaml: the checkpoint says it
+    rc, err = _launch_impala(
+        ["--env", "Acrobot-v1", "--workers", "1", "--resume", "--logdir", str(logdir)],
+        capsys,
+        real_process=True,
+    )
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
     assert "does not fit this run: env 'CartPole-v1' there, 'Acrobot-v1' here" in err.strip().splitlines()[-1]
 
 
@@ -440,6 +451,62 @@ def test_a_full_disk_during_a_run_is_survived(tmpfs):
         or f"checkpoint {logdir}/checkpoint.pt" in last
     ), last
     assert saved is False or saved > 0
+
+
+def _fill(folder) -> None:
+    """Take every byte left on ``folder``'s file system (a file named filler)."""
+    with open(folder / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+        try:
+            while True:
+                f.write(b"\0" * 512)
+        except OSError:
+            pass
+
+
+def test_a_disk_that_fills_mid_run_and_is_freed_20_s_later_loses_nothing(tmpfs):
+    """The run folder's disk fills mid-run and is freed 20 s later: the run goes on (rc 0, no traceback), says
+    once per kind of file that it cannot write, writes again once it can (metrics.csv's held rows, TensorBoard
+    in a new events file, the checkpoint), and ends with a whole final checkpoint of all its frames."""
+    import csv
+
+    from procs import kill_group, wait_for
+
+    logdir = tmpfs("run", "8m")
+    proc = _cartpole_run(logdir, 45)
+    csv_path = logdir / "metrics.csv"
+    try:
+        assert wait_for(lambda: csv_path.exists() and len(csv_path.read_text().splitlines()) > 3, 60)
+        _fill(logdir)
+        filled_at = time.monotonic()
+        time.sleep(20)
+        os.remove(logdir / "filler")
+        freed_rows_from = len(list(csv.DictReader(open(csv_path))))
+        out, _ = proc.communicate(timeout=120)
+        wall = time.monotonic() - filled_at
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    warnings = [line for line in out.splitlines() if " WARNING " in line]
+    kinds = ["metrics.csv cannot be written", "TensorBoard events", "checkpoint"]
+    for kind in kinds:  # each said once (TensorBoard's writer may not notice before the disk is free)
+        assert sum(kind in w for w in warnings) <= 1, warnings
+    assert sum("metrics.csv cannot be written" in w for w in warnings) == 1, out[-3000:]
+    assert "metrics.csv is written again" in out, out[-3000:]
+    rows = list(csv.DictReader(open(csv_path)))
+    times = [float(r["time"]) for r in rows]
+    assert times == sorted(times) and len(rows) > freed_rows_from + 10, (len(rows), freed_rows_from)
+    assert max(times) - min(times) >= wall - 15  # the outage's rows are there: no gap in the curve
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) < 5, max(gaps)  # a row every second or so, the outage included
+    final = load_checkpoint(str(logdir / "checkpoint.pt"))
+    last = out.splitlines()[-1]
+    assert f"checkpoint {logdir}/checkpoint.pt" in last and f"done: {final['env_frames']} env frames" in last
 
 
 # the writer thread's own end is one warning line, not a traceback (pytest reports an unhandled one this way)

@@ -678,6 +678,21 @@ def test_cartpole_video_is_h264_in_the_run_folder(cartpole, capsys):
     assert frame.std() > 5  # a picture, not a blank frame
 
 
+def test_a_cartpole_video_on_a_headless_box_prints_no_display_noise(cartpole, tmp_path):
+    """impala-eval --video on CartPole, as a user's shell runs it on a box without a display (no
+    XDG_RUNTIME_DIR, no SDL settings): pygame draws off-screen without looking for a display, so stderr holds
+    no "XDG_RUNTIME_DIR is invalid" (it printed that twice)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "SDL_VIDEODRIVER", "DISPLAY")}
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "impala-eval"), str(cartpole.parent), "--episodes", "1",
+         "--workers", "1", "--video", str(tmp_path / "clip.mp4"), "--out", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "clip.mp4").stat().st_size > 0
+    assert "XDG_RUNTIME_DIR" not in out.stderr + out.stdout, out.stderr[-2000:]
+
+
 def test_relative_out_goes_to_the_run_folder_and_other_settings_keep_their_files(cartpole, capsys):
     for episodes in ("2", "3"):
         assert main([str(cartpole), "--episodes", episodes, "--workers", "0"]) == 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -15,7 +17,14 @@ from actors.loop import actor_configs
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import probe_env
-from impala.run.checkpoint import CheckpointError, drop_unused_run_folder, load_checkpoint, prepare_run_folder
+from impala.run.checkpoint import (
+    LOCK_FILE,
+    CheckpointError,
+    drop_unused_run_folder,
+    load_checkpoint,
+    prepare_run_folder,
+    release_run_folders,
+)
 from impala.run.config import (
     ConfigError,
     FlagParser,
@@ -400,7 +409,40 @@ def test_a_folder_holding_a_run_is_refused_unless_resume_or_force(tmp_path):
     prepare_run_folder(str(folder), resume=True, force=False)  # continuing it: untouched
     assert (folder / "metrics.csv").exists()
     prepare_run_folder(str(folder), resume=False, force=True)
-    assert sorted(os.listdir(folder)) == ["notes.txt"]  # only the run's own files went
+    assert sorted(os.listdir(folder)) == [LOCK_FILE, "notes.txt"]  # only the run's own files went
+    release_run_folders()
+    assert sorted(os.listdir(folder)) == ["notes.txt"]
+
+
+def test_a_run_that_trained_nothing_gives_its_folder_up_without_force(tmp_path):
+    folder = tmp_path / "run"
+    prepare_run_folder(str(folder), resume=False, force=False)
+    (folder / "config.yaml").write_text("env: CartPole-v1\n")  # what a run that never updated leaves
+    (folder / "events.out.tfevents.1.host").write_bytes(b"x")
+    release_run_folders()
+    prepare_run_folder(str(folder), resume=False, force=False)  # no checkpoint: started over in it
+    assert sorted(os.listdir(folder)) == [LOCK_FILE]
+    release_run_folders()
+
+
+def test_a_folder_in_use_by_a_live_run_is_refused_to_a_second_process(tmp_path):
+    folder = tmp_path / "run"
+    prepare_run_folder(str(folder), resume=False, force=False)  # this process holds it, as a live run does
+    other = subprocess.run(
+        [sys.executable, "-c", "import sys; from impala.run.checkpoint import prepare_run_folder as p; "
+         "from impala.run.config import ConfigError\n"
+         "try:\n p(sys.argv[1], resume=True, force=False)\nexcept ConfigError as e:\n print(e); sys.exit(2)",
+         str(folder)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert other.returncode == 2 and "is in use by a run that is still going" in other.stdout, other
+    release_run_folders()  # the run ended: the folder is free again
+    other = subprocess.run(
+        [sys.executable, "-c", "import sys; from impala.run.checkpoint import prepare_run_folder as p; "
+         "p(sys.argv[1], resume=True, force=False)", str(folder)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert other.returncode == 0, other.stderr
 
 
 def test_a_failed_start_takes_away_only_the_empty_folders_it_made(tmp_path):

@@ -1,8 +1,11 @@
 """The learner's receive path over real ZeroMQ sockets: bad messages are dropped and counted, never fatal."""
 
 import json
+import subprocess
+import sys
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -396,3 +399,47 @@ def test_a_publish_delay_sends_the_weights_of_earlier_updates_as_they_were():
     finally:
         sub.close()
         srv.close()
+
+
+ACTOR_TERM_SCRIPT = """
+import os, signal, sys, time
+from actors.actor import Actor
+from actors.loop import ActorConfig
+from impala.envs import EnvSpec
+from impala.transport.messages import ImpalaAgentSpec
+
+if __name__ == "__main__":
+    config = ActorConfig(actor_id=0, env=EnvSpec("CartPole-v1"), num_envs=2, unroll_length=4,
+                         trajectory_endpoint="tcp://127.0.0.1:9", params_endpoint="tcp://127.0.0.1:9",
+                         agent=ImpalaAgentSpec("mlp"), params_timeout_s=60)
+    actor = Actor(config)
+    actor.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until its run() has installed its SIGTERM handler
+        with open(f"/proc/{actor.pid}/status") as f:
+            caught = int(next(l for l in f if l.startswith("SigCgt:")).split()[1], 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            break
+        time.sleep(0.05)
+    time.sleep(float(sys.argv[1]))  # building its envs (0), or waiting for weights
+    for _ in range(int(sys.argv[2])):  # the pool's terminate, again and again while the actor exits
+        os.kill(actor.pid, signal.SIGTERM)
+        time.sleep(0.002)
+    actor.join(30)
+    print("exitcode", actor.exitcode)
+"""
+
+
+@pytest.mark.parametrize("wait_s, signals", [(0.0, 1), (3.0, 1), (3.0, 40)])
+def test_an_actor_stopped_with_sigterm_exits_0_without_a_traceback(tmp_path, wait_s, signals):
+    """The pool stops actors with SIGTERM: the actor unwinds (closing its envs) and exits 0; more SIGTERMs
+    while it exits are ignored, never raised inside its cleanup or the interpreter's atexit callbacks (they
+    printed "Exception ignored in atexit callback ... SystemExit: 0")."""
+    script = tmp_path / "term.py"
+    script.write_text(ACTOR_TERM_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(wait_s), str(signals)],
+        capture_output=True, text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[1]),
+    )  # fmt: skip
+    assert "exitcode 0" in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -9,6 +9,8 @@ cannot execute code; a file that is not such a checkpoint is one ``CheckpointErr
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import re
 import secrets
@@ -18,6 +20,8 @@ from typing import Any
 import torch
 
 from impala.run.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -241,15 +245,19 @@ def prepare_run_folder(path: str, *, resume: bool, force: bool) -> tuple[str, ..
         raise ConfigError(f"--logdir {path}: cannot create it ({e.strerror})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"--logdir {path}: not writable")
+    _lock_run_folder(path)
     held = run_files(path)
     if not held or resume:
         return created
-    if not force:
+    trained = [n for n in held if n.endswith(".pt")]
+    if not force and trained:
         raise ConfigError(
             f"run folder {path} holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): pass "
             "--resume to "
             "continue it, --force to start over in it, or another --run-id"
         )
+    if not trained and not force:  # a run that trained nothing: nothing of it to keep, and no one writes it
+        log.info("run folder %s holds a run that trained nothing (no checkpoint): starting over in it", path)
     for name in held:
         try:
             os.remove(os.path.join(path, name))
@@ -262,10 +270,50 @@ def prepare_run_folder(path: str, *, resume: bool, force: bool) -> tuple[str, ..
     return created
 
 
+LOCK_FILE = ".run.lock"  # held (flock) by the process whose run writes the folder, for as long as it runs
+_held_locks: dict[str, int] = {}  # run folder -> the lock's file descriptor, open until this process ends
+
+
+def _lock_run_folder(path: str) -> None:
+    """Take the run folder's lock for the rest of this process: two processes writing one run folder would
+    interleave their rows and checkpoints, and a second start must not take a live run's folder for one that
+    trained nothing. The kernel drops the lock when the process ends, however it ends."""
+    path = os.path.abspath(path)
+    if path in _held_locks:
+        return
+    lock = os.path.join(path, LOCK_FILE)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(f"--logdir {path}: cannot create its lock file ({e.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"run folder {path} is in use by a run that is still going (another launch_impala or "
+            "launch_ppo): stop it first, or give this run another --run-id"
+        ) from None
+    _held_locks[path] = fd
+
+
+def release_run_folders() -> None:
+    """Give back every run folder lock this process holds and remove their files: a launcher's run ended
+    (or its start failed), and a later start in this process or another may take the folder."""
+    while _held_locks:
+        path, fd = _held_locks.popitem()
+        try:
+            os.remove(os.path.join(path, LOCK_FILE))
+        except OSError:
+            pass
+        os.close(fd)
+
+
 def drop_unused_run_folder(created: tuple[str, ...]) -> None:
     """Remove the folders ``prepare_run_folder`` created for a start that then failed, innermost first, as
     long as each is empty: a run that never started leaves no empty folder behind. A folder that holds
     anything (or that was there before) stays, and so does every folder above it."""
+    release_run_folders()
     for folder in created:
         try:
             os.rmdir(folder)

@@ -37,7 +37,7 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Optional, Union
+from typing import Any, Iterable, Literal, Mapping, Optional, Union
 
 from impala.run.cpus import available_cpus, split_cpus
 
@@ -130,9 +130,22 @@ class FlagParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        # A typo must never pick another flag (--total-frame for --total-frames, --lr for --lr-decay).
+        kw.setdefault("allow_abbrev", False)
         super().__init__(*args, **kw)
 
     def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            flags = [a for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            known = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+            hints = [
+                f"{flag.split('=')[0]} -> {close[0]}"
+                for flag in flags
+                for close in [difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.75)]
+                if close
+            ]
+            if hints:
+                message += f" (did you mean: {', '.join(hints)}?)"
         self.exit(2, f"{self.prog}: error: {capped(message)}\n")
 
     def parse_known_args(
@@ -262,15 +275,28 @@ def load_preset(path: str, classes: Iterable[type]) -> dict[str, Any]:
         return {}
     if not isinstance(doc, dict):
         raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(doc).__name__}")
+    return option_values(doc, classes, f"--config {path}")
+
+
+def option_values(
+    doc: Mapping[Any, Any], classes: Iterable[type], what: str, *, unknown: str = "refuse"
+) -> dict[str, Any]:
+    """The option values of a mapping read from a file (a preset, a run's config.yaml), each checked
+    against its field's type and choices: a wrong one is a :class:`ConfigError` naming ``what`` and the
+    key. ``unknown``: 'refuse' a key that is no field of ``classes`` (one line naming it), or 'skip' it."""
     owner = {f.name: cls for cls in classes for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for key, value in doc.items():
         name = str(key).replace("-", "_")
         if name not in owner:
+            if unknown == "skip":
+                continue
             close = difflib.get_close_matches(name, list(owner), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"--config {path}: unknown option {key!r}{hint}")
+            raise ConfigError(f"{what}: unknown option {key!r}{hint}")
         choices, typ, optional = field_kind(owner[name], name)
+        if unknown == "skip" and typ not in (bool, int, float, str):
+            continue  # a setting with no flag (a list a file gave), not a user's option
         if typ is float and isinstance(value, str):
             # PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string; take it as the number it reads as.
             try:
@@ -292,9 +318,124 @@ def load_preset(path: str, classes: Iterable[type]) -> dict[str, Any]:
         )
         if not ok:
             want = "one of " + ", ".join(map(str, choices)) if choices is not None else typ.__name__
-            raise ConfigError(f"--config {path}: {key} must be {want}, got {value!r}")
+            raise ConfigError(f"{what}: {key} must be {want}, got {capped(repr(value), 80)}")
         values[name] = float(value) if typ is float and value is not None else value
     return values
+
+
+# --------------------------------------------------------------------------- resume: the run as it was
+
+# What a resumed run takes from this command line, not from its config.yaml: where the run folder is, how
+# this process talks and logs, and its own time limit. Everything else is the run's own setting.
+PER_INVOCATION = frozenset(
+    {
+        "resume",
+        "force",
+        "logdir",
+        "run_id",
+        "runs_dir",
+        "results_dir",
+        "progress",
+        "log_level",
+        "device",
+        "port",
+        "bind",
+        "curve",
+        "insecure_bind",
+        "track",
+        "track_project",
+        "max_seconds",
+        "inference",
+        "initialize_from",
+    }
+)
+CONFIG_FILE = "config.yaml"
+
+
+def resume_folder(args: argparse.Namespace) -> str:
+    """The folder ``--resume`` continues: ``--logdir``, else ``--runs-dir/--run-id``."""
+    if getattr(args, "logdir", None):
+        return args.logdir
+    if getattr(args, "run_id", None):
+        return os.path.join(args.runs_dir, args.run_id)
+    raise ConfigError("--resume continues a run folder: name it with --run-id NAME or --logdir DIR")
+
+
+def saved_settings(folder: str, sections: Mapping[str | None, Iterable[type]]) -> tuple[dict[str, Any], list]:
+    """A run's own settings from ``folder/config.yaml`` and the record of its earlier resumes. ``sections``:
+    the file's section (None: the top level) -> the config classes whose fields it holds. Values are checked
+    as a preset's are (a hand-edited bad value is one line naming the key); keys that are no option of this
+    version are skipped, and so are :data:`PER_INVOCATION` ones. ({}, []) when the folder has no such file
+    (a run of an older version, or one that never started)."""
+    path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}, []
+    doc = read_yaml(path, "--resume")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--resume: {path} is not a mapping of setting: value (edited by hand?)")
+    values: dict[str, Any] = {}
+    for section, classes in sections.items():
+        part = doc if section is None else doc.get(section, {})
+        if not isinstance(part, dict):
+            raise ConfigError(f"--resume: {path}: {section} is not a mapping of setting: value")
+        found = option_values(part, classes, f"--resume: {path}", unknown="skip")
+        for cls in classes:  # each class's own checks (ranges, combinations) on the saved values
+            names = {f.name for f in dataclasses.fields(cls)}
+            try:
+                cls(**{k: v for k, v in found.items() if k in names and k not in PER_INVOCATION})
+            except ConfigError as e:
+                raise ConfigError(f"--resume: {path}: {e}") from None
+        values.update(found)
+    resumes = doc.get("resumes", [])
+    return {k: v for k, v in values.items() if k not in PER_INVOCATION}, resumes if isinstance(
+        resumes, list
+    ) else []
+
+
+def apply_saved(
+    args: argparse.Namespace, saved: Mapping[str, Any], *, dest_prefix: Mapping[str, str] = {}
+) -> None:
+    """The run's saved settings as the layer under the command line: each one not given by a flag or the
+    command line's preset takes its saved value and counts as chosen (``args.preset``), so a default that
+    depends on others (a multi-task run's) does not replace it. ``dest_prefix``: setting -> its parser
+    destination's prefix (``launch_ppo``'s PPO options are ``ppo__<name>``)."""
+    chosen = args.given | getattr(args, "preset", set())
+    for name, value in saved.items():
+        dest = dest_prefix.get(name, "") + name
+        if dest not in chosen:
+            setattr(args, dest, value)
+            args.preset = getattr(args, "preset", set()) | {dest}
+
+
+def resume_changes(
+    saved: Mapping[str, Any], now: Mapping[str, Any], fixed: Iterable[str]
+) -> list[tuple[str, Any, Any]]:
+    """(setting, saved value, value now) of each of the run's own settings this resume changes. A change of a
+    ``fixed`` one (what a running run cannot change: its env, its network) is a :class:`ConfigError` naming
+    it, before anything is written."""
+    changes = [
+        (name, saved[name], now[name])
+        for name in saved
+        if name in now and name not in PER_INVOCATION and _plain(saved[name]) != _plain(now[name])
+    ]
+    for name, old, new in changes:
+        if name in fixed:
+            raise ConfigError(
+                f"--resume: the run's {name} is {old!r}; {new!r} cannot take its place in a running run "
+                f"(resume without --{name.replace('_', '-')}, or start a new run)"
+            )
+    return changes
+
+
+def _plain(value: Any) -> Any:
+    """A value as config.yaml holds it (tuples as lists, floats as numbers)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def resume_record(resumes: list, changes: list[tuple[str, Any, Any]]) -> list:
+    """The run's resumes with this one added: when, and each setting it changed ({name: [old, new]})."""
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "changed": {n: [o, v] for n, o, v in changes}}
+    return [*resumes, _plain(entry)]
 
 
 MAX_ERROR_CHARS = 600  # a value echoed in an error line is cut here: an error must stay one readable line

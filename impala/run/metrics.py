@@ -119,20 +119,127 @@ def task_returns_text(row: Mapping[str, float]) -> str:
 def _quiet_tensorboard_writer_thread() -> None:
     """TensorBoard's event-writer thread ends by re-raising an OSError it met (a full disk), and Python's
     default hook prints that traceback in the run's console; MetricsLogger handles the error when the writer
-    raises it again in the caller (``_lose_tensorboard``). Installed once per process: that thread's OSError
-    becomes one warning line; every other thread's exception goes to the hook there was."""
+    raises it again in the caller (``_lose_tensorboard``, its one warning). Installed once per process: that
+    thread's OSError becomes a debug line; every other thread's exception goes to the hook there was."""
     previous = threading.excepthook
     if getattr(previous, "quiets_tensorboard", False):
         return
 
     def hook(args: Any) -> None:
         if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
-            log.warning("TensorBoard's event writer stopped: %s", args.exc_value)
+            log.debug("TensorBoard's event writer stopped: %s", args.exc_value)  # the logger says it, once
             return
         previous(args)
 
     hook.quiets_tensorboard = True  # type: ignore[attr-defined]
     threading.excepthook = hook
+
+
+MAX_HELD_ROWS = 100_000  # rows kept in memory while metrics.csv cannot be written (days of a run's rows)
+RETRY_S = 30.0  # a writer that failed (TensorBoard's) is made again at most this often
+
+
+class CsvRows:
+    """``metrics.csv``: rows appended in order under one header, widened (the file rewritten once) when a key
+    appears that earlier rows lack. A write that fails (a full disk) never reaches the caller: the file is cut
+    back to its last whole row, the rows are held in memory (up to :data:`MAX_HELD_ROWS`, the oldest given up
+    beyond that, and said) and written with the next row that can be, with one warning per outage."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fields: list[str] = []  # read from an existing file (a resumed run appends under its header)
+        self.on_disk: list[str] | None = None  # the header the file has, once known
+        self.held: list[dict[str, Any]] = []
+        self.given_up = 0  # rows dropped from memory during a long outage
+        self.failing: str | None = None  # why the last write failed, while it does
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        """Append ``row`` (now, or once the disk takes it)."""
+        self.held.append(dict(row))
+        if len(self.held) > MAX_HELD_ROWS:
+            del self.held[0]
+            self.given_up += 1
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the held rows; on failure keep them for the next call."""
+        if not self.held:
+            return
+        try:
+            self._write()
+        except OSError as e:
+            reason = e.strerror or str(e)
+            if self.failing is None:
+                log.warning(
+                    "metrics.csv cannot be written (%s): its rows are kept in memory and written when it can "
+                    "be; training goes on",
+                    reason,
+                )
+            self.failing = reason
+            return
+        if self.failing is not None:
+            log.info("metrics.csv is written again (the rows held meanwhile included)")
+            self.failing = None
+        if self.given_up:
+            log.warning(
+                "metrics.csv: %d rows of the outage were given up (more than %d were held)",
+                self.given_up,
+                MAX_HELD_ROWS,
+            )
+            self.given_up = 0
+
+    def _write(self) -> None:
+        if self.on_disk is None:
+            self.on_disk = self._header()
+            self.fields = self.fields or list(self.on_disk)
+        for key in ("step", "time"):
+            if key not in self.fields:
+                self.fields.insert(0 if key == "step" else 1, key)
+        for row in self.held:
+            self.fields += [k for k in row if k not in self.fields]
+        if self.fields != self.on_disk:
+            self._rewrite()
+        else:
+            self._append()
+        self.held = []
+
+    def _header(self) -> list[str]:
+        if not (os.path.exists(self.path) and os.path.getsize(self.path) > 0):
+            return []
+        with open(self.path, newline="") as f:
+            return next(csv.reader(f), [])
+
+    def _append(self) -> None:
+        size = os.path.getsize(self.path)
+        try:
+            with open(self.path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self.fields, restval="").writerows(self.held)
+        except OSError:
+            os.truncate(self.path, size)  # no half row: the held rows are written whole next time
+            raise
+
+    def _rewrite(self) -> None:
+        """The file under the wider header, the held rows after the old ones (a temporary file renamed over
+        it, so a failure leaves the old file as it was)."""
+        rows: list[dict[str, str]] = []
+        if self.on_disk:
+            with open(self.path, newline="") as f:
+                rows = list(csv.DictReader(f))
+        tmp = self.path + ".tmp"
+        try:
+            with open(tmp, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=self.fields, restval="")
+                w.writeheader()
+                w.writerows(rows)
+                w.writerows(self.held)
+            os.replace(tmp, self.path)
+        except OSError:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        self.on_disk = list(self.fields)
 
 
 class MetricsLogger:
@@ -165,15 +272,26 @@ class MetricsLogger:
 
         purge = None if resumed_at_step is None else resumed_at_step + 1
         _quiet_tensorboard_writer_thread()
-        self.writer = SummaryWriter(logdir, purge_step=purge)
+        self.logdir = logdir
+        self.writer: Any = None
+        self._writer_lost_at: float | None = None  # when TensorBoard's writer failed (made again later)
+        try:
+            self.writer = SummaryWriter(logdir, purge_step=purge)
+        except OSError as e:
+            self._lose_tensorboard(e)
+        self._config_text: str | None = None  # config.yaml's text until it is written
+        self._config_failing = False
         if config_record:
             self._record_config(logdir, config_record)
         self.csv_path = os.path.join(logdir, "metrics.csv")
-        self._csv_file = None
-        self._csv: csv.DictWriter | None = None
-        self._fields: list[str] = ["step", "time"]
+        self._rows = CsvRows(self.csv_path)
         if resumed_at_step is not None:
-            self._drop_rows_after(resumed_at_step)
+            try:
+                self._drop_rows_after(resumed_at_step)
+            except OSError as e:
+                log.warning(
+                    "metrics.csv: the rows after the checkpoint could not be dropped (%s)", e.strerror or e
+                )
         self.title = title
         self._live = None
         self._start = time.time() - time_offset_s
@@ -191,9 +309,13 @@ class MetricsLogger:
 
         plain = json.loads(json.dumps(record, default=str))  # tuples -> lists, anything else -> its text
         text = yaml.safe_dump(plain, sort_keys=False, default_flow_style=False)
-        with open(os.path.join(logdir, "config.yaml"), "w") as f:
-            f.write(text)
-        self.writer.add_text("config", "```\n" + text + "```", 0)
+        self._config_text = text
+        self._write_config()
+        if self.writer is not None:
+            try:
+                self.writer.add_text("config", "```\n" + text + "```", 0)
+            except OSError as e:
+                self._lose_tensorboard(e)
         flat = [f"{key}={value}" for key, value in _flatten(plain)]
         lines, line = [], ""
         for item in flat:  # a compact block: key=value pairs, about 110 characters a line
@@ -204,6 +326,20 @@ class MetricsLogger:
         log.info(
             "config (also in %s):\n  %s", os.path.join(logdir, "config.yaml"), "\n  ".join(lines + [line])
         )
+
+    def _write_config(self) -> None:
+        """config.yaml, atomically (a temporary file renamed over it); on a failing disk it is written with a
+        later row, with one warning."""
+        if self._config_text is None:
+            return
+        try:
+            atomic_write_text(os.path.join(self.logdir, "config.yaml"), self._config_text)
+        except OSError as e:
+            if not self._config_failing:
+                log.warning("config.yaml cannot be written (%s): written when it can be", e.strerror or e)
+            self._config_failing = True
+            return
+        self._config_text, self._config_failing = None, False
 
     def progress_cells(self, row: Mapping[str, float], now: float | None = None) -> tuple[str, str, str]:
         """(label, "done/total", ETA) of the step budget: frames (or agent steps) so far over the run's total,
@@ -248,6 +384,8 @@ class MetricsLogger:
         return table
 
     def log(self, step: int, row: Mapping[str, float]) -> None:
+        self._write_config()
+        self._retry_tensorboard()
         if self.writer is not None:
             try:
                 for key, value in row.items():
@@ -256,13 +394,7 @@ class MetricsLogger:
                 self._lose_tensorboard(e)
         if self.tracker is not None:
             self.tracker.log(step, row)
-        full = {"step": step, "time": round(time.time() - self._start, 3), **row}
-        if self._csv is None:
-            self._open_csv()
-        if any(k not in self._fields for k in full):
-            self._widen_csv([k for k in full if k not in self._fields])
-        self._csv.writerow(full)
-        self._csv_file.flush()
+        self._rows.add({"step": step, "time": round(time.time() - self._start, 3), **row})
         if self._live is not None:
             self._live.update(self._table(row))
         else:
@@ -271,16 +403,6 @@ class MetricsLogger:
             parts += [f"{label}={_cell(fmt, row[k])}" for k, label, fmt in CONSOLE_KEYS if k in row]
             tasks = task_returns_text(row)
             print(f"[{self.title}] " + " ".join(parts) + (f" | {tasks}" if tasks else ""), flush=True)
-
-    def _open_csv(self) -> None:
-        exists = os.path.exists(self.csv_path) and os.path.getsize(self.csv_path) > 0
-        if exists:  # a resumed run appends under the existing header
-            with open(self.csv_path, newline="") as f:
-                self._fields = next(csv.reader(f))
-        self._csv_file = open(self.csv_path, "a", newline="")
-        self._csv = csv.DictWriter(self._csv_file, fieldnames=self._fields, restval="")
-        if not exists:
-            self._csv.writeheader()
 
     def _drop_rows_after(self, step: int) -> None:
         """Rewrite ``metrics.csv`` without its rows past ``step`` (atomically; nothing to do if none)."""
@@ -316,27 +438,44 @@ class MetricsLogger:
             w.writerows(rows)
         os.replace(tmp, self.csv_path)
 
-    def _widen_csv(self, new_keys: list[str]) -> None:
-        """A key not seen before: rewrite the file once with the wider header (rare, small)."""
-        self._csv_file.close()
-        with open(self.csv_path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        self._fields = self._fields + new_keys
-        self._rewrite_csv(self._fields, rows)
-        self._csv_file = open(self.csv_path, "a", newline="")
-        self._csv = csv.DictWriter(self._csv_file, fieldnames=self._fields, restval="")
-
     def _lose_tensorboard(self, error: OSError) -> None:
-        """TensorBoard's writer thread failed (a full disk, say): it raises that error on every later call,
-        so its events stop here, with one warning; training, metrics.csv and the checkpoints go on."""
-        log.warning(
-            "TensorBoard events in %s are not written from here on (%s: %s); training goes on, metrics.csv "
-            "keeps the curve",
-            self.csv_path.rsplit(os.sep, 1)[0],
-            type(error).__name__,
-            error.strerror or error,
+        """TensorBoard's writer thread failed (a full disk, say): it raises that error on every later call, so
+        it is closed here, with one warning per outage, and made again (a new events file) at most every
+        :data:`RETRY_S` seconds; training and metrics.csv go on, and metrics.csv holds the outage's rows."""
+        if self._writer_lost_at is None:
+            log.warning(
+                "TensorBoard events in %s are not written while this lasts (%s: %s); training goes on, "
+                "metrics.csv keeps the curve",
+                self.logdir,
+                type(error).__name__,
+                error.strerror or error,
+            )
+        self._writer_lost_at = time.monotonic()
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001 - its thread already failed; nothing more to save from it
+                pass
+
+    def _retry_tensorboard(self) -> None:
+        if self._writer_lost_at is None or time.monotonic() - self._writer_lost_at < RETRY_S:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        try:
+            self.writer = SummaryWriter(self.logdir)
+            self.writer.flush()
+        except OSError as e:
+            self.writer = None
+            self._writer_lost_at = time.monotonic()
+            log.debug("TensorBoard's writer still cannot start: %s", e)
+            return
+        self._writer_lost_at = None
+        log.info(
+            "TensorBoard events in %s are written again (a new events file; metrics.csv has the gap)",
+            self.logdir,
         )
-        self.writer = None
 
     def close(self) -> None:
         if self._live is not None:
@@ -348,8 +487,29 @@ class MetricsLogger:
                 self._lose_tensorboard(e)
         if self.tracker is not None:
             self.tracker.close()
-        if self._csv_file is not None:
-            self._csv_file.close()
+        self._write_config()
+        self._rows.flush()
+        if self._rows.held:
+            log.warning(
+                "metrics.csv: its last %d rows could not be written (%s)",
+                len(self._rows.held),
+                self._rows.failing,
+            )
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, renamed over it."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _flatten(record: Any, prefix: str = "") -> list[tuple[str, Any]]:
