@@ -1,82 +1,234 @@
 #!/usr/bin/env python
-"""Draw a multi-task run's curves: per task, mean return (last 100 episodes) against that task's
-own frames, and each task's PopArt sigma; one line per run directory.
+"""The multi-task Atari comparison (docs/MULTITASK.md): a figure and a Markdown table from the runs of
+scripts/learn_multitask.sh.
 
-    python scripts/plot_multitask.py runs/a runs/b --labels PopArt "no PopArt" --out docs/multitask.png
+Reads ROOT/<arm>-s<seed>/metrics.csv for the multi-task arms (popart, clipped, raw) and
+ROOT/<arm>-<Game>-s<seed>/metrics.csv for the single-task ones (single, single-popart). Per game it takes
+the mean return of the last 100 episodes at each million frames of that game's own frames (a multi-task
+run's ``tasks/<env>/frames``, a single-task run's ``charts/env_frames``), its human-normalized score
+((score - random) / (human - random), the standard table in impala.envs.atari), and the median and mean
+over the games. Writes OUT (the figure: per game the return against its frames, each game's PopArt sigma,
+the median and mean human-normalized score) and OUT with .md for .png (the table).
+
+    python scripts/plot_multitask.py --root runs/multitask --games A,B,C --out docs/multitask.png
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import glob
 import os
 import re
+import statistics
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-TASK_KEY = re.compile(r"^tasks/(.+)/frames$")
+from impala.envs.atari import human_normalized_score  # noqa: E402
+
+MULTI = ("popart", "clipped", "raw")
+SINGLE = ("single", "single-popart")
+LABELS = {
+    "popart": "one agent, PopArt, raw rewards",
+    "clipped": "one agent, no PopArt, clipped rewards",
+    "raw": "one agent, no PopArt, raw rewards",
+    "single": "each game alone (defaults: clipped)",
+    "single-popart": "each game alone, PopArt, raw rewards",
+}
+STEP = 1_000_000  # the table's frames per game between columns
+TOLERANCE = 0.03  # a run counts as at a step when its rows reach within 3% of it (rows come every 30 s)
 
 
-def read(logdir: str) -> list[dict[str, str]]:
-    path = os.path.join(logdir, "metrics.csv")
-    if not os.path.isfile(path):
-        raise SystemExit(f"plot_multitask: no metrics.csv in {logdir!r}")
-    with open(path) as f:
+def read_rows(path: str) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
 
-def series(rows: list[dict[str, str]], x_key: str, y_key: str) -> tuple[list[float], list[float]]:
-    xs, ys = [], []
+def curve(rows: list[dict[str, str]], frames_key: str, value_key: str) -> list[tuple[float, float]]:
+    """(frames, value) of each row that has both."""
+    out = []
     for row in rows:
-        if row.get(x_key) and row.get(y_key):
-            xs.append(float(row[x_key]))
-            ys.append(float(row[y_key]))
-    return xs, ys
+        if row.get(frames_key) and row.get(value_key):
+            out.append((float(row[frames_key]), float(row[value_key])))
+    return out
 
 
-def main() -> None:
+def at(points: list[tuple[float, float]], frames: float) -> float | None:
+    """The value of the last row at or before ``frames`` (within TOLERANCE); None if the run stopped
+    before."""
+    before = [(f, v) for f, v in points if f <= frames * (1 + TOLERANCE)]
+    if not before or before[-1][0] < frames * (1 - TOLERANCE):
+        return None
+    return before[-1][1]
+
+
+def load(root: str, games: list[str]) -> dict[str, dict[str, dict[str, list[tuple[float, float]]]]]:
+    """{run label: {game: {"return": curve, "sigma": curve}}} for every run of every arm under ``root``."""
+    runs: dict[str, dict[str, dict[str, list[tuple[float, float]]]]] = {}
+    for arm in MULTI:
+        for path in sorted(glob.glob(os.path.join(root, f"{arm}-s*", "metrics.csv"))):
+            seed = re.search(r"-s(\d+)$", os.path.dirname(path)).group(1)
+            rows = read_rows(path)
+            runs[f"{arm} s{seed}"] = {
+                g: {
+                    "return": curve(rows, f"tasks/{g}/frames", f"tasks/{g}/mean_return_100"),
+                    "sigma": curve(rows, f"tasks/{g}/frames", f"popart/sigma/{g}"),
+                }
+                for g in games
+            }
+    for arm in SINGLE:
+        seeds = {
+            m.group(1)
+            for p in glob.glob(os.path.join(root, f"{arm}-*-s*"))
+            if (m := re.search(rf"{re.escape(arm)}-[A-Za-z]+-s(\d+)$", p))
+        }
+        for seed in sorted(seeds):
+            found = {}
+            for g in games:
+                path = os.path.join(root, f"{arm}-{g.split('Deterministic')[0]}-s{seed}", "metrics.csv")
+                if os.path.isfile(path):
+                    rows = read_rows(path)
+                    found[g] = {
+                        "return": curve(rows, "charts/env_frames", "charts/mean_return_100"),
+                        "sigma": curve(rows, "charts/env_frames", "popart/sigma"),
+                    }
+            if found:
+                runs[f"{arm} s{seed}"] = found
+    return runs
+
+
+def scores(
+    run: dict[str, dict[str, list]], games: list[str], frames: float
+) -> dict[str, tuple[float, float]]:
+    """{game: (mean return, human-normalized score)} of a run at ``frames`` per game (games it has)."""
+    out = {}
+    for g in games:
+        if g in run:
+            value = at(run[g]["return"], frames)
+            hns = None if value is None else human_normalized_score(g, value)
+            if value is not None and hns is not None:
+                out[g] = (value, hns)
+    return out
+
+
+def summary(found: dict[str, tuple[float, float]], games: list[str]) -> tuple[float, float] | None:
+    """(median, mean) human-normalized score over every game, None unless all have one."""
+    if len(found) != len(games):
+        return None
+    hns = [found[g][1] for g in games]
+    return statistics.median(hns), statistics.fmean(hns)
+
+
+def table(runs: dict, games: list[str]) -> str:
+    """The Markdown table: median and mean HNS per run at each million frames per game, then per game its
+    mean return and HNS at each million frames."""
+    last = max((f for run in runs.values() for g in run.values() for f, _ in g["return"]), default=0.0)
+    steps = [STEP * k for k in range(1, int(last * (1 + TOLERANCE) // STEP) + 1)]
+    short = [g.split("Deterministic")[0] for g in games]
+    lines = [
+        "Median (mean) human-normalized score over the "
+        f"{len(games)} games, by frames per game (– where a run has not reached them):",
+        "",
+        "| run | " + " | ".join(f"{s // STEP}M" for s in steps) + " |",
+        "|---|" + "--:|" * len(steps),
+    ]
+    for label, run in runs.items():
+        cells = []
+        for s in steps:
+            both = summary(scores(run, games, s), games)
+            cells.append("–" if both is None else f"{both[0]:.3f} ({both[1]:.3f})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for s in steps:
+        lines += [
+            "",
+            f"Mean return of the last 100 episodes (human-normalized) at {s // STEP}M frames per game:",
+            "",
+            "| run | " + " | ".join(short) + " | median | mean |",
+            "|---|" + "--:|" * (len(games) + 2),
+        ]
+        for label, run in runs.items():
+            found = scores(run, games, s)
+            if not found:
+                continue
+            cells = [f"{found[g][0]:.1f} ({found[g][1]:.3f})" if g in found else "–" for g in games]
+            both = summary(found, games)
+            cells += ["–", "–"] if both is None else [f"{both[0]:.3f}", f"{both[1]:.3f}"]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(runs: dict, games: list[str], out: str) -> None:
+    """Per game its return against its own frames and its PopArt sigma; the median and mean HNS."""
+    n = len(games)
+    fig, axes = plt.subplots(2, n + 1, figsize=(4.2 * (n + 1), 7.4), squeeze=False)
+    colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}
+    for col, g in enumerate(games):
+        for label, run in runs.items():
+            if g not in run:
+                continue
+            style = "--" if label.startswith("single") else "-"
+            xs, ys = zip(*run[g]["return"]) if run[g]["return"] else ((), ())
+            axes[0][col].plot([x / 1e6 for x in xs], ys, style, color=colors[label], label=label, lw=1.2)
+            sig = run[g]["sigma"]
+            if sig and max(v for _, v in sig) != min(v for _, v in sig):  # without PopArt: no statistics
+                axes[1][col].plot([f / 1e6 for f, _ in sig], [v for _, v in sig], style, color=colors[label])
+        axes[0][col].set_title(g.split("Deterministic")[0])
+        axes[0][col].set_ylabel("mean return, last 100 episodes")
+        axes[1][col].set_ylabel("PopArt sigma of this game")
+        axes[1][col].set_yscale("log")
+    last = max((f for run in runs.values() for g in run.values() for f, _ in g["return"]), default=0.0)
+    grid = [STEP / 4 * k for k in range(1, int(last // (STEP / 4)) + 1)]
+    for label, run in runs.items():
+        points = [(s, summary(scores(run, games, s), games)) for s in grid]
+        points = [(s, b) for s, b in points if b is not None]
+        style = "--" if label.startswith("single") else "-"
+        if points:
+            frames = [s / 1e6 for s, _ in points]
+            axes[0][n].plot(frames, [b[0] for _, b in points], style, color=colors[label], label=label)
+            axes[1][n].plot(
+                [s / 1e6 for s, _ in points], [b[1] for _, b in points], style, color=colors[label]
+            )
+    axes[0][n].set_title("median over the games")
+    axes[0][n].set_ylabel("human-normalized score")
+    axes[1][n].set_title("mean over the games")
+    axes[1][n].set_ylabel("human-normalized score")
+    for ax in axes.flat:
+        ax.set_xlabel("frames of this game (M)")
+        ax.grid(alpha=0.3)
+    handles, names = axes[0][n].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(out, dpi=100)
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    ap.add_argument("logdirs", nargs="+")
-    ap.add_argument("--labels", nargs="*")
-    ap.add_argument("--title", default="")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--root", default="runs/multitask", help="The folder learn_multitask.sh trains in.")
+    ap.add_argument("--games", required=True, help="The games, comma-separated, in the table's order.")
+    ap.add_argument("--out", required=True, help="The figure (.png); the table goes beside it (.md).")
     args = ap.parse_args()
-    runs = [read(d) for d in args.logdirs]
-    labels = args.labels or args.logdirs
-    tasks = [m.group(1) for m in map(TASK_KEY.match, runs[0][0].keys()) if m]
-    if not tasks:
-        raise SystemExit(
-            f"plot_multitask: {args.logdirs[0]} is not a multi-task run (no tasks/<env>/frames column)"
-        )
-    fig, axes = plt.subplots(2, len(tasks), figsize=(5.5 * len(tasks), 7.5), squeeze=False)
-    for col, task in enumerate(tasks):
-        for rows, label in zip(runs, labels):
-            xs, ys = series(rows, f"tasks/{task}/frames", f"tasks/{task}/mean_return_100")
-            axes[0][col].plot([x / 1e6 for x in xs], ys, label=label)
-            xs, ys = series(rows, f"tasks/{task}/frames", f"popart/sigma/{task}")
-            if ys and max(ys) != min(
-                ys
-            ):  # without PopArt the statistics stay at their initial 1: nothing to draw
-                axes[1][col].plot([x / 1e6 for x in xs], ys, label=label)
-        axes[0][col].set_title(task)
-        axes[0][col].set_ylabel("mean return, last 100 episodes")
-        axes[1][col].set_ylabel("PopArt sigma (this task)")
-        axes[1][col].set_yscale("log")
-        for ax in axes[:, col]:
-            ax.set_xlabel("this task's env frames (M)")
-            ax.grid(alpha=0.3)
-            ax.legend()
-    if args.title:
-        fig.suptitle(args.title)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"plot_multitask: wrote {args.out}")
+    games = [g.strip() for g in args.games.split(",") if g.strip()]
+    runs = load(args.root, games)
+    if not runs:
+        print(f"plot_multitask: no runs under {args.root!r}", file=sys.stderr)
+        return 2
+    unknown = [g for g in games if human_normalized_score(g, 0.0) is None]
+    if unknown:
+        print(f"plot_multitask: no human reference score for {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    figure(runs, games, args.out)
+    md = os.path.splitext(args.out)[0] + ".md"
+    with open(md, "w") as f:
+        f.write(table(runs, games))
+    print(f"plot_multitask: wrote {args.out} and {md}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""scripts/plot_multitask.py, run for real on small run folders laid out as scripts/learn_multitask.sh lays
+them out: the table's returns and human-normalized scores are read at each game's own frames, a run that
+has not reached a step shows none, and bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "plot_multitask.py"
+GAMES = ["PongDeterministic-v4", "BreakoutDeterministic-v4"]
+# (random, human) of the standard table: Pong (-20.7, 14.6), Breakout (1.7, 30.5)
+
+
+def _write(folder: Path, rows: list[dict]) -> None:
+    folder.mkdir(parents=True)
+    keys = sorted({k for r in rows for k in r})
+    with open(folder / "metrics.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
+                          cwd=str(ROOT))  # fmt: skip
+
+
+def test_the_table_reads_each_game_at_its_own_frames(tmp_path):
+    # a multi-task run: Pong's frames run ahead of Breakout's in the rows' order, and it reaches 2M per game
+    multi = []
+    for k in range(1, 9):
+        f = k * 250_000
+        row = {f"tasks/{g}/frames": f for g in GAMES}
+        row["tasks/PongDeterministic-v4/mean_return_100"] = -20.7 + k * 35.3 / 8
+        row["tasks/BreakoutDeterministic-v4/mean_return_100"] = 1.7 + k * 28.8 / 16
+        row["popart/sigma/PongDeterministic-v4"], row["popart/sigma/BreakoutDeterministic-v4"] = 0.5, 2.0 + k
+        multi.append(row)
+    _write(tmp_path / "popart-s1", multi)
+    # single-task runs: Pong to 1M frames only, Breakout to 2M
+    _write(tmp_path / "single-Pong-s1", [{"charts/env_frames": 1_000_000, "charts/mean_return_100": 14.6}])
+    breakout = [{"charts/env_frames": f, "charts/mean_return_100": 30.5} for f in (1_000_000, 2_000_000)]
+    _write(tmp_path / "single-Breakout-s1", breakout)
+    out = _run("--root", str(tmp_path), "--games", ",".join(GAMES), "--out", str(tmp_path / "mt.png"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "mt.png").stat().st_size > 10_000
+    md = (tmp_path / "mt.md").read_text()
+    # popart at 1M per game: Pong -20.7 + 35.3 / 2 = -3.05 (HNS 0.5), Breakout 1.7 + 28.8 / 4 = 8.9 (0.25)
+    assert "| popart s1 | -3.1 (0.500) | 8.9 (0.250) | 0.375 | 0.375 |" in md, md
+    # at 2M: Pong 14.6 (1.0), Breakout 16.1 (0.5)
+    assert "| popart s1 | 14.6 (1.000) | 16.1 (0.500) | 0.750 | 0.750 |" in md, md
+    # the single-task reference: both games at 1M; at 2M only Breakout got there, so no median
+    assert "| single s1 | 14.6 (1.000) | 30.5 (1.000) | 1.000 | 1.000 |" in md, md
+    assert "| single s1 | – | 30.5 (1.000) | – | – |" in md, md
+    assert "| single s1 | 1.000 (1.000) | – |" in md and "| popart s1 | 0.375 (0.375) | 0.750 (0.750) |" in md
+
+
+def test_no_runs_or_an_unscored_game_is_one_line_and_exit_2(tmp_path):
+    out = _run("--root", str(tmp_path), "--games", ",".join(GAMES), "--out", str(tmp_path / "x.png"))
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "no runs under" in out.stderr
+    _write(tmp_path / "popart-s1", [{"tasks/CartPole-v1/frames": 1, "tasks/CartPole-v1/mean_return_100": 1}])
+    out = _run("--root", str(tmp_path), "--games", "CartPole-v1", "--out", str(tmp_path / "x.png"))
+    assert out.returncode == 2 and "no human reference score for CartPole-v1" in out.stderr
