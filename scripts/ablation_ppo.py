@@ -24,12 +24,12 @@ Output: per run ``RUNS/<base>/<variant>/seed<s>/`` with launch_ppo's ``metrics.c
 mean and min..max over seeds, one panel per base preset); a markdown table (``--table``) for
 docs/PPO_ABLATION.md; ``summary.json``. Runs that exist are reused (``--rerun`` to redo them).
 
-Every finished run is also kept, small, in the committed archive (``--archive``, docs/ppo_ablation_runs.json:
-final return, mean over the run, speed, the curve thinned to 120 points), and the table and figures are made
-from the archive, so they survive the loss of ``runs/`` (which is not committed) and can be redone with
-``--plot-only`` on any clone. A record covers one or more seeds (``seeds``, ``finals``); a record without
-per-seed curves comes from an earlier table (its ``source`` says which) and enters the table but not the
-curve figure.
+Every finished run is also kept, small, in the committed archive (``--archive``,
+docs/data/ppo_ablation_runs.json: final return, mean over the run, speed, the curve thinned to 120 points),
+and the table and figures are made from the archive, so they survive the loss of ``runs/`` (which is not
+committed) and can be redone with ``--plot-only`` on any clone. A record covers one or more seeds
+(``seeds``, ``finals``); a record without per-seed curves comes from an earlier table (its ``source`` says
+which) and enters the table but not the curve figure.
 """
 
 from __future__ import annotations
@@ -619,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", default=None, help="Markdown table path (default: RUNS_DIR/table.md).")
     p.add_argument(
         "--archive",
-        default=str(ROOT / "docs" / "ppo_ablation_runs.json"),
+        default=str(ROOT / "docs" / "data" / "ppo_ablation_runs.json"),
         help="Committed record of every finished run (finished runs under RUNS_DIR are added); the table and "
         "figures are made from it.",
     )

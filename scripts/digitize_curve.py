@@ -7,7 +7,7 @@ in each column) at the requested points and writes ``frames,time,mean_return_100
 empty: a plot of steps says nothing of wall time) that scripts/plot_curves.py draws.
 
     python scripts/digitize_curve.py cleanrl_breakout.png --y 816:400,2295:0 \\
-        --x 1183.5:2e6,1881.5:4e6 --frames-per-step 4 --out docs/cleanrl_breakout_ref.csv
+        --x 1183.5:2e6,1881.5:4e6 --frames-per-step 4 --out docs/data/cleanrl_breakout_ref.csv
 
 cleanrl's Atari plots count agent steps of a 4-frame skip, hence ``--frames-per-step 4``.
 """

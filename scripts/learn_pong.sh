@@ -10,7 +10,7 @@
 #
 # It runs launch_impala with its defaults (the settings in BENCHMARKS.md, "Pong") until the mean return of
 # the last 100 episodes reaches STOP (18), then draws it against frames and against wall-clock time, with
-# the target of 18: this run next to SB3 PPO's curve on the same env (docs/sb3_pong_ref.csv, from
+# the target of 18: this run next to SB3 PPO's curve on the same env (docs/data/sb3_pong_ref.csv, from
 # scripts/sb3_pong_reference.py), or every run directory given in PLOT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,7 @@ if [ -n "${PLOT:-}" ]; then
     # shellcheck disable=SC2086
     "$PY" scripts/plot_curves.py $PLOT --hline 18 --title "$TITLE" --out "$OUT"
 else
-    "$PY" scripts/plot_curves.py "$LOGDIR" docs/sb3_pong_ref.csv \
+    "$PY" scripts/plot_curves.py "$LOGDIR" docs/data/sb3_pong_ref.csv \
         --labels "launch_impala, seed $SEED" "SB3 PPO reference (stopped at 2.3M frames)" \
         --hline 18 --title "$TITLE" --out "$OUT"
 fi

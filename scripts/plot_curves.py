@@ -4,7 +4,7 @@
 Each source is a run directory (its metrics.csv) or a CSV file with columns
 frames,time,mean_return_100 (for example scripts/sb3_pong_reference.py's output).
 
-    python scripts/plot_curves.py runs/a runs/b --labels "run a" "run b" --out docs/curve.png
+    python scripts/plot_curves.py runs/a runs/b --labels "run a" "run b" --out docs/data/curve.png
 """
 
 from __future__ import annotations

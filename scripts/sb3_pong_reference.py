@@ -7,7 +7,7 @@ Adam 2.5e-4 decaying linearly, clip 0.1, entropy 0.01, vf 0.5, grad clip 0.5, GA
 Nature CNN), one process. Writes ``frames,time,mean_return_100,episodes`` rows every
 20k agent steps; frames = agent steps x 4 (the env's frame skip), as launch_impala counts.
 
-    .venv/bin/python scripts/sb3_pong_reference.py --out docs/sb3_pong_ref.csv --steps 2500000
+    .venv/bin/python scripts/sb3_pong_reference.py --out docs/data/sb3_pong_ref.csv --steps 2500000
 """
 
 from __future__ import annotations

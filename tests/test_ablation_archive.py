@@ -123,10 +123,9 @@ def test_archiving_again_replaces_and_never_splits_a_multi_seed_record(ablation,
 
 
 def test_committed_archive_holds_each_variant_once_per_seed(ablation):
-    """docs/ppo_ablation_runs.json, what docs/PPO_ABLATION.md's table is made from: every record well formed,
-    no
-    seed of a variant counted twice."""
-    records = json.loads((ROOT / "docs" / "ppo_ablation_runs.json").read_text())
+    """docs/data/ppo_ablation_runs.json, what docs/PPO_ABLATION.md's table is made from: every record well
+    formed, no seed of a variant counted twice."""
+    records = json.loads((ROOT / "docs" / "data" / "ppo_ablation_runs.json").read_text())
     seen: dict[tuple, list[int]] = {}
     for r in records:
         assert r["base"] in ablation.PRESETS and (

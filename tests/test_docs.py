@@ -22,6 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
 README_MAX_LINES = 250
+# docs/ holds the pages and the few figures they show prominently; curves, run records and the
+# notebook's figures live in docs/data/.
+DOCS_ROOT_MAX_IMAGES = 12
+IMAGE_SUFFIXES = {".png", ".gif", ".jpg", ".jpeg", ".svg", ".webp"}
 
 # Files that never were part of this repository but were cited as if they were.
 FOREIGN = re.compile(r"\b(?:SEEDS|PPO_SEMANTICS|DESIGN)\.md\b|\.\./shared\b")
@@ -135,3 +139,19 @@ def test_user_docs_speak_of_features_not_history(texts):
         for m in [*ISSUE.finditer(line), *COMMIT.finditer(line)]
     ]
     assert not bad, "issue numbers or commit ids in user-facing text:\n" + "\n".join(bad)
+
+
+def test_docs_root_holds_pages_and_a_few_figures():
+    root = REPO / "docs"
+    entries = [p for p in root.iterdir() if not p.name.startswith(".")]
+    stray = [p.name for p in entries if p.is_dir() and p.name != "data"]
+    stray += [p.name for p in entries if p.is_file() and p.suffix not in {".md", *IMAGE_SUFFIXES}]
+    assert not stray, f"docs/ holds only pages and figures; data goes under docs/data/: {sorted(stray)}"
+    images = sorted(p.name for p in entries if p.is_file() and p.suffix in IMAGE_SUFFIXES)
+    assert len(images) <= DOCS_ROOT_MAX_IMAGES, (
+        f"docs/ holds {len(images)} figures (limit {DOCS_ROOT_MAX_IMAGES}); move the notebook's figures "
+        f"under docs/data/: {images}"
+    )
+    shown = "\n".join(doc.read_text() for doc in DOCS)
+    unshown = [name for name in images if name not in shown]
+    assert not unshown, f"figures in docs/ that no page shows (move them under docs/data/): {unshown}"
