@@ -44,7 +44,16 @@ from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from learner.group import LearnerGroupError
 from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
-from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, claim_cpus, run
+from learner.runtime import (
+    START_ERRORS,
+    LaunchError,
+    Outcome,
+    RunFinished,
+    RunPlan,
+    RunResult,
+    claim_cpus,
+    run,
+)
 from learner.vtrace_learner import IMPALA_UNROLL, ImpalaTrainer, learner_threads, start_group
 
 log = logging.getLogger("launch_impala")
@@ -214,13 +223,14 @@ def log_multi_task(config: RunConfig, impala: ImpalaConfig, tasks: tuple[EnvInfo
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``launch_impala``: parse, resolve, probe the env, wire the run; bad input is one line, exit 2."""
+def launch(argv: list[str] | None) -> Outcome:
+    """Parse, resolve, probe the env, wire the run and train (``main`` and ``impala.train``). Raises
+    :class:`LaunchError`."""
     try:
         args = parse_args(argv)
         config, impala = resolve(args)
     except ConfigError as e:
-        return fail("launch_impala", e)
+        raise LaunchError(str(e)) from None
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     claim = CpuClaim()  # the CPUs a pinned run holds until it ends (a second run then leaves them be)
     created: tuple[str, ...] = ()  # the folders this start made (a failed start takes them away again)
@@ -250,30 +260,32 @@ def main(argv: list[str] | None = None) -> int:
             )
         for info in tasks or (env,):
             log.info("%s; learner on %s", info.description, trainer.device)
-        result: RunResult = run(trainer, config, plan)
+        return Outcome(config, run(trainer, config, plan))
     except RunFinished as e:  # --resume of a finished run: nothing to do, and no restart loop
-        print(f"launch_impala: {e}", flush=True)
-        return 0
+        return Outcome(config, None, str(e))
     except START_ERRORS as e:
         drop_unused_run_folder(created)
-        return fail("launch_impala", e)
+        raise LaunchError(str(e).strip() or type(e).__name__) from None
     except LearnerGroupError as e:  # not bad input: the run started and lost a rank
         saved = os.path.isfile(config.checkpoint_path)
-        fail(
-            "launch_impala",
+        raise LaunchError(
             f"{e}; "
             + (
                 f"the run ends with its checkpoint {config.checkpoint_path}: --resume continues"
                 if saved
                 else "no checkpoint was written (nothing trained yet): start the run again"
             ),
-        )
-        return 1
+            status=1,
+        ) from None
     finally:
         claim.release()
         release_run_folders()
+
+
+def done_line(config: RunConfig, result: RunResult) -> str:
+    """The run's last console line: what it trained, what it dropped, where its checkpoint is."""
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
-    print(
+    return (
         f"launch_impala: done: {result.env_frames} env frames ({result.agent_steps} agent steps), "
         f"{result.updates} updates, "
         f"mean return (last 100) {mean}, dropped {result.dropped or 0}, actor restarts {result.restarts}, "
@@ -284,9 +296,21 @@ def main(argv: list[str] | None = None) -> int:
             + (" (nothing trained)" if not result.updates else " (see the warnings above)")
         )
         + (" (interrupted)" if result.interrupted else "")
-        + (f" (stopped at --stop-at-return {config.stop_at_return:g})" if result.reached_return else ""),
-        flush=True,
+        + (f" (stopped at --stop-at-return {config.stop_at_return:g})" if result.reached_return else "")
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``launch_impala``: :func:`launch`; bad input is one line, exit 2."""
+    try:
+        outcome = launch(argv)
+    except LaunchError as e:
+        fail("launch_impala", e)
+        return e.status
+    if outcome.result is None:
+        print(f"launch_impala: {outcome.note}", flush=True)
+    else:
+        print(done_line(outcome.config, outcome.result), flush=True)
     return 0
 
 

@@ -112,7 +112,7 @@ from impala.run.ppo_config import (
 )
 from learner.ppo_modes import MLAgentsPPOTrainer
 from impala.run.metrics import LOG_FORMAT
-from learner.runtime import START_ERRORS, RunFinished, RunPlan, RunResult, run
+from learner.runtime import START_ERRORS, LaunchError, Outcome, RunFinished, RunPlan, RunResult, run
 
 log = logging.getLogger("launch_ppo")
 
@@ -663,15 +663,16 @@ def resume_as_it_was(args: argparse.Namespace, resolved: Resolved) -> tuple[Reso
     return resolved, resume_changes(saved, now, FIXED_ON_RESUME), resumes
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``launch_ppo``: parse, resolve, probe the env, wire the run; bad input is one line, exit 2."""
+def launch(argv: list[str] | None) -> Outcome:
+    """Parse, resolve, probe the env, wire the run and train (``main`` and ``impala.train_ppo``). Raises
+    :class:`learner.runtime.LaunchError`."""
     try:
         args = parse_args(argv)
         resolved, changes, resumes = resolve(args), [], None
         if resolved.config.resume:
             resolved, changes, resumes = resume_as_it_was(args, resolved)
     except ConfigError as e:
-        return fail("launch_ppo", e)
+        raise LaunchError(str(e)) from None
     config, options, ppo_config = resolved.config, resolved.options, resolved.ppo
     trainer_config, crawler_job, file = resolved.trainer_config, resolved.crawler_job, args.trainer_file
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
@@ -736,23 +737,28 @@ def main(argv: list[str] | None = None) -> int:
             inference=options.inference,
         )
         result: RunResult = run(trainer, config, plan)
+        result.rejected_nan = trainer.rejected_nan
         if (
             args.mlagents_form and not options.inference
         ):  # mlagents-learn leaves the last model beside the run's folders too
             copy_model_up(config, trainer)
+        return Outcome(config, result)
     except RunFinished as e:
-        print(f"launch_ppo: {e}", flush=True)
-        return 0
+        return Outcome(config, None, str(e))
     except (*START_ERRORS, UnityEnvError) as e:
         drop_unused_run_folder(created)
-        return fail("launch_ppo", e)
+        raise LaunchError(str(e).strip() or type(e).__name__) from None
     finally:
         release_run_folders()
+
+
+def done_line(config: RunConfig, result: RunResult) -> str:
+    """The run's last console line: what it trained, what it dropped, where its checkpoint is."""
     mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
-    print(
+    return (
         f"launch_ppo: done: {result.agent_steps} agent steps, {result.updates} updates, mean return (last "
         f"100) {mean}, "
-        f"rejected NaN unrolls {trainer.rejected_nan}, dropped {result.dropped or 0}, actor restarts "
+        f"rejected NaN unrolls {result.rejected_nan}, dropped {result.dropped or 0}, actor restarts "
         f"{result.restarts}, "
         + (
             f"checkpoint {result.checkpoint}"
@@ -761,9 +767,21 @@ def main(argv: list[str] | None = None) -> int:
             + (" (nothing trained)" if not result.updates else " (see the warnings above)")
         )
         + (" (interrupted)" if result.interrupted else "")
-        + (f" (stopped at --stop-at-return {config.stop_at_return:g})" if result.reached_return else ""),
-        flush=True,
+        + (f" (stopped at --stop-at-return {config.stop_at_return:g})" if result.reached_return else "")
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``launch_ppo``: :func:`launch`; bad input is one line, exit 2."""
+    try:
+        outcome = launch(argv)
+    except LaunchError as e:
+        fail("launch_ppo", e)
+        return e.status
+    if outcome.result is None:
+        print(f"launch_ppo: {outcome.note}", flush=True)
+    else:
+        print(done_line(outcome.config, outcome.result), flush=True)
     return 0
 
 

@@ -31,7 +31,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
 
@@ -129,6 +129,7 @@ class RunResult:
     interrupted: bool
     checkpoint: str  # its path if one exists, else ""
     reached_return: bool = False  # stopped early at --stop-at-return
+    rejected_nan: int = 0  # launch_ppo: unrolls its learner rejected for NaN values
 
 
 class _Stop:
@@ -167,6 +168,24 @@ class _Parts:
     checkpointer: Checkpointer
     logger: MetricsLogger
     evaluator: PeriodicEval
+
+
+class LaunchError(Exception):
+    """A launch that did not run to its end: its one-line message and the exit status (2: bad input, the
+    folder the start made taken away; 1: the run started and lost a learner rank)."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Outcome(NamedTuple):
+    """What a launch did: its resolved run settings, and the run's result (None when ``--resume`` found
+    the run finished: ``note`` says so)."""
+
+    config: RunConfig
+    result: RunResult | None
+    note: str = ""
 
 
 def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:

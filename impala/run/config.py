@@ -263,14 +263,39 @@ def apply_preset(args: argparse.Namespace, preset: dict[str, Any]) -> argparse.N
     return args
 
 
+# The presets shipped inside the package (the repository's configs/ links here): found by bare name too.
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def preset_file(path: str, what: str = "--config") -> str:
+    """``path`` if it is a file; else a preset shipped with the package by that name (``atari`` or
+    ``atari.yaml`` -> impala/configs/atari.yaml), so ``--config atari`` works from any directory. Neither is
+    a :class:`ConfigError` listing the presets."""
+    if os.path.exists(path) or os.sep in path:
+        return path
+    name = path if path.endswith((".yaml", ".yml")) else f"{path}.yaml"
+    shipped = os.path.join(PRESETS_DIR, name)
+    if os.path.isfile(shipped):
+        return shipped
+    names = (
+        sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".yaml"))
+        if os.path.isdir(PRESETS_DIR)
+        else []
+    )
+    raise ConfigError(
+        f"{what} {path}: no such file, and no preset of that name (presets: {', '.join(names)})"
+    )
+
+
 def load_preset(path: str, classes: Iterable[type]) -> dict[str, Any]:
-    """Read a preset file: a YAML mapping from option names to values, for the fields of ``classes``.
+    """Read a preset file (or a shipped preset by name, :func:`preset_file`): a YAML mapping from option names
+    to values, for the fields of ``classes``.
 
     Keys are the long flags without dashes (``learning_rate`` or ``learning-rate``). An unknown
     key or a value of the wrong type is a :class:`ConfigError` naming the file and the key. The
     values become the parser's defaults, so explicit flags still override them.
     """
-    doc = read_yaml(path, "--config")
+    doc = read_yaml(preset_file(path), "--config")
     if doc is None:
         return {}
     if not isinstance(doc, dict):
