@@ -3,10 +3,12 @@
 A newcomer reads README.md, docs/*.md, BENCHMARKS.md and each console script's ``--help``. Every
 relative link and every repository path they mention must exist in this repository, none may point
 outside it (``../``) or at a file that only ever lived next to it (``SEEDS.md``, ``PPO_SEMANTICS.md``,
-``DESIGN.md``), and none may speak in internal history (``issue 8``, a commit id). Presets, code
-docstrings and comments are held to the no-outside-file rule too, since their text reaches users
-through ``--help`` and the source. The scripts come from pyproject.toml's ``[project.scripts]`` and
-each parser from its module's ``build_parser()``, so a new script is checked without editing this file.
+``DESIGN.md``), and none may speak in internal history (``issue 8``, a commit id) or date itself
+("today", "the day before"). docs/ holds the pages and the few figures they show; curves, run records
+and the notebooks' figures live in docs/data/. Presets, code docstrings and comments are held to the
+no-outside-file rule too, since their text reaches users through ``--help`` and the source. The scripts
+come from pyproject.toml's ``[project.scripts]`` and each parser from its module's ``build_parser()``,
+so a new script is checked without editing this file.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ MD_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 ISSUE = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
 # A commit id: 7-40 hex digits with at least one letter and one digit (so 1024 or "deadbeef" are not).
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+# Words that date a page the day it was written: the docs state the current result, its command and machine.
+DATED = re.compile(r"\b(?:today|yesterday|a few versions ago|the day before)\b", re.IGNORECASE)
 # Folders a run creates (not in a fresh clone) and placeholders a text uses for the user's own files.
 GENERATED = ("runs/",)
 
@@ -155,3 +159,13 @@ def test_docs_root_holds_pages_and_a_few_figures():
     shown = "\n".join(doc.read_text() for doc in DOCS)
     unshown = [name for name in images if name not in shown]
     assert not unshown, f"figures in docs/ that no page shows (move them under docs/data/): {unshown}"
+
+
+def test_pages_do_not_date_themselves():
+    bad = [
+        f"{page.relative_to(REPO)}:{n}: {m.group(0)!r} in {line.strip()[:120]!r}"
+        for page in DOCS
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for m in DATED.finditer(line)
+    ]
+    assert not bad, "say the result, its command and machine, not when it was written:\n" + "\n".join(bad)
