@@ -17,11 +17,13 @@ evaluation episodes.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import difflib
 import io
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -76,6 +78,7 @@ def train_ppo(env: str | None = None, **settings: Any) -> TrainResult:
 
 
 def _train(launcher: Any, settings: Mapping[str, Any]) -> TrainResult:
+    _check_main_guard()
     parser = launcher.build_parser()
     argv = settings_argv(parser, settings)
     prog = parser.prog
@@ -98,6 +101,45 @@ def _train(launcher: Any, settings: Mapping[str, Any]) -> TrainResult:
     r = outcome.result
     return TrainResult(folder, r.env_frames, r.agent_steps, r.updates, r.mean_return, r.checkpoint or None,
                        r.interrupted)  # fmt: skip
+
+
+def _check_main_guard() -> None:
+    """Refuse a call at a script's top level outside ``if __name__ == "__main__":``. The actor processes
+    start with multiprocessing's spawn, which imports the script again in each of them: unguarded, every
+    actor would start a run of its own instead of acting (Python's rule for spawn, as for PyTorch's
+    DataLoader workers or SB3's SubprocVecEnv). A notebook, ``python -c`` and a guarded script pass."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not os.path.isfile(path):
+        return
+    frame = sys._getframe(2)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:  # called from a function: the script's own guard decides, as it should
+        return
+    try:
+        tree = ast.parse(open(path).read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _tests_main(node.test) and node.lineno <= line <= node.end_lineno:
+            return
+    raise ImpalaError(
+        f"{os.path.basename(path)}:{line}: the run starts at the script's top level; its actor processes "
+        "import the script again (multiprocessing's spawn) and would each start a run: put the call under "
+        'if __name__ == "__main__":'
+    )
+
+
+def _tests_main(test: ast.expr) -> bool:
+    """Whether an ``if`` tests ``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    mains = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return bool(names and mains)
 
 
 def settings_argv(parser: argparse.ArgumentParser, settings: Mapping[str, Any]) -> list[str]:
