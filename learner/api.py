@@ -46,11 +46,11 @@ class ImpalaError(Exception):
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a run did. ``run_folder``: its folder (config.yaml, metrics.csv, checkpoint.pt); ``checkpoint``:
-    the checkpoint's path, or None when nothing was trained; ``mean_return``: the mean return of the last
-    100 training episodes (None before the first); ``interrupted``: stopped by Ctrl-C or SIGTERM (its
-    checkpoint written); ``finished_before``: a ``resume=True`` of a run that had used up its budget, so
-    nothing ran."""
+    """What a run did. ``run_folder``: its folder, absolute (config.yaml, metrics.csv, checkpoint.pt);
+    ``checkpoint``: the checkpoint's absolute path, or None when nothing was trained; ``mean_return``: the
+    mean return of the last 100 training episodes (None before the first); ``interrupted``: stopped by Ctrl-C
+    or SIGTERM (its checkpoint written); ``finished_before``: a ``resume=True`` of a run that had used up its
+    budget, so nothing ran."""
 
     run_folder: str
     env_frames: int
@@ -88,18 +88,19 @@ def _train(launcher: Any, settings: Mapping[str, Any]) -> TrainResult:
         outcome: Outcome = launcher.launch(argv)
     except (LaunchError, ConfigError) as e:
         raise ImpalaError(f"{prog}: {e}") from None
-    folder = outcome.config.logdir
+    folder = os.path.abspath(outcome.config.logdir)
     if outcome.result is None:  # resumed a finished run: what its marker and checkpoint say
         with open(os.path.join(folder, FINISHED_MARKER)) as f:
             marker = json.load(f)
-        checkpoint = outcome.config.checkpoint_path
+        checkpoint = os.path.abspath(outcome.config.checkpoint_path)
         saved = checkpoint if os.path.isfile(checkpoint) else None
         frames, steps = int(marker.get("env_frames", 0)), int(marker.get("agent_steps", 0))
         return TrainResult(
             folder, frames, steps, int(marker.get("version", 0)), None, saved, finished_before=True
         )
     r = outcome.result
-    return TrainResult(folder, r.env_frames, r.agent_steps, r.updates, r.mean_return, r.checkpoint or None,
+    saved = os.path.abspath(r.checkpoint) if r.checkpoint else None
+    return TrainResult(folder, r.env_frames, r.agent_steps, r.updates, r.mean_return, saved,
                        r.interrupted)  # fmt: skip
 
 
