@@ -22,6 +22,8 @@ import torch
 
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
+    IMPALA_BRIEF,
+    RUN_BRIEF,
     ConfigError,
     FlagParser,
     ImpalaConfig,
@@ -59,8 +61,14 @@ from learner.vtrace_learner import IMPALA_UNROLL, ImpalaTrainer, learner_threads
 log = logging.getLogger("launch_impala")
 
 DEFAULT_TOTAL_FRAMES = 20_000_000
+RUN_BRIEFS = {
+    **RUN_BRIEF,
+    "total_frames": f"Budget in env frames (agent steps x frame skip); unset: {DEFAULT_TOTAL_FRAMES:,}.",
+    "queue_size": "Unrolls buffered in the learner; 0: --batch-size.",
+    "max_policy_lag": "Drop unrolls this many updates old or older; unset: keep all (V-trace).",
+}
 RUN_HELP = {
-    "unroll_length": f"Steps per env per unroll (T); 0: the learner picks ({IMPALA_UNROLL}).",
+    "unroll_length": f"Steps per env per unroll (T); 0 is taken as {IMPALA_UNROLL}.",
     "total_frames": "Stop after this many environment frames (agent steps x frame skip); unset and no "
     f"--total-steps: {DEFAULT_TOTAL_FRAMES:,}.",
     "queue_size": "Unrolls buffered in the learner; 0 means --batch-size (one batch waits while the learner "
@@ -74,23 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     """``launch_impala``'s flags: RunConfig's and ImpalaConfig's, plus ``--config``."""
     parser = FlagParser(
         prog="launch_impala",
-        description=(
-            "Train IMPALA (V-trace, optional PopArt) with N actor processes streaming over ZeroMQ to one "
-            "learner "
-            "(GPU when available). Metrics go to the console, LOGDIR/metrics.csv and TensorBoard; "
-            "checkpoints to "
-            "LOGDIR/checkpoint.pt (atomic). Ctrl-C stops cleanly with a final checkpoint."
-        ),
+        description="Train IMPALA (V-trace, PopArt) with actor processes streaming to one learner over "
+        "ZeroMQ. Each run has a folder (config.yaml, metrics.csv, TensorBoard, checkpoint.pt); Ctrl-C stops "
+        "with a checkpoint. Why each default, with figures: docs/IMPALA.md.",
     )
     parser.add_argument(
         "--config",
         metavar="FILE",
         default=None,
-        help="Preset file (YAML, option: value) applied before the flags, e.g. configs/atari.yaml; "
-        "flags given on the command line override it.",
+        help="A preset by name (atari, atari_deep, cartpole, ...) or a YAML file of options.",
     )
-    add_flags(parser.add_argument_group("run"), RunConfig, helps=RUN_HELP)
-    add_flags(parser.add_argument_group("IMPALA"), ImpalaConfig)
+    add_flags(parser.add_argument_group("run"), RunConfig, helps=RUN_HELP, briefs=RUN_BRIEFS)
+    add_flags(parser.add_argument_group("IMPALA"), ImpalaConfig, briefs=IMPALA_BRIEF)
     return parser
 
 

@@ -81,6 +81,7 @@ from impala.run.config import (
     RunConfig,
     add_flags,
     apply_preset,
+    RUN_BRIEF,
     check_fields,
     fail,
     flag_name,
@@ -107,7 +108,6 @@ from impala.run.ppo_config import (
     config_to_argparse,
     ppo_preset_dests,
     ppo_run_config,
-    refuse_publish_delay,
     read_mlagents_yaml,
 )
 from learner.ppo_modes import MLAgentsPPOTrainer
@@ -135,6 +135,42 @@ ENGINE_OPTIONS = (
     "graphics",
     "env_args",
 )
+RUN_BRIEFS = {
+    **RUN_BRIEF,
+    "env": "A gymnasium id or a Unity build's path; unset: the Crawler job.",
+    "workers": "Local actor processes (Unity: one instance each; mlagents-learn's --num-envs).",
+    "envs_per_worker": "Gym envs per actor (Unity: the build's agents).",
+    "unroll_length": "Agent steps per env per unroll; 0: from time_horizon.",
+    "cpu_affinity": "Learner/actor CPU placement; auto: off (the actors wait during updates).",
+    "total_steps": "Agent steps to train to, absolute; unset: max_steps.",
+    "total_frames": "Budget in env frames instead, absolute.",
+    "run_id": "Run folder name under --runs-dir; unset: ppo-<env>-<start time>.",
+    "torch_threads": "Learner CPU threads; 0: every core while the actors wait, else those they leave.",
+    "queue_size": "Unrolls buffered in the learner; 0: max(16, 2 x envs).",
+    "max_policy_lag": "Drop unrolls collected this many updates ago or more (0: on-policy); none: keep all.",
+}
+LAUNCH_BRIEF = {
+    "unity_build": "Path of a Unity build (Crawler.x86_64); one instance per actor.",
+    "unity_timeout": "Seconds to wait for a Unity instance to connect.",
+    "unity_base_port": "Unity gRPC port of actor 0; actor i uses base + i.",
+    "unity_behavior": "The build's behaviour to train (needed if it has several).",
+    "params_wait": "On-policy: seconds an actor waits for the next weights before acting on.",
+    "time_scale": "Unity: Time.timeScale.",
+    "width": "Unity: window width in pixels.",
+    "height": "Unity: window height in pixels.",
+    "quality_level": "Unity: QualitySettings level.",
+    "target_frame_rate": "Unity: Application.targetFrameRate; -1: unlimited.",
+    "capture_frame_rate": "Unity: Time.captureFramerate.",
+    "graphics": "Unity: start the builds with graphics (else -nographics).",
+    "initialize_from": "Start from run RUN's weights (not its counters).",
+    "inference": "Act without training: no updates, no checkpoints.",
+    "summary_freq": "A log row every this many agent steps instead of every --log-interval.",
+    "checkpoint_interval": "Also keep <behaviour>-<steps>.pt/.onnx every this many agent steps.",
+    "keep_checkpoints": "Numbered checkpoints kept, the newest.",
+    "extrinsic_strength": "Factor on the env's reward in training (not in the logged returns).",
+}
+# launch_impala's options that mean nothing to PPO (its actors act on each update's weights at once)
+IMPALA_ONLY = ("overlap_updates", "publish_delay")
 RUN_HELP = {
     "env": "A gymnasium id (Pendulum-v1, Ant-v5, ...), or the path of a Unity build (an existing file or "
     "folder, or a path such as builds/Crawler.x86_64: as --unity-build; a path to nothing is an error), as "
@@ -268,46 +304,42 @@ def build_parser() -> argparse.ArgumentParser:
     """``launch_ppo``'s flags: RunConfig's, the Unity options and PPOConfig's."""
     parser = FlagParser(
         prog="launch_ppo",
-        description=(
-            "Train PPO (ML-Agents or SB3 semantics, docs/PPO.md) with N actor processes streaming unrolls "
-            "over ZeroMQ to one learner. Default job: Unity Crawler with configs/Crawler.yaml "
-            "(--unity-build); without "
-            "a build it runs on gymnasium Ant-v5 as a stand-in. Metrics: console, LOGDIR/metrics.csv, "
-            "TensorBoard; "
-            "checkpoints: LOGDIR/checkpoint.pt (atomic). Ctrl-C stops cleanly with a final checkpoint."
-        ),
+        description="Train PPO with ML-Agents' or SB3's semantics (every difference an option, docs/PPO.md) "
+        "with actor processes streaming to one learner over ZeroMQ. Default job: Unity Crawler "
+        "(configs/Crawler.yaml; without --unity-build, gymnasium's Ant-v5 stands in).",
     )
     parser.add_argument(
         "--config",
         metavar="FILE",
         default=None,
-        help="Preset file (YAML, option: value) of run, Unity and PPO options (semantics, trainer_config, "
-        "batch_size, ...), "
-        "applied before the flags, e.g. configs/pendulum_sb3.yaml; flags given on the command line override "
-        "it.",
+        help="A preset by name (pendulum_sb3, cartpole_ppo_sb3, ...) or a YAML file of options.",
     )
     parser.add_argument(
         "mlagents_yaml",
         nargs="?",
         metavar="TRAINER.yaml",
         default=None,
-        help="mlagents-learn's form: an ML-Agents trainer YAML, as --trainer-config, with ML-Agents' run "
-        "layout: RESULTS_DIR/RUN_ID/<behaviour>/ for the run (checkpoint.pt, metrics, <behaviour>.onnx), "
-        "RESULTS_DIR/RUN_ID/configuration.yaml and <behaviour>.onnx; --results-dir defaults to results, "
+        help="mlagents-learn's form: an ML-Agents trainer YAML (as --trainer-config) and ML-Agents' run "
+        "layout. RESULTS_DIR/RUN_ID/<behaviour>/ holds the run (checkpoint.pt, metrics, <behaviour>.onnx), "
+        "RESULTS_DIR/RUN_ID/ its configuration.yaml and <behaviour>.onnx; --results-dir defaults to results, "
         "--run-id to ppo, --num-envs to 1 (docs/COMING_FROM_MLAGENTS.md).",
     )
+    parser._actions[-1].brief = "mlagents-learn's form: an ML-Agents trainer YAML, with its run layout."
     add_flags(
         parser.add_argument_group("run"),
         RunConfig,
+        skip=IMPALA_ONLY,
         defaults=RUN_DEFAULTS,
         helps=RUN_HELP,
         aliases=RUN_ALIASES,
+        briefs=RUN_BRIEFS,
     )
     add_flags(
         parser.add_argument_group("Unity and actors (mlagents-learn's flags too)"),
         PPOLaunchOptions,
         skip=("env_args",),
         aliases={"unity_base_port": ["--base-port"]},
+        briefs=LAUNCH_BRIEF,
     )
     config_to_argparse(parser)
     return parser
@@ -620,7 +652,6 @@ PPO_NAMES = frozenset(f.name for cls in (PPOConfig, PPOSource) for f in dataclas
 def resolve(args: argparse.Namespace) -> Resolved:
     """The run the parsed flags describe, its folder resolved (mlagents-learn's RESULTS_DIR/RUN_ID/<behaviour>
     in its form)."""
-    refuse_publish_delay(getattr(args, "publish_delay", None))
     config = from_flags(RunConfig, args)
     options = from_flags(PPOLaunchOptions, args)
     if options.unity_build and config.env:

@@ -13,6 +13,8 @@ import argparse
 import importlib
 import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -207,11 +209,55 @@ def test_an_abbreviated_flag_is_refused_and_the_full_one_suggested(prog, tmp_pat
 
 @pytest.mark.parametrize("prog", sorted(SCRIPTS))
 def test_help_shows_each_default_once(prog):
+    parser = importlib.import_module(SCRIPTS[prog].split(":")[0]).build_parser()
+    for help_text in (parser.format_help(), parser.format_full_help()):
+        text = " ".join(help_text.split())
+        assert "[default: " in text or prog in ("frameskip_check", "impala-export")
+        for chunk in re.split(r"\s(?=-{1,2}[a-z\[])", text):  # one chunk per option
+            assert chunk.count("[default:") + chunk.count("(default:") <= 1, chunk
+
+
+@pytest.mark.parametrize("prog", sorted(SCRIPTS))
+def test_help_is_a_page_and_help_all_has_every_option_in_full(prog):
+    """--help: one line or two per option, at most 150 lines; --help-all: every option's whole text."""
     module = importlib.import_module(SCRIPTS[prog].split(":")[0])
-    text = " ".join(module.build_parser().format_help().split())
-    assert "(default: " in text or prog == "frameskip_check"
-    for chunk in re.split(r"\s(?=-{1,2}[a-z])", text):  # one chunk per option
-        assert chunk.count("(default:") <= 1, chunk
+    brief, full = (
+        subprocess.run(
+            [sys.executable, "-m", module.__name__, flag],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )  # fmt: skip
+        for flag in ("--help", "--help-all")
+    )
+    assert brief.returncode == 0 and full.returncode == 0, brief.stderr + full.stderr
+    assert len(brief.stdout.splitlines()) <= 150, len(brief.stdout.splitlines())
+    assert max(len(line) for line in brief.stdout.splitlines()) <= 110
+    parser = module.build_parser()
+    flags = {a.option_strings[0] for a in parser._actions if a.option_strings}
+    for flag in flags:
+        assert flag in full.stdout and (flag in brief.stdout or f"--[no-]{flag[2:]}" in brief.stdout), flag
+    # the whole text of each option is in --help-all (its first words at least), not only its first sentence
+    for action in parser._actions:
+        if action.help and len(action.help) > 200 and "%" not in action.help:
+            assert " ".join(action.help.split()[-4:]) in " ".join(full.stdout.split()), action.option_strings
+
+
+def test_the_two_launchers_speak_one_vocabulary():
+    """The same idea has the same flag in both launchers; the other spelling (ML-Agents' key) is an alias."""
+    from learner import launch_impala, launch_ppo
+
+    def flags(parser):
+        return {o for a in parser._actions for o in a.option_strings}
+
+    impala, ppo = flags(launch_impala.build_parser()), flags(launch_ppo.build_parser())
+    for flag in ("--entropy-cost", "--discount", "--grad-norm-clip", "--epochs", "--batch-size"):
+        assert flag in impala and flag in ppo, flag
+    assert {"--beta", "--gamma", "--max-grad-norm", "--num-epoch"} <= ppo  # ML-Agents' names still work
+    parsed = launch_ppo.build_parser().parse_args(["--beta", "0.01", "--discount", "0.9", "--epochs", "5"])
+    assert (parsed.ppo__beta, parsed.ppo__gamma, parsed.ppo__num_epoch) == (0.01, 0.9, 5)
+    assert not {"--overlap-updates", "--publish-delay"} & ppo  # IMPALA's alone
 
 
 def _hostile_cases(tmp: Path) -> list[tuple[str, list[str], str]]:

@@ -52,7 +52,9 @@ def _help_texts() -> dict[str, str]:
     texts = {}
     for name, target in SCRIPTS.items():
         module = importlib.import_module(target.split(":")[0])
-        texts[f"{name} --help"] = module.build_parser().format_help()
+        parser = module.build_parser()
+        texts[f"{name} --help"] = parser.format_help()
+        texts[f"{name} --help-all"] = parser.format_full_help()
     return texts
 
 

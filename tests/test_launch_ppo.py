@@ -685,7 +685,6 @@ RUN_BAD_VALUES = [
     (["--port", "70000"], "--port must be 0 or in 1..65534"),
     (["--total-steps", "-5"], "--total-steps must be > 0"),
     (["--learners", "2"], "--learners 2: the PPO learner runs as one process"),
-    (["--publish-delay", "1"], "--publish-delay 1: a PPO update trains on the weights its actors had"),
     (["--max-policy-lag", "0"], "--max-policy-lag 0: --trajectory-handling mlagents keeps every unroll"),
     (["--logdir", "/proc/no-such-dir"], "--logdir /proc/no-such-dir: cannot create it"),
 ]
@@ -701,6 +700,16 @@ def test_bad_run_values_are_one_line_errors(argv, message, capsys, tmp_path):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("launch_ppo: error: ") and message in err[0], err
+
+
+@pytest.mark.parametrize("flag", [["--publish-delay", "1"], ["--overlap-updates"]])
+def test_launch_impalas_own_options_are_not_offered(flag, capsys, tmp_path):
+    from learner.launch_ppo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--env", "Pendulum-v1", "--logdir", str(tmp_path), *flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and f"unrecognized arguments: {flag[0]}" in err[0], err
 
 
 def test_bad_log_level_is_an_argparse_error_not_a_traceback():

@@ -324,7 +324,7 @@ def test_yaml_defaults_and_unsupported_keys(tmp_path):
 
 def test_argparse_every_option_with_help():
     parser = config_to_argparse(FlagParser(prog="t"))
-    text = parser.format_help()
+    text = parser.format_full_help()
     for f in dataclasses.fields(PPOConfig):
         if f.name != "seed":  # the launchers' --seed (RunConfig) sets it
             assert f"--{f.name.replace('_', '-')}" in text

@@ -122,6 +122,79 @@ _ACCUMULATING = (
 )
 
 
+HELP_WIDTH = 110  # columns of --help, whatever the terminal: one layout everywhere (docs quote it)
+# A sentence ends at a period, semicolon or colon before a capital letter, a flag or a quote: "e.g. x" and
+# "0.5" do not end one.
+SENTENCE_END = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.;])\s+(?=[A-Z'\"`-])")
+
+
+def first_sentence(text: str) -> str:
+    """What ``--help`` shows of an option's description: its first sentence."""
+    head = SENTENCE_END.split(" ".join(text.split()), maxsplit=1)[0]
+    return head if head.endswith((".", ")")) or not head else head.rstrip(";") + "."
+
+
+class BriefHelpFormatter(argparse.HelpFormatter):
+    """``--help``: a one-line usage, each option with the first sentence of its description and its default
+    as used (none when unset: the description says what unset means); ``--help-all`` has the rest."""
+
+    brief = True
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30, width=HELP_WIDTH)
+
+    def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any) -> str:
+        return f"usage: {self._prog} [options]   (--help-all: every option in full)\n\n"
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not self.brief or not action.option_strings:
+            return super()._format_action_invocation(action)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return ", ".join(f"--[no-]{o[2:]}" for o in action.option_strings if not o.startswith("--no-"))
+        if action.nargs == 0:
+            return ", ".join(action.option_strings)
+        return f"{', '.join(action.option_strings)} {self._metavar(action)}"
+
+    def _metavar(self, action: argparse.Action) -> str:
+        # a choice's values go first in its line, not into the option column
+        return "CHOICE" if action.choices else self._metavar_formatter(action, action.dest.upper())(1)[0]
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if self.brief and text:
+            text = getattr(action, "brief", None) or first_sentence(text)
+            if action.choices and action.option_strings and self._metavar(action) == "CHOICE":
+                text = f"{'|'.join(str(c) for c in action.choices if c is not None)}: {text}"
+        default = action.default
+        shown = (
+            action.option_strings
+            and "%(default)" not in text
+            and default not in (None, "", argparse.SUPPRESS)
+            and not isinstance(action, (argparse._HelpAction, _FullHelp))
+        )
+        if shown:
+            if isinstance(action, argparse.BooleanOptionalAction):
+                text += f" [default: {'on' if default else 'off'}]"
+            elif action.nargs != 0:
+                text += " [default: %(default)s]"
+        return text
+
+
+class FullHelpFormatter(BriefHelpFormatter):
+    """``--help-all``: every option's whole description."""
+
+    brief = False
+
+    def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: Any) -> str:
+        return argparse.HelpFormatter._format_usage(self, usage, actions, groups, prefix)
+
+
+class _FullHelp(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        parser._print_message(parser.format_full_help(), sys.stdout)
+        parser.exit()
+
+
 class FlagParser(argparse.ArgumentParser):
     """argparse with one-line errors (``prog: error: ...``, exit 2), each default shown once, and
     ``args.given``: the destinations set on the command line. That set is the one way any entry point
@@ -129,10 +202,24 @@ class FlagParser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args: Any, **kw: Any) -> None:
-        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kw.setdefault("formatter_class", BriefHelpFormatter)
         # A typo must never pick another flag (--total-frame for --total-frames, --lr for --lr-decay).
         kw.setdefault("allow_abbrev", False)
         super().__init__(*args, **kw)
+        self.add_argument(
+            "--help-all",
+            action=_FullHelp,
+            nargs=0,
+            help="Every option with its whole description, then exit.",
+        )
+
+    def format_full_help(self) -> str:
+        """``--help-all``: every option with its whole text (``--help`` gives each its first sentence)."""
+        saved, self.formatter_class = self.formatter_class, FullHelpFormatter
+        try:
+            return self.format_help()
+        finally:
+            self.formatter_class = saved
 
     def error(self, message: str) -> typing.NoReturn:
         if message.startswith("unrecognized arguments:"):
@@ -199,9 +286,14 @@ def add_flags(
     defaults: dict[str, Any] | None = None,
     helps: dict[str, str] | None = None,
     aliases: dict[str, Iterable[str]] | None = None,
+    briefs: dict[str, str] | None = None,
+    names: dict[str, str] | None = None,
 ) -> None:
     """One ``--flag`` per field of ``cls`` (``only`` / ``skip`` select fields); ``aliases`` gives a field
-    more flag names (``{"device": ["--torch-device"]}``), each setting the same destination.
+    more flag names (``{"device": ["--torch-device"]}``), each setting the same destination; ``names``
+    gives a field another main flag (``{"beta": "--entropy-cost"}``: one vocabulary across the launchers,
+    the field's own name then an alias). ``briefs``: each field's one line for ``--help`` (``--help-all``
+    shows its whole text; without a brief, ``--help`` shows the text's first sentence).
 
     ``defaults`` and ``helps`` let an entry point give a shared field its own default or text (a default
     of ``argparse.SUPPRESS`` leaves no attribute when the flag is not given: for options whose default
@@ -210,6 +302,7 @@ def add_flags(
     """
     keep = set(only) if only is not None else None
     defaults, helps, aliases = defaults or {}, helps or {}, aliases or {}
+    briefs, names = briefs or {}, names or {}
     for f in dataclasses.fields(cls):
         if f.name in skip or (keep is not None and f.name not in keep):
             continue
@@ -220,8 +313,8 @@ def add_flags(
             "default": default,
             "help": helps.get(f.name, f.metadata.get("help", "")),
         }
-        if dest_prefix:  # argparse would show the prefixed destination (PPO__BATCH_SIZE)
-            kw["metavar"] = f.name.upper()
+        # short metavars keep --help's option column narrow: N a count, X a number, TEXT the rest
+        kw["metavar"] = {int: "N", float: "X"}.get(base, "TEXT")
         if base is bool and choices is None:
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -229,7 +322,11 @@ def add_flags(
             if choices is not None:
                 kw["choices"] = list(choices) + ([None] if optional else [])
                 kw["metavar"] = "{" + ",".join(map(str, choices)) + "}"
-        parser.add_argument(flag_name(f.name), *aliases.get(f.name, ()), **kw)
+        main = names.get(f.name, flag_name(f.name))
+        others = [flag_name(f.name)] if main != flag_name(f.name) else []
+        action = parser.add_argument(main, *others, *aliases.get(f.name, ()), **kw)
+        if f.name in briefs:
+            action.brief = briefs[f.name]
 
 
 def from_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "", **extra: Any) -> Any:
@@ -1128,3 +1225,79 @@ def resolve_device(name: str) -> Any:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+# --help's one line per option (--help-all and the dataclasses' field texts have the whole story).
+RUN_BRIEF = {
+    "env": "Env id: Atari (PongDeterministic-v4), gymnasium (CartPole-v1), mypkg.envs:Id-v0.",
+    "env_package": "Packages to import (learner and actors) that register their envs.",
+    "env_kwargs": "Env constructor overrides, JSON ('{\"frameskip\": 4}'); checked in every actor.",
+    "workers": "Local actor processes; 0: remote actors only (impala-actors).",
+    "envs_per_worker": "Envs each actor steps with one batched forward pass.",
+    "learners": "Data-parallel learner processes (each batch split over them).",
+    "cpu_affinity": "Learner/actor CPU placement; auto: pinned for images on a CPU learner.",
+    "actor_nice": "Niceness added to the local actors (0-19): the learner first.",
+    "overlap_updates": "Train each batch on a thread while the next one is staged (same updates).",
+    "in_process": "Run the local actors as threads of the learner (debugging).",
+    "unroll_length": "Agent steps per env per unroll (T).",
+    "total_frames": "Budget in env frames (agent steps x frame skip), absolute.",
+    "total_steps": "Budget in agent steps instead, absolute.",
+    "stop_at_return": "Stop once the mean return of the last 100 episodes reaches this.",
+    "max_seconds": "Stop after this many seconds of training; 0: no limit.",
+    "eval_every": "Evaluate (greedy, apart) every this many frames; 0: off.",
+    "eval_episodes": "Episodes per --eval-every evaluation.",
+    "eval_video": "Record each evaluation's first 600 frames to LOGDIR/eval-FRAMES.mp4.",
+    "seed": "Base seed: the network's init; actor i's envs use seed + 1000 i.",
+    "device": "Learner device: auto, cpu, cuda, cuda:N.",
+    "torch_threads": "Learner CPU threads; 0: the cores the actors leave.",
+    "logdir": "Run folder; unset: RUNS_DIR/RUN_ID.",
+    "runs_dir": "Folder holding the run folders.",
+    "run_id": "Run folder name under --runs-dir; unset: <env>-<start time>.",
+    "force": "Start over in a folder that holds a run (deletes the run's files).",
+    "resume": "Continue the run in the folder with its own settings (its config.yaml).",
+    "checkpoint_minutes": "Minutes between checkpoints (and one at exit).",
+    "log_interval": "Seconds between log rows (console, metrics.csv, TensorBoard).",
+    "progress": "Live console display when stdout is a terminal.",
+    "log_level": "Python logging level.",
+    "track": "Also log to Weights & Biases (the track extra).",
+    "track_project": "Weights & Biases project for --track.",
+    "bind": "Address the learner binds (public needs --curve or --insecure-bind).",
+    "port": "Trajectory port (weights: port + 1); 0: free ports.",
+    "curve": "Folder of CURVE keys: only authorized actors connect, encrypted.",
+    "insecure_bind": "Allow a public --bind without --curve (a trusted network only).",
+    "start_method": "Multiprocessing start method of the actor processes.",
+    "queue_size": "Unrolls buffered in the learner; 0: the learner picks.",
+    "max_policy_lag": "Drop unrolls this many updates old or older; unset: keep all.",
+    "publish_delay": "Updates the actors' weights lag the learner's; unset: by --cpu-affinity.",
+    "max_abs_value": "Drop unrolls holding a float above this in absolute value.",
+}
+
+IMPALA_BRIEF = {
+    "batch_size": "Unrolls per learner update (B; T x B agent steps each).",
+    "model": "Network: shallow/deep IMPALA CNN, nature CNN, mlp; auto by observation.",
+    "use_lstm": "Add an LSTM-256 core.",
+    "popart": "PopArt value normalization (per task); on for several --env.",
+    "init": "Weight init: orthogonal (cleanrl) or torch (TorchBeast).",
+    "loss_reduction": "Losses summed (the paper's units) or averaged over T x B.",
+    "optimizer": "Optimizer: adam or rmsprop (TorchBeast's).",
+    "adam_eps": "Adam epsilon.",
+    "epochs": "Passes over each batch (1: IMPALA; PPO's num_epoch).",
+    "minibatches": "Minibatches of whole unrolls per pass; divides --batch-size.",
+    "targets": "V-trace targets once per batch, or at every minibatch step (APPO).",
+    "pg_clip": "PPO clip epsilon against the behaviour policy; 0: IMPALA's gradient.",
+    "advantage_norm": "Standardize advantages per minibatch.",
+    "learning_rate": "Learning rate, decaying linearly to 0 over the run.",
+    "lr_decay": "Decay the learning rate to 0 over the run.",
+    "rmsprop_eps": "RMSProp epsilon.",
+    "rmsprop_alpha": "RMSProp decay.",
+    "rmsprop_momentum": "RMSProp momentum.",
+    "entropy_cost": "Entropy bonus coefficient (PPO's ent_coef, ML-Agents' beta).",
+    "baseline_cost": "Value loss coefficient on 0.5 x squared error.",
+    "discount": "Discount gamma.",
+    "vtrace_lambda": "V-trace lambda; 1: the paper's V-trace.",
+    "reward_clip": "Clip rewards to [-c, c]; 0: raw (several --env: 0).",
+    "grad_norm_clip": "Gradient norm clip; 0: none.",
+    "popart_beta": "PopArt statistics step size.",
+    "precision": "Learner arithmetic in image torsos: fp32 or bf16 (autocast).",
+    "frame_dedup": "Atari: send each frame once; the learner rebuilds the stacks.",
+}

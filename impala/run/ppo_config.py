@@ -776,6 +776,57 @@ _YAML_PATHS = {
 
 _DEST = "ppo__"
 
+# --help's one line per option; the semantics rows (#n, docs/PPO.md) by their choices, ML-Agents' first.
+PPO_BRIEF = {
+    "advantage_norm": "#1 advantages normalized over the buffer, per minibatch, or not.",
+    "ratio": "#2 ratio per action dimension, or of summed log-probs.",
+    "value_loss": "#3 value loss.",
+    "clip_range_vf": "#3 SB3's value clip range (sb3_clipped); none: no clip.",
+    "entropy_reduce": "#4 entropy over action dimensions.",
+    "log_prob_form": "#9 Gaussian log-prob formula.",
+    "lr_schedule": "#6 learning-rate schedule.",
+    "epsilon_schedule": "#6 clip-range schedule.",
+    "beta_schedule": "#6 entropy-coefficient schedule.",
+    "lr_floor": "#6 learning-rate floor (linear).",
+    "epsilon_floor": "#6 clip-range floor (linear).",
+    "beta_floor": "#6 entropy-coefficient floor.",
+    "max_grad_norm": "#7 gradient norm clip; none: no clip.",
+    "adam_eps": "#7 Adam epsilon.",
+    "target_kl": "#7 stop an update past this KL; none: never.",
+    "update_trigger": "#8 update once the buffer passed, or filled, buffer_size.",
+    "minibatch_remainder": "#8 a last partial minibatch.",
+    "action_clip": "#10 env actions: clamp(a, -3, 3) / 3, or clipped to bounds.",
+    "init": "#11 weight init.",
+    "activation": "#11 hidden activation.",
+    "vis_encode_type": "#11 image encoder.",
+    "obs_norm": "#12 observation normalization.",
+    "reward_norm": "#12 normalize rewards (SB3's VecNormalize).",
+    "gae_form": "#13 GAE formula.",
+    "bootstrap_truncated": "#14 bootstrap at a time-limit end.",
+    "trajectory_handling": "#15 trajectories cut per agent, or fixed rollouts.",
+    "batch_size": "Minibatch size in agent steps.",
+    "buffer_size": "Agent steps per update (SB3's n_steps x n_envs).",
+    "learning_rate": "Initial Adam learning rate.",
+    "beta": "Initial entropy coefficient (SB3's ent_coef).",
+    "epsilon": "Initial clip range (SB3's clip_range).",
+    "lambd": "GAE lambda (SB3's gae_lambda).",
+    "num_epoch": "Passes over the buffer per update (SB3's n_epochs).",
+    "hidden_units": "Width of each hidden layer.",
+    "num_layers": "Hidden layers per body.",
+    "gamma": "Discount gamma (ML-Agents' extrinsic gamma).",
+    "time_horizon": "Steps after which an agent's trajectory is cut.",
+    "max_steps": "Agent steps of the run; schedules decay over them.",
+    "vf_coef": "Value-loss coefficient.",
+}
+# One vocabulary across the launchers: these options keep launch_impala's flag; their own name (and
+# ML-Agents' key) stays an alias.
+PPO_FLAG_NAMES = {
+    "beta": "--entropy-cost",
+    "gamma": "--discount",
+    "max_grad_norm": "--grad-norm-clip",
+    "num_epoch": "--epochs",
+}
+
 
 def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--semantics``, ``--trainer-config``, ``--behavior`` and one flag per option
@@ -792,7 +843,7 @@ def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         dest=f"{_DEST}semantics",
         choices=SEMANTICS,
         default="mlagents",
-        help="Preset every option to ML-Agents (left column) or SB3 (right column) semantics.",
+        help="Preset every PPO option to ML-Agents' semantics or SB3's (each option says both values).",
     )
     g.add_argument(
         "--trainer-config",
@@ -811,12 +862,17 @@ def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     ml, sb3 = PPOConfig.preset("mlagents"), PPOConfig.preset("sb3")
     names = [name for name in field_names() if name != "seed"]
+
+    def defaults(name: str) -> str:
+        a, b = (_shown(getattr(preset, name)) for preset in (ml, sb3))
+        return f"[default: {a}]" if a == b else f"[{a} | sb3: {b}]"
+
     helps = {
-        name: f"{PPOConfig.__dataclass_fields__[name].metadata['help']} Default: mlagents "
-        f"{_shown(getattr(ml, name))}, "
-        f"sb3 {_shown(getattr(sb3, name))}; a --trainer-config file's value comes first."
+        name: f"{PPOConfig.__dataclass_fields__[name].metadata['help']} {defaults(name)}; a --trainer-config "
+        "file's value comes first."
         for name in names
     }
+    briefs = {name: f"{PPO_BRIEF.get(name, '')} {defaults(name)}".strip() for name in names}
     add_flags(
         g,
         PPOConfig,
@@ -824,6 +880,8 @@ def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         only=names,
         defaults=dict.fromkeys(names, argparse.SUPPRESS),
         helps=helps,
+        briefs=briefs,
+        names=PPO_FLAG_NAMES,
     )
     return parser
 
@@ -848,7 +906,9 @@ def ppo_preset_dests(preset: dict[str, Any], run_fields: set[str]) -> dict[str, 
 
 
 def _shown(value: Any) -> str:
-    # argparse expands %-formats in help texts
+    # argparse expands %-formats in help texts; switches read on/off, as the other launcher's do
+    if isinstance(value, bool):
+        return "on" if value else "off"
     return ("none" if value is None else str(value)).replace("%", "%%")
 
 
