@@ -468,3 +468,20 @@ def test_the_start_says_how_tasks_share_the_envs_and_warns_where_it_is_unusual(t
         "multi-task: 1 actors x 3 envs do not divide evenly over 2 tasks (envs per task: 2, 1): the tasks "
         "get unequal frames; --envs-per-worker a multiple of 2 evens them"
     ]
+
+
+def test_a_game_without_a_human_score_is_said_at_start(tmp_path, caplog):
+    """Pooyan has no human reference score: the start says it is left out of the median and mean."""
+    infos, note = probe_tasks([EnvSpec("PongDeterministic-v4"), EnvSpec("PooyanDeterministic-v4")])
+    config, impala = launch_impala.resolve(
+        launch_impala.parse_args(
+            ["--env", "PongDeterministic-v4,PooyanDeterministic-v4", "--logdir", str(tmp_path)]
+        )
+    )
+    with caplog.at_level("INFO", logger="launch_impala"):
+        launch_impala.log_multi_task(config, impala, tuple(infos), note)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "multi-task: no human reference score for PooyanDeterministic-v4: left out of the median and mean "
+        "human-normalized score"
+    ]
