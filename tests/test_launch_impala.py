@@ -715,3 +715,57 @@ def test_runs_get_their_own_folders_and_a_used_one_is_never_overwritten(tmp_path
     assert yaml.safe_load((folder / "config.yaml").read_text())["seed"] == 3
     assert main([*tiny]) == 0  # no --run-id: a new folder named by the env and the time
     assert any(p.name.startswith("CartPole-v1-20") for p in tmp_path.iterdir())
+
+
+def test_resume_continues_the_run_as_it_was_and_records_what_a_flag_changed(tmp_path):
+    """The quick start's recipe (unroll 20, batch 8, lr 2e-3), resumed with only the run id and a larger
+    budget, goes on with that recipe (not the defaults: unroll 32, batch 32, lr 5e-4); a flag given on a
+    resume changes that one setting, says so and records it; an env change or a hand-broken config.yaml is
+    one line, exit 2, and leaves the folder as it was."""
+    base = ["--runs-dir", str(tmp_path), "--run-id", "cp", "--no-progress", "--log-interval", "1"]
+    recipe = ["--unroll-length", "20", "--batch-size", "8", "--learning-rate", "2e-3"]
+    first = run(
+        ["launch_impala", "--workers", "1", "--env", "CartPole-v1", *recipe, "--total-frames", "6000", *base],
+        timeout=240,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    folder = tmp_path / "cp"
+
+    def config():
+        return yaml.safe_load((folder / "config.yaml").read_text())
+
+    again = run(["launch_impala", *base, "--resume", "--total-frames", "9000"], timeout=240)
+    assert again.returncode == 0, again.stderr[-2000:]
+    saved = config()
+    assert (saved["unroll_length"], saved["batch_size"], saved["learning_rate"]) == (20, 8, 0.002)
+    assert saved["env"] == "CartPole-v1" and saved["total_frames"] == 9000
+    assert "resume: total_frames 6000 -> 9000" in again.stderr
+    assert [r["changed"] for r in saved["resumes"]] == [{"total_frames": [6000, 9000]}]
+    rows = list(csv.DictReader(open(folder / "metrics.csv")))
+    resumed = [r for r in rows if float(r["charts/env_frames"]) > 6000]
+    # the first resumed row's learning rate: 2e-3 decaying over 9000 frames, not the default's 5e-4 curve
+    lr, frames = float(resumed[0]["charts/learning_rate"]), float(resumed[0]["charts/env_frames"])
+    assert lr == pytest.approx(2e-3 * (1 - frames / 9000), rel=0.05, abs=2e-5), (lr, frames)
+
+    changed = run(["launch_impala", *base, "--resume", "--total-frames", "12000", "--learning-rate", "1e-3"],
+                  timeout=240)  # fmt: skip
+    assert changed.returncode == 0, changed.stderr[-2000:]
+    assert "resume: learning_rate 0.002 -> 0.001" in changed.stderr
+    assert config()["learning_rate"] == 0.001 and config()["unroll_length"] == 20
+    assert config()["resumes"][-1]["changed"] == {
+        "total_frames": [9000, 12000],
+        "learning_rate": [0.002, 0.001],
+    }
+
+    before = (folder / "config.yaml").read_text()
+    other = run(["launch_impala", *base, "--resume", "--env", "Acrobot-v1"], timeout=120)
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert other.stderr.strip().splitlines()[-1] == (
+        "launch_impala: error: --resume: the run's env is 'CartPole-v1'; 'Acrobot-v1' cannot take its place "
+        "in a running run (resume without --env, or start a new run)"
+    )
+    (folder / "config.yaml").write_text(before.replace("batch_size: 8", "batch_size: eight"))
+    broken = run(["launch_impala", *base, "--resume", "--total-frames", "15000"], timeout=120)
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr
+    assert "config.yaml: batch_size must be int, got 'eight'" in broken.stderr.strip().splitlines()[-1]
+    assert (folder / "config.yaml").read_text() == before.replace("batch_size: 8", "batch_size: eight")
