@@ -787,3 +787,31 @@ def test_discrete_and_hybrid_unity_agents_train_over_grpc(tmp_path, preset, sema
     assert "action_masks" in [i.name for i in model.graph.input]
     outputs = [o.name for o in model.graph.output]
     assert "discrete_actions" in outputs and ("continuous_actions" in outputs) == (preset == "hybrid")
+
+
+def test_a_ppo_resume_keeps_the_runs_own_settings(tmp_path, capsys, caplog):
+    """launch_ppo --resume with only the run id: SB3's semantics and the learning rate the run started with,
+    not the preset's or the defaults'; a network change is one line, exit 2."""
+    import yaml
+
+    from learner.launch_ppo import main
+
+    base = ["--runs-dir", str(tmp_path), "--run-id", "p", "--no-progress", "--in-process", "--workers", "1"]
+    assert (
+        main(["--config", "cartpole_ppo_sb3", "--learning-rate", "1e-3", "--total-steps", "1024", *base]) == 0
+    )
+    with caplog.at_level("INFO", logger="launch_ppo"):
+        assert main([*base, "--resume", "--total-steps", "2048"]) == 0
+    err = caplog.text
+    saved = yaml.safe_load((tmp_path / "p" / "config.yaml").read_text())
+    assert (
+        saved["semantics"] == "sb3"
+        and saved["ppo"]["learning_rate"] == 0.001
+        and saved["env"] == "CartPole-v1"
+    )
+    assert "resume: total_steps 1024 -> 2048" in err and saved["resumes"][-1]["changed"] == {
+        "total_steps": [1024, 2048]
+    }
+    assert main([*base, "--resume", "--total-steps", "3072", "--hidden-units", "32"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "the run's hidden_units is 64; 32 cannot take its place" in last
