@@ -4,9 +4,11 @@
 #
 #   scripts/peers/compare.sh 30                 # 30 minutes each: 5 runs, about 2.6 hours in all
 #   RUNS="ours cleanrl-cpu" scripts/peers/compare.sh 10      # a subset, in this order
+#   PLOT_ONLY=1 scripts/peers/compare.sh 30     # no runs: the figure and table of the runs already in
+#                                               # runs/peers/ (e.g. after two subsets in two sittings)
 #
-# Runs (RUNS, default all): ours, cleanrl-published, cleanrl-cpu, sample_factory-published,
-# sample_factory-cpu. The venvs are made first, so no install falls inside a window. Nothing else should
+# Runs (RUNS, default all but the last): ours, cleanrl-published, cleanrl-cpu, sample_factory-published,
+# sample_factory-cpu, sample_factory-cpu-vtrace. The venvs are made first, so no install falls inside a window. Nothing else should
 # run meanwhile: each run's table row shows the machine's CPU busy fraction beside its own, so a run that
 # shared the box shows it. Writes runs/peers/<run>/ (curve.csv, summary.json, log.txt), and
 # runs/peers/compare-<N>min.png and .md (the table with the date, machine and versions).
@@ -23,12 +25,14 @@ label() {
         cleanrl-published) echo "cleanrl ppo_atari_envpool, published" ;;
         cleanrl-cpu) echo "cleanrl ppo_atari_envpool, cpu (2 threads, pinned)" ;;
         sample_factory-published) echo "Sample Factory APPO, published (8x1 envs, sync)" ;;
-        sample_factory-cpu) echo "Sample Factory APPO, cpu (2x8 envs, async, V-trace)" ;;
+        sample_factory-cpu) echo "Sample Factory APPO, cpu (2x8 envs, async)" ;;
+        sample_factory-cpu-vtrace) echo "Sample Factory APPO, cpu + V-trace (returns not normalized)" ;;
         *) echo "$1" ;;
     esac
 }
 
-for run in $RUNS; do
+[ -n "${PLOT_ONLY:-}" ] && RUN_NOW="" || RUN_NOW=$RUNS
+for run in $RUN_NOW; do
     case $run in
         ours) ;;
         cleanrl-*) "$HERE/cleanrl.sh" setup ;;
@@ -37,17 +41,20 @@ for run in $RUNS; do
     esac
 done
 
-dirs=() labels=()
-for run in $RUNS; do
+for run in $RUN_NOW; do
     echo "compare.sh: $run for $MINUTES min; load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2
     case $run in
         ours) "$HERE/ours.sh" "$SECONDS_EACH" ;;
         cleanrl-*) "$HERE/cleanrl.sh" "${run#cleanrl-}" "$SECONDS_EACH" ;;
         sample_factory-*) "$HERE/sample_factory.sh" "${run#sample_factory-}" "$SECONDS_EACH" ;;
     esac
+    sleep "$SETTLE"
+done
+
+dirs=() labels=()
+for run in $RUNS; do
     dirs+=("$PEERS_DIR/$run")
     labels+=("$(label "$run")")
-    sleep "$SETTLE"
 done
 
 report=$PEERS_DIR/compare-${MINUTES}min

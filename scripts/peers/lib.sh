@@ -29,7 +29,7 @@ make_venv() {
     rm -rf "$dir/venv"
     mkdir -p "$dir"
     "$PEER_PYTHON" -m venv "$dir/venv"
-    "$dir/venv/bin/pip" install "$@" >&2
+    "$dir/venv/bin/pip" install -q "$@" >&2
     "$dir/venv/bin/pip" freeze > "$dir/freeze.txt"
     echo "$stamp" > "$dir/venv/.pins"
 }
