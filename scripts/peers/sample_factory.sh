@@ -52,8 +52,10 @@ case "$MODE" in
             # The same with V-trace, Sample Factory's off-policy correction (--with_vtrace), for the
             # policy lag of asynchronous collection (its docs' "Policy Lag" page). Sample Factory refuses V-trace with normalized returns ("Normalized returns are
             # not supported with vtrace!"), which its atari defaults and that page both turn on, so this
-            # variant turns them off: not what its docs advise, hence not the default cpu mode.
-            ARGS+=(--with_vtrace=True --normalize_returns=False)
+            # variant turns them off: not what its docs advise, hence not the default cpu mode. Its
+            # V-trace also asserts recurrence == rollout (its --recurrence help: "If you train with V-trace
+            # recurrence should be equal to rollout length"; the atari defaults set 1): --recurrence=32.
+            ARGS+=(--with_vtrace=True --normalize_returns=False --recurrence=32)
         fi
         ;;
     *) echo "usage: $0 published|cpu|cpu-vtrace|setup [SECONDS]" >&2; exit 2 ;;

@@ -34,6 +34,32 @@ T0 = launch_time()
 import ale_py  # noqa: E402,F401
 
 
+def _vtrace_summaries_shim() -> None:
+    """Sample Factory 2.1.1 crashes on the first training summary with --with_vtrace: the summary reads
+    the GAE advantages (``mb.advantages``), which the V-trace path never computes (fixed upstream after
+    2.1.1, its last release). Those figures are only logged, so they are given as NaN when absent; the
+    GAE path (every mode but cpu-vtrace) is untouched. At module level: the learner process (spawned)
+    imports this file too."""
+    import math
+
+    import torch
+    from sample_factory.algo.learning.learner import Learner
+
+    record = Learner._record_summaries
+
+    def _record_summaries(self, train_loop_vars):
+        if "advantages" not in train_loop_vars.mb:
+            train_loop_vars.mb["advantages"] = torch.full((1,), math.nan)
+            train_loop_vars.setdefault("adv_std", math.nan)
+            train_loop_vars.setdefault("adv_mean", math.nan)
+        return record(self, train_loop_vars)
+
+    Learner._record_summaries = _record_summaries
+
+
+_vtrace_summaries_shim()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--curve", required=True)
