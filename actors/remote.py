@@ -26,11 +26,9 @@ from actors.pool import ActorPool
 from impala.envs import EnvPackageError
 from impala.transport import wire
 from impala.run.cpus import available_cpus
-from impala.run.config import (
-    LOOPBACK,
+from impala.options import (
     ConfigError,
     FlagParser,
-    RunConfig,
     add_flags,
     check_fields,
     fail,
@@ -39,6 +37,7 @@ from impala.run.config import (
     need,
     option,
 )
+from impala.run.config import LOOPBACK, RunConfig
 from impala.transport.curve import client_keys, make_client_keys, make_client_socket
 from impala.transport.messages import RunInfo
 from impala.run.metrics import LOG_FORMAT, log_this_one

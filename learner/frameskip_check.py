@@ -44,7 +44,7 @@ from actors.actor import Actor
 from actors.loop import ActorConfig, actor_configs
 from actors.pool import ActorPool
 from impala.run.checkpoint import CheckpointError
-from impala.run.config import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
+from impala.options import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.audit import (
     ENV_IN_INIT,

@@ -21,19 +21,13 @@ import learner.sleeping_threads  # noqa: F401  (before torch: its idle threads s
 import torch
 
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
+from impala.options import ConfigError, FlagParser, add_flags, apply_preset, fail, from_flags, load_preset
 from impala.run.config import (
     IMPALA_BRIEF,
     RUN_BRIEF,
-    ConfigError,
-    FlagParser,
     ImpalaConfig,
     RunConfig,
-    add_flags,
-    apply_preset,
     apply_saved,
-    fail,
-    from_flags,
-    load_preset,
     resume_changes,
     resume_folder,
     resume_record,

@@ -74,14 +74,11 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
-from impala.run.config import (
-    RUN_ID,
+from impala.options import (
     ConfigError,
     FlagParser,
-    RunConfig,
     add_flags,
     apply_preset,
-    RUN_BRIEF,
     check_fields,
     fail,
     flag_name,
@@ -89,6 +86,11 @@ from impala.run.config import (
     load_preset,
     need,
     option,
+)
+from impala.run.config import (
+    RUN_ID,
+    RunConfig,
+    RUN_BRIEF,
     resume_changes,
     resume_record,
     saved_settings,

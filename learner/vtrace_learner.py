@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from impala.transport import wire
-from impala.run.config import ConfigError, ImpalaConfig, RunConfig, resolve_device
+from impala.options import ConfigError
+from impala.run.config import ImpalaConfig, RunConfig, resolve_device
 from impala.envs.probe import EnvInfo
 from impala.transport.messages import ImpalaAgentSpec
 from impala.nets.impala_net import ImpalaNet, build_model

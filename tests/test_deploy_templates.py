@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from impala.run.config import ConfigError, RunConfig, from_flags
+from impala.options import ConfigError, from_flags
+from impala.run.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("launch_impala", "launch_ppo", "impala-actors")

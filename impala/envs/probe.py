@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 
 from impala.nets.obs_layout import ObsLayout, image_layout
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import (
     EnvFingerprint,

@@ -119,7 +119,7 @@ def unity_build_path(value: str) -> str | None:
     ``builds/Crawler.x86_64``). A path to nothing (it ends in a Unity build suffix, or it starts with
     ``/``, ``.`` or ``~``, or has a ``/`` and is no registered gymnasium id such as ``ALE/Pong-v5``) is a
     ``ConfigError``."""
-    from impala.run.config import ConfigError
+    from impala.options import ConfigError
 
     path = os.path.expanduser(value)
     if os.path.exists(path):

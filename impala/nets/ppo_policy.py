@@ -39,7 +39,7 @@ from impala.algos import ppo
 from impala.algos.normalizers import FrozenObsNormalizer, MLAgentsNormalizer
 from impala.nets.obs_layout import ObsLayout
 from impala.nets.visual import make_encoder
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 from impala.run.ppo_config import PPOConfig
 
 ACTIVATIONS = {"swish": nn.SiLU, "tanh": nn.Tanh, "relu": nn.ReLU}

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from impala.algos import ppo
+from impala.options import ConfigError, add_flags, check_fields, given_flags, read_yaml
+from impala.options import option as _f
+from impala.run.config import RunConfig
 
 SEMANTICS = ("mlagents", "sb3")
-
-
-from impala.run.config import ConfigError, RunConfig, add_flags, check_fields, given_flags, read_yaml  # noqa: E402 - one config mechanism
-from impala.run.config import option as _f  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -830,7 +829,7 @@ PPO_FLAG_NAMES = {
 
 def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--semantics``, ``--trainer-config``, ``--behavior`` and one flag per option
-    (``impala.run.config.add_flags``: ``--x/--no-x`` for booleans, ``none`` unsets an optional option).
+    (``impala.options.add_flags``: ``--x/--no-x`` for booleans, ``none`` unsets an optional option).
 
     The layering is preset < trainer YAML < flags given on the command line (``args.given``), so an
     option's default depends on ``--semantics`` and the file: the help text names both presets' values,
