@@ -41,7 +41,7 @@ from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
 from impala.run.ppo_config import PPOConfig, actors_wait
 from impala.transport.params import state_dict_arrays
 from impala.nets.onnx_export import export_ppo_onnx, onnx_file_name
-from impala.nets.obs_layout import ObsLayout
+from impala.envs.obs_layout import ObsLayout
 from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
 
@@ -217,7 +217,7 @@ class PPOLearner:
       device: torch device for the networks and the update.
       branches: each discrete branch's action count (empty: continuous actions only).
       action_mask: pieces carry the env's action masks (``TrajectoryPiece.action_mask``).
-      obs_layout: which parts of the flat observation are images (``impala.nets.obs_layout``).
+      obs_layout: which parts of the flat observation are images (``impala.envs.obs_layout``).
     """
 
     def __init__(

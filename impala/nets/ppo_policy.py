@@ -37,7 +37,7 @@ from torch import nn
 
 from impala.algos import ppo
 from impala.algos.normalizers import FrozenObsNormalizer, MLAgentsNormalizer
-from impala.nets.obs_layout import ObsLayout
+from impala.envs.obs_layout import ObsLayout
 from impala.nets.visual import make_encoder
 from impala.options import ConfigError
 from impala.run.ppo_config import PPOConfig
