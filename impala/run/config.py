@@ -356,6 +356,14 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        self._check_budgets()
+        self._check_processes()
+        self._check_run_folder()
+        self._check_transport()
+        self._check_env()
+
+    def _check_budgets(self) -> None:
+        """Counts and budgets: workers, envs, learners, unroll, frames or steps, time, evaluation, seed."""
         need(self.workers >= 0, f"--workers must be >= 0, got {self.workers}")
         need(self.learners >= 1, f"--learners must be >= 1, got {self.learners}")
         need(self.envs_per_worker >= 1, f"--envs-per-worker must be >= 1, got {self.envs_per_worker}")
@@ -386,6 +394,9 @@ class RunConfig:
         need(
             0 <= self.seed <= MAX_SEED, f"--seed must be in 0..{MAX_SEED:,}, got {capped(str(self.seed), 40)}"
         )
+
+    def _check_processes(self) -> None:
+        """Where and how the learner and its actors run: device, threads, CPU placement, priority."""
         need(
             self.device == "auto"
             or self.device == "cpu"
@@ -417,6 +428,9 @@ class RunConfig:
                 split_cpus(self.cpu_threads())
             except ValueError as e:
                 need(False, str(e))
+
+    def _check_run_folder(self) -> None:
+        """Where the run is written and how it is logged, resumed and tracked."""
         need(self.logdir is None or bool(self.logdir.strip()), "--logdir must not be empty")
         need(bool(self.runs_dir.strip()), "--runs-dir must not be empty")
         need(
@@ -445,6 +459,9 @@ class RunConfig:
             self.log_interval >= 0,
             f"--log-interval must be >= 0 (0: a row per update), got {self.log_interval}",
         )
+
+    def _check_transport(self) -> None:
+        """The sockets and what travels over them: bind, ports, queue, policy lag, value bound."""
         need(bool(self.bind.strip()), "--bind must not be empty")
         need(
             self.port == 0 or 1 <= self.port <= 65534,
@@ -484,6 +501,9 @@ class RunConfig:
             "and read "
             "weights; pass --curve DIR (see README, Security), or --insecure-bind on a network you trust",
         )
+
+    def _check_env(self) -> None:
+        """The env ids, packages and keyword arguments, checked before any env is made."""
         if self.env is not None:
             tasks = self.env.split(",")
             need(all(t.strip() for t in tasks), f"--env {self.env!r}: an empty env id in the list")
