@@ -357,16 +357,38 @@ class VTraceLearner:
 
     def step(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
         """One update. ``batch`` holds the impala_unroll_schema arrays stacked as [T(+1), B, ...]."""
-        cfg = self.config
-        core_state = self._core_state(batch)
-        torso = self.model.torso
         # Health metrics cost ~10% of a small CPU update, and the console and CSV show one row
         # every few seconds: measure them on every HEALTH_EVERY-th update and repeat the last values.
         measure = self.updates % self.HEALTH_EVERY == 0
-        torso.track_activity = measure
+        T = batch["actions"].shape[0]
         task_ids = self._task_ids(batch)
         fixed = BatchTargets(batch["target_vs"], batch["target_pg_adv"]) if "target_vs" in batch else None
-        T = batch["actions"].shape[0]
+        logits, values = self._forward(batch, T, fixed, task_ids, measure)
+        loss = self._loss(batch, logits, values, T, fixed, task_ids)
+        lr = self.learning_rate(frames_done)
+        grad_norm = self._apply(loss, lr, task_ids, T)
+        self.updates += 1
+        metrics = self._metrics(loss, grad_norm, lr)
+        if self.task_names:
+            self._add_task_health(loss, logits[:T], values[:T], task_ids[:T])
+        if measure:
+            self._health = self._measure_health(loss, logits, values, self.model.torso)
+            self._health.update(self._task_health())
+        metrics.update(self._health)
+        return metrics
+
+    def _forward(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        T: int,
+        fixed: BatchTargets | None,
+        task_ids: torch.Tensor | None,
+        measure: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The network's logits and values over the unroll; the torso tracks its activity if ``measure``."""
+        core_state = self._core_state(batch)
+        torso = self.model.torso
+        torso.track_activity = measure
         # Fixed targets need no bootstrap value: the forward pass (and so the backward) skips step T,
         # 1/(T+1) of the update's network work. The outputs of steps 0..T-1 do not depend on step T.
         steps = T if fixed is not None else T + 1
@@ -374,8 +396,19 @@ class VTraceLearner:
             task_ids = task_ids[:steps]
         out, _ = self.model(batch["obs"][:steps], batch["first"][:steps], core_state, task_ids)
         torso.track_activity = False
-        logits = out.policy_logits.float()
-        values = out.values.float()
+        return out.policy_logits.float(), out.values.float()
+
+    def _loss(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        logits: torch.Tensor,
+        values: torch.Tensor,
+        T: int,
+        fixed: BatchTargets | None,
+        task_ids: torch.Tensor | None,
+    ) -> Any:
+        """The IMPALA loss (with PopArt's normalized values when ``--popart``) of this batch."""
+        cfg = self.config
         # with fixed targets the bootstrap value is not read (impala_loss, popart_impala_loss)
         bootstrap = values[T] if fixed is None else torch.zeros_like(values[0])
         rewards, discounts = self._rewards_discounts(batch)
@@ -390,7 +423,7 @@ class VTraceLearner:
             targets=fixed,
         )
         if cfg.popart:
-            loss = popart_impala_loss(
+            return popart_impala_loss(
                 batch["behaviour_logits"],
                 logits[:T],
                 batch["actions"],
@@ -402,18 +435,21 @@ class VTraceLearner:
                 0 if task_ids is None else task_ids[:T],
                 **common,
             )
-        else:
-            loss = impala_loss(
-                batch["behaviour_logits"],
-                logits[:T],
-                batch["actions"],
-                discounts,
-                rewards,
-                values[:T],
-                bootstrap,
-                **common,
-            )
-        lr = self.learning_rate(frames_done)
+        return impala_loss(
+            batch["behaviour_logits"],
+            logits[:T],
+            batch["actions"],
+            discounts,
+            rewards,
+            values[:T],
+            bootstrap,
+            **common,
+        )
+
+    def _apply(self, loss: Any, lr: float, task_ids: torch.Tensor | None, T: int) -> torch.Tensor:
+        """Backward, gradients summed over the group and clipped, then the optimizer (and PopArt) step;
+        returns the gradient norm before clipping."""
+        cfg = self.config
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -441,7 +477,10 @@ class VTraceLearner:
             # pass) must not reach the weights, the actors or a checkpoint: drop this step, go on.
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_updates += 1
-        self.updates += 1
+        return grad_norm
+
+    def _metrics(self, loss: Any, grad_norm: torch.Tensor, lr: float) -> dict[str, float]:
+        """The update's losses, gradient norm, learning rate and PopArt statistics, by their log names."""
         state = self.model.baseline.state
         metrics = {
             "losses/total": float(loss.total.detach()),
@@ -462,12 +501,6 @@ class VTraceLearner:
         else:
             metrics["popart/mu"] = float(state.mu[0])
             metrics["popart/sigma"] = float(state.sigma[0])
-        if self.task_names:
-            self._add_task_health(loss, logits[:T], values[:T], task_ids[:T])
-        if measure:
-            self._health = self._measure_health(loss, logits, values, torso)
-            self._health.update(self._task_health())
-        metrics.update(self._health)
         return metrics
 
     @torch.no_grad()
