@@ -211,15 +211,9 @@ class UnityVecEnv:
         fast_client: bool = True,
     ) -> None:
         try:
-            from mlagents_envs import env_utils
             from mlagents_envs.base_env import ActionTuple
             from mlagents_envs.environment import UnityEnvironment
-            from mlagents_envs.exception import (
-                UnityEnvironmentException,
-                UnityException,
-                UnityTimeOutException,
-                UnityWorkerInUseException,
-            )
+            from mlagents_envs.exception import UnityException
             from mlagents_envs.side_channel.engine_configuration_channel import EngineConfigurationChannel
             from impala.envs.unity_client import FastUnityEnvironment
         except ImportError as exc:  # pragma: no cover - depends on the install
@@ -256,8 +250,48 @@ class UnityVecEnv:
             capture_frame_rate=capture_frame_rate,
         )
         env_cls = FastUnityEnvironment if fast_client else UnityEnvironment
+        self._env = self._start(
+            env_cls,
+            file_name=file_name,
+            worker_id=worker_id,
+            base_port=base_port,
+            seed=seed,
+            no_graphics=no_graphics,
+            timeout_wait=timeout_wait,
+            additional_args=additional_args,
+        )
+
         try:
-            self._env = env_cls(
+            self._setup(behavior_name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(
+        self,
+        env_cls: Any,
+        *,
+        file_name: str | None,
+        worker_id: int,
+        base_port: int,
+        seed: int,
+        no_graphics: bool,
+        timeout_wait: int,
+        additional_args: list[str] | tuple[str, ...],
+    ) -> Any:
+        """Start (or connect to) the Unity instance; each way it can fail is one UnityEnvError that says
+        what to check, and a half-built environment is closed first."""
+        from mlagents_envs import env_utils
+        from mlagents_envs.environment import UnityEnvironment
+        from mlagents_envs.exception import (
+            UnityEnvironmentException,
+            UnityException,
+            UnityTimeOutException,
+            UnityWorkerInUseException,
+        )
+
+        try:
+            return env_cls(
                 file_name=file_name,
                 worker_id=worker_id,
                 base_port=base_port,
@@ -293,12 +327,6 @@ class UnityVecEnv:
         except UnityException as exc:
             _close_half_built(exc, UnityEnvironment)
             raise UnityEnvError(f"{self._where}: {exc}") from exc
-
-        try:
-            self._setup(behavior_name)
-        except BaseException:
-            self.close()
-            raise
 
     # -- setup -------------------------------------------------------------------------------
     def _call(self, fn, *args):
