@@ -490,41 +490,8 @@ class UnityVecEnv:
             dec, term = self._call(self._env.get_steps, self.behavior_name)
 
             if len(term) > 0:
-                term_obs = _flat_obs(term.obs, len(term))
-                for j, aid in enumerate(term.agent_id):
-                    slot = slot_of.pop(int(aid), None)
-                    if slot is None:  # an episode the policy never acted in
-                        continue
-                    free.append(slot)
-                    if ended[slot]:  # its next episode ended too: keep the first end
-                        continue
-                    ended[slot] = True
-                    reward[slot] += term.reward[j]
-                    if term.interrupted[j]:
-                        truncated[slot] = True
-                    else:
-                        terminated[slot] = True
-                    if final_obs is None:
-                        final_obs = np.empty((K, self.obs_dim), dtype=np.float32)
-                    final_obs[slot] = term_obs[j]
-
-            seen = np.zeros(K, dtype=bool)
-            free.sort()
-            for j, aid in enumerate(dec.agent_id):
-                aid = int(aid)
-                slot = slot_of.get(aid)
-                if slot is None:
-                    if not free:
-                        raise UnityEnvError(
-                            f"behavior {self.behavior_name!r}: agent id {aid} appeared while all "
-                            f"{K} slots hold running agents; UnityVecEnv needs a fixed number of "
-                            "agents (a new id takes the slot of an agent whose episode ended)"
-                        )
-                    slot = free.pop(0)
-                    slot_of[aid] = slot
-                if not ended[slot]:
-                    reward[slot] += dec.reward[j]
-                seen[slot] = True
+                final_obs = self._end_episodes(term, free, reward, ended, terminated, truncated, final_obs)
+            seen = self._place_decisions(dec, free, reward, ended)
             if seen.all():
                 break
         else:
@@ -546,6 +513,61 @@ class UnityVecEnv:
             final_obs[~ended] = obs[~ended]
         self.episodes.record(reward, ended)
         return StepResult(obs, reward, terminated, truncated, final_obs)
+
+    def _end_episodes(
+        self,
+        term: Any,
+        free: list[int],
+        reward: np.ndarray,
+        ended: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        final_obs: np.ndarray | None,
+    ) -> np.ndarray | None:
+        """The agents whose episode ended in this Unity step: free their slots, add their last reward, say
+        how it ended and keep their last observation (``final_obs``, made when first needed)."""
+        term_obs = _flat_obs(term.obs, len(term))
+        for j, aid in enumerate(term.agent_id):
+            slot = self._slot_of.pop(int(aid), None)
+            if slot is None:  # an episode the policy never acted in
+                continue
+            free.append(slot)
+            if ended[slot]:  # its next episode ended too: keep the first end
+                continue
+            ended[slot] = True
+            reward[slot] += term.reward[j]
+            if term.interrupted[j]:
+                truncated[slot] = True
+            else:
+                terminated[slot] = True
+            if final_obs is None:
+                final_obs = np.empty((self.num_envs, self.obs_dim), dtype=np.float32)
+            final_obs[slot] = term_obs[j]
+        return final_obs
+
+    def _place_decisions(
+        self, dec: Any, free: list[int], reward: np.ndarray, ended: np.ndarray
+    ) -> np.ndarray:
+        """The agents asking for a decision: each keeps its slot, a new agent id takes the lowest freed one;
+        returns which slots asked."""
+        seen = np.zeros(self.num_envs, dtype=bool)
+        free.sort()
+        for j, aid in enumerate(dec.agent_id):
+            aid = int(aid)
+            slot = self._slot_of.get(aid)
+            if slot is None:
+                if not free:
+                    raise UnityEnvError(
+                        f"behavior {self.behavior_name!r}: agent id {aid} appeared while all "
+                        f"{self.num_envs} slots hold running agents; UnityVecEnv needs a fixed number of "
+                        "agents (a new id takes the slot of an agent whose episode ended)"
+                    )
+                slot = free.pop(0)
+                self._slot_of[aid] = slot
+            if not ended[slot]:
+                reward[slot] += dec.reward[j]
+            seen[slot] = True
+        return seen
 
     def close(self) -> None:
         """Send the close message (status 400) and stop the server and the Unity process."""
