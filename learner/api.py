@@ -85,7 +85,8 @@ def _train(launcher: Any, settings: Mapping[str, Any]) -> TrainResult:
     try:
         with _argparse_errors(prog):
             launcher.parse_args(argv)  # a bad value is argparse's error line, said before anything starts
-        outcome: Outcome = launcher.launch(argv)
+        with _spawnable_main():
+            outcome: Outcome = launcher.launch(argv)
     except (LaunchError, ConfigError) as e:
         raise ImpalaError(f"{prog}: {e}") from None
     folder = os.path.abspath(outcome.config.logdir)
@@ -102,6 +103,24 @@ def _train(launcher: Any, settings: Mapping[str, Any]) -> TrainResult:
     saved = os.path.abspath(r.checkpoint) if r.checkpoint else None
     return TrainResult(folder, r.env_frames, r.agent_steps, r.updates, r.mean_return, saved,
                        r.interrupted)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _spawnable_main():
+    """A program read from stdin (``python - < job.py``, a heredoc) has ``__main__.__file__ == "<stdin>"``:
+    multiprocessing's spawn would have each actor process run that path as a script, find no such file and
+    die before it says hello, and the run would wait out its hello timeout. Without ``__file__`` spawn
+    imports no main module in the children (as for a notebook or ``python -c``), which is all stdin allows."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _check_main_guard() -> None:

@@ -10,7 +10,13 @@ run's ``tasks/<env>/frames``, a single-task run's ``charts/env_frames``), its hu
 over the games. Writes OUT (the figure: per game the return against its frames, each game's PopArt sigma,
 the median and mean human-normalized score) and OUT with .md for .png (the table).
 
+Curves kept elsewhere (run folders do not outlive the machine they ran on; the docs keep their CSVs) join
+with ``--multi LABEL=PATH`` (a multi-task run's metrics.csv) and ``--single LABEL:GAME=PATH`` (one game's
+single-task curve: a metrics.csv, or the short ``frames,mean_return_100`` form of the docs' data folder).
+
     python scripts/plot_multitask.py --root runs/multitask --games A,B,C --out docs/multitask.png
+    python scripts/plot_multitask.py --root none --games A,B --multi "popart s1=docs/data/mt.csv" \
+        --single "single:A=docs/data/a.csv" --single "single:B=docs/data/b.csv" --out docs/multitask.png
 """
 
 from __future__ import annotations
@@ -66,20 +72,33 @@ def at(points: list[tuple[float, float]], frames: float) -> float | None:
     return before[-1][1]
 
 
+def multi_run(
+    rows: list[dict[str, str]], games: list[str]
+) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """{game: {"return": curve, "sigma": curve}} of a multi-task run, each against that game's own frames."""
+    return {
+        g: {
+            "return": curve(rows, f"tasks/{g}/frames", f"tasks/{g}/mean_return_100"),
+            "sigma": curve(rows, f"tasks/{g}/frames", f"popart/sigma/{g}"),
+        }
+        for g in games
+    }
+
+
+def single_run(rows: list[dict[str, str]]) -> dict[str, list[tuple[float, float]]]:
+    """{"return": curve, "sigma": curve} of a single-task run: a metrics.csv or the short CSV form."""
+    frames = "charts/env_frames" if rows and "charts/env_frames" in rows[0] else "frames"
+    value = "charts/mean_return_100" if rows and "charts/mean_return_100" in rows[0] else "mean_return_100"
+    return {"return": curve(rows, frames, value), "sigma": curve(rows, frames, "popart/sigma")}
+
+
 def load(root: str, games: list[str]) -> dict[str, dict[str, dict[str, list[tuple[float, float]]]]]:
     """{run label: {game: {"return": curve, "sigma": curve}}} for every run of every arm under ``root``."""
     runs: dict[str, dict[str, dict[str, list[tuple[float, float]]]]] = {}
     for arm in MULTI:
         for path in sorted(glob.glob(os.path.join(root, f"{arm}-s*", "metrics.csv"))):
             seed = re.search(r"-s(\d+)$", os.path.dirname(path)).group(1)
-            rows = read_rows(path)
-            runs[f"{arm} s{seed}"] = {
-                g: {
-                    "return": curve(rows, f"tasks/{g}/frames", f"tasks/{g}/mean_return_100"),
-                    "sigma": curve(rows, f"tasks/{g}/frames", f"popart/sigma/{g}"),
-                }
-                for g in games
-            }
+            runs[f"{arm} s{seed}"] = multi_run(read_rows(path), games)
     for arm in SINGLE:
         seeds = {
             m.group(1)
@@ -91,11 +110,7 @@ def load(root: str, games: list[str]) -> dict[str, dict[str, dict[str, list[tupl
             for g in games:
                 path = os.path.join(root, f"{arm}-{g.split('Deterministic')[0]}-s{seed}", "metrics.csv")
                 if os.path.isfile(path):
-                    rows = read_rows(path)
-                    found[g] = {
-                        "return": curve(rows, "charts/env_frames", "charts/mean_return_100"),
-                        "sigma": curve(rows, "charts/env_frames", "popart/sigma"),
-                    }
+                    found[g] = single_run(read_rows(path))
             if found:
                 runs[f"{arm} s{seed}"] = found
     return runs
@@ -205,6 +220,34 @@ def figure(runs: dict, games: list[str], out: str) -> None:
     fig.savefig(out, dpi=100)
 
 
+def add_csvs(runs: dict, games: list[str], multi: list[str], single: list[str]) -> None:
+    """Adds the --multi and --single curves to ``runs``; ValueError (one line) on a malformed spec or
+    a file that cannot be read."""
+
+    def rows_of(spec: str, path: str) -> list[dict[str, str]]:
+        try:
+            rows = read_rows(path)
+        except OSError as e:
+            raise ValueError(f"cannot read {path!r} ({spec!r}): {e.strerror or e}") from None
+        if not rows:
+            raise ValueError(f"{path!r} ({spec!r}) holds no rows")
+        return rows
+
+    for spec in multi:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"--multi takes LABEL=PATH, got {spec!r}")
+        runs[label] = multi_run(rows_of(spec, path), games)
+    for spec in single:
+        head, sep, path = spec.partition("=")
+        label, colon, game = head.partition(":")
+        if not sep or not colon or not label or not path:
+            raise ValueError(f"--single takes LABEL:GAME=PATH, got {spec!r}")
+        if game not in games:
+            raise ValueError(f"--single {spec!r}: {game!r} is not one of --games")
+        runs.setdefault(label, {})[game] = single_run(rows_of(spec, path))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
@@ -212,9 +255,23 @@ def main() -> int:
     ap.add_argument("--root", default="runs/multitask", help="The folder learn_multitask.sh trains in.")
     ap.add_argument("--games", required=True, help="The games, comma-separated, in the table's order.")
     ap.add_argument("--out", required=True, help="The figure (.png); the table goes beside it (.md).")
+    ap.add_argument(
+        "--multi",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="A multi-task run's metrics.csv to add under LABEL (repeatable).",
+    )
+    ap.add_argument("--single", action="append", default=[], metavar="LABEL:GAME=PATH",
+                    help="One game's single-task curve to add to the run LABEL (repeatable).")  # fmt: skip
     args = ap.parse_args()
     games = [g.strip() for g in args.games.split(",") if g.strip()]
     runs = load(args.root, games)
+    try:
+        add_csvs(runs, games, args.multi, args.single)
+    except ValueError as e:
+        print(f"plot_multitask: {e}", file=sys.stderr)
+        return 2
     if not runs:
         print(f"plot_multitask: no runs under {args.root!r}", file=sys.stderr)
         return 2

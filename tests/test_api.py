@@ -59,6 +59,23 @@ def test_train_then_load_and_act_from_a_folder_outside_the_clone(tmp_path):
     assert not got["where"].startswith(str(tmp_path))
 
 
+def test_a_program_read_from_stdin_trains(tmp_path):
+    """``python - < job.py`` (or a heredoc): spawn cannot re-read a script from stdin, so without care each
+    actor died at start-up and the run waited out its 180 s hello timeout; it trains as from a file."""
+    body = f"""
+import impala
+r = impala.train(env="CartPole-v1", workers=1, total_frames=4000, logdir={str(tmp_path / "run")!r},
+                 progress=False)
+print("FRAMES", r.env_frames, r.updates)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-"], input=body, cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    frames, updates = out.stdout.split("FRAMES")[-1].split()
+    assert int(frames) >= 4000 and int(updates) > 0, out.stdout
+
+
 def test_ctrl_c_stops_a_run_with_its_checkpoint_and_no_process_left(tmp_path):
     proc = _script(
         tmp_path,

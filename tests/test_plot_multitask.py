@@ -64,3 +64,39 @@ def test_no_runs_or_an_unscored_game_is_one_line_and_exit_2(tmp_path):
     _write(tmp_path / "popart-s1", [{"tasks/CartPole-v1/frames": 1, "tasks/CartPole-v1/mean_return_100": 1}])
     out = _run("--root", str(tmp_path), "--games", "CartPole-v1", "--out", str(tmp_path / "x.png"))
     assert out.returncode == 2 and "no human reference score for CartPole-v1" in out.stderr
+
+
+def test_curves_kept_as_csv_files_join_by_label(tmp_path):
+    """--multi and --single read committed CSVs (the docs' short frames,mean_return_100 form too) beside the
+    runs found under --root; a malformed spec or a missing file is one line, exit 2."""
+    multi = [
+        {
+            "tasks/PongDeterministic-v4/frames": 1_000_000,
+            "tasks/PongDeterministic-v4/mean_return_100": -3.05,
+            "tasks/BreakoutDeterministic-v4/frames": 1_000_000,
+            "tasks/BreakoutDeterministic-v4/mean_return_100": 16.1,
+        }
+    ]
+    _write(tmp_path / "kept", multi)
+    short = tmp_path / "pong_short.csv"
+    short.write_text("frames,time,mean_return_100,fps\n500000,10,-20.7,5000\n1000000,20,14.6,5000\n")
+    _write(tmp_path / "breakout_single", [{"charts/env_frames": 1_000_000, "charts/mean_return_100": 1.7}])
+    args = ["--root", str(tmp_path / "none"), "--games", ",".join(GAMES), "--out", str(tmp_path / "mt.png")]
+    breakout = tmp_path / "breakout_single" / "metrics.csv"
+    out = _run(*args, "--multi", f"popart s9={tmp_path / 'kept' / 'metrics.csv'}",
+               "--single", f"alone:PongDeterministic-v4={short}",
+               "--single", f"alone:BreakoutDeterministic-v4={breakout}")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "mt.md").read_text()
+    # Pong -3.05 (-3.0499... in binary, printed -3.0) -> 0.5, Breakout 16.1 -> 0.5;
+    # alone: Pong 14.6 -> 1.0, Breakout 1.7 -> 0.0
+    assert "| popart s9 | -3.0 (0.500) | 16.1 (0.500) | 0.500 | 0.500 |" in md, md
+    assert "| alone | 14.6 (1.000) | 1.7 (0.000) | 0.500 | 0.500 |" in md, md
+    for bad, says in [
+        (["--multi", "no-equals-sign"], "--multi takes LABEL=PATH"),
+        (["--single", f"alone=PongDeterministic-v4={short}"], "--single takes LABEL:GAME=PATH"),
+        (["--single", f"alone:CartPole-v1={short}"], "is not one of --games"),
+        (["--multi", f"x={tmp_path / 'missing.csv'}"], "cannot read"),
+    ]:
+        out = _run(*args, *bad)
+        assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and says in out.stderr, (bad, out)
