@@ -64,9 +64,9 @@ def agent_membership(args: argparse.Namespace) -> Membership | None:
         raise ConfigError(
             "--node-rank needs --rdzv-endpoint HOST:PORT (node rank 0's host: the same on every host)"
         )
+    host, port = endpoint(args.rdzv_endpoint)
     if args.node_rank is None:
         raise ConfigError("--rdzv-endpoint needs --node-rank R (0 on the host the actors connect to)")
-    host, port = endpoint(args.rdzv_endpoint)
     if args.learners < 2:
         raise ConfigError(
             f"--node-rank places this host in a learner group across hosts: give --learners N (the number "

@@ -389,7 +389,13 @@ def host_rank(argv: list[str]) -> Membership | None:
     """With ``--node-rank`` and ``--rdzv-endpoint``: this host's rank of a learner group across hosts, its
     flags checked (None: the run is this process's, or torchrun started it as a rank)."""
     try:
-        return hosts.agent_membership(parse_args(argv))
+        args = parse_args(argv)
+        member = hosts.agent_membership(args)
+        # the run's own settings are checked here too, before the rendezvous waits for the other hosts;
+        # a follower host resuming may lack the run folder (rank 0 sends it the run's settings)
+        if member is not None and not (args.resume and member.rank > 0):
+            resolve(args)
+        return member
     except ConfigError as e:
         raise LaunchError(str(e)) from None
 
