@@ -54,10 +54,10 @@ def endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def agent_membership(args: argparse.Namespace) -> Membership | None:
-    """The rank ``--node-rank`` / ``--rdzv-endpoint`` ask for, checked (None when neither is given, or when
-    torchrun started this process: its environment then decides, and :func:`learner.group.membership`
-    reads it)."""
+def requested_rank(args: argparse.Namespace) -> Membership | None:
+    """The rank ``--node-rank`` / ``--rdzv-endpoint`` ask for, the flags checked against each other (None
+    when neither is given, or when torchrun started this process: its environment then decides, and
+    :func:`learner.group.membership` reads it)."""
     if args.node_rank is None and args.rdzv_endpoint is None or membership() is not None:
         return None
     if args.rdzv_endpoint is None:
@@ -77,8 +77,15 @@ def agent_membership(args: argparse.Namespace) -> Membership | None:
             f"--node-rank {args.node_rank}: a group of --learners {args.learners} hosts has node ranks "
             f"0..{args.learners - 1}"
         )
-    member = Membership(args.node_rank, args.learners, 0, host, port)
-    group_interface(args.bind, member)  # a --bind the other hosts cannot reach: refused here, not in the rank
+    return Membership(args.node_rank, args.learners, 0, host, port)
+
+
+def agent_membership(args: argparse.Namespace) -> Membership | None:
+    """:func:`requested_rank`, and this host's ``--bind`` checked: one the other hosts cannot reach, or
+    no address of this host, is refused here rather than in the rank, after the rendezvous."""
+    member = requested_rank(args)
+    if member is not None:
+        group_interface(args.bind, member)
     return member
 
 
@@ -115,7 +122,7 @@ def run_rank(member: Membership, argv: list[str]) -> int:
         print(
             f"launch_impala: error: learner rank {member.rank} of {member.world_size} was killed "
             f"({name or f'signal {-failure.exitcode}'}); rank 0 writes the run's checkpoint: start every "
-            "host again with --resume to continue",
+            "host's rank again (rank 0 with --resume) to continue",
             file=sys.stderr,
             flush=True,
         )

@@ -284,7 +284,8 @@ def _follow(args: argparse.Namespace, member: Membership) -> str:
             raise
         raise LaunchError(
             f"learner {member.describe()}: rank 0 is gone or never came ({peer_error(e)}); "
-            "rank 0 writes the run's checkpoint: start every rank again with --resume to continue",
+            "rank 0 writes the run's checkpoint: start every host's rank again (rank 0 with --resume) to "
+            "continue",
             status=1,
         ) from None
 
@@ -344,6 +345,7 @@ def launch(argv: list[str] | None) -> Outcome:
             f"{e}; "
             + (
                 f"the run ends with its checkpoint {config.checkpoint_path}: --resume continues"
+                + (" (start every host's rank again, this one with --resume)" if member is not None else "")
                 if saved
                 else "no checkpoint was written (nothing trained yet): start the run again"
             ),
