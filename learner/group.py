@@ -93,6 +93,7 @@ class Membership:
     local_rank: int  # the rank among this host's ranks: its GPU with --device cuda
     master_addr: str  # the rendezvous store's host: rank 0's
     master_port: int
+    local_world_size: int = 1  # the ranks on this host, which share its CPUs
 
     @property
     def across_hosts(self) -> bool:
@@ -104,9 +105,10 @@ class Membership:
 
 
 def membership(environ: Mapping[str, str] = os.environ) -> Membership | None:
-    """The group torchrun put this process in, or None when it runs alone (no ``WORLD_SIZE``, or 1).
-    Values torchrun would never set are a :class:`ConfigError` naming them."""
-    if environ.get("WORLD_SIZE", "1") == "1" and "RANK" not in environ:
+    """The group torchrun put this process in, or None when it runs alone (no ``WORLD_SIZE``, or 1: a
+    stray ``RANK`` alone does not make a group). Values torchrun would never set are a
+    :class:`ConfigError` naming them."""
+    if environ.get("WORLD_SIZE", "").strip() in ("", "1"):
         return None
     missing = [name for name in GROUP_ENV if not environ.get(name)]
     if missing:
@@ -116,8 +118,8 @@ def membership(environ: Mapping[str, str] = os.environ) -> Membership | None:
             "with torchrun --nnodes N --node-rank R --rdzv-endpoint HOST:PORT"
         )
     values = {}
-    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
-        text = environ.get(name, "0" if name == "LOCAL_RANK" else "")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        text = environ.get(name, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.get(name, ""))
         try:
             values[name] = int(text)
         except ValueError:
@@ -132,7 +134,9 @@ def membership(environ: Mapping[str, str] = os.environ) -> Membership | None:
         raise ConfigError(f"MASTER_PORT {port} is no TCP port (the rendezvous endpoint's HOST:PORT)")
     if world == 1:
         return None
-    return Membership(rank, world, values["LOCAL_RANK"], environ["MASTER_ADDR"], port)
+    return Membership(
+        rank, world, values["LOCAL_RANK"], environ["MASTER_ADDR"], port, max(1, values["LOCAL_WORLD_SIZE"])
+    )
 
 
 def _loopback(host: str) -> bool:

@@ -264,7 +264,7 @@ def follow_rank_0(args: argparse.Namespace, member: Membership) -> str:
     impala, config = follower_settings(group, **own)
     log.info("learner group: %s joined on %s", member.describe(), os.environ.get("GLOO_SOCKET_IFNAME", "?"))
     env, tasks, _ = probe_run_envs(config)
-    torch.set_num_threads(learner_threads(config, env))
+    torch.set_num_threads(learner_threads(config, env, ranks_here=member.local_world_size))
     trainer = ImpalaTrainer(impala, config, env, group=group, tasks=tasks)
     try:
         updates = trainer.follow()
@@ -310,7 +310,8 @@ def launch(argv: list[str] | None) -> Outcome:
         env, tasks, note = probe_run_envs(config)
         config = claim_cpus(config, claim, env)
         config = dataclasses.replace(config, publish_delay=config.weights_delay())  # config.yaml says which
-        torch.set_num_threads(learner_threads(config, env))
+        ranks_here = member.local_world_size if member is not None else None
+        torch.set_num_threads(learner_threads(config, env, ranks_here))
         trainer = ImpalaTrainer(
             impala, config, env, group=start_group(impala, config, env, tasks, member), tasks=tasks
         )

@@ -146,16 +146,18 @@ def untrainable_behaviour(logits: np.ndarray, actions: np.ndarray) -> str | None
 LEARNER_THREADS = 2
 
 
-def learner_threads(run: RunConfig, env: EnvInfo) -> int:
+def learner_threads(run: RunConfig, env: EnvInfo, ranks_here: int | None = None) -> int:
     """Torch threads for one learner rank. Image observations (a conv net, whose update parallelizes) get
     at least LEARNER_THREADS unless the actors were niced below the learner by ``--actor-nice`` alone: with
     ``--cpu-affinity learner-first`` (opt-in) the second thread takes the actors' core
     whenever the update can use it (Pong, 2 actors on 2 cores: 0.75-0.89 of the cost model's ceiling,
     four runs of five at 0.83 or above, against 0.75-0.80 for one pinned thread, BENCHMARKS.md).
     Vector observations (an MLP of small layers) keep the cores the actors leave, at least 1: there a
-    second thread only adds synchronization (CartPole, 2 actors on 2 cores: 18% fewer frames/s)."""
+    second thread only adds synchronization (CartPole, 2 actors on 2 cores: 18% fewer frames/s).
+    ``ranks_here``: the group's ranks that share this machine's CPUs (all --learners on one machine; a
+    group across hosts has one per host)."""
     at_least = LEARNER_THREADS if len(env.obs_shape) == 3 else 1
-    return max(1, run.cpu_threads(at_least=at_least) // run.learners)
+    return max(1, run.cpu_threads(at_least=at_least) // (ranks_here or run.learners))
 
 
 def cpu_has_native_bf16() -> bool:
