@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import sys
 
 import learner.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
@@ -266,11 +267,22 @@ def follow_rank_0(args: argparse.Namespace, member: Membership) -> str:
     env, tasks, _ = probe_run_envs(config)
     torch.set_num_threads(learner_threads(config, env, ranks_here=member.local_world_size))
     trainer = ImpalaTrainer(impala, config, env, group=group, tasks=tasks)
+    # A stop signal (scancel, a pod's deletion, Ctrl-C) reaches every host at once: rank 0 finishes its
+    # update and checkpoints, which needs this rank in the update, then releases it. Dying at once here
+    # would cost that update and end the run as a lost rank.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _await_rank_0)
     try:
         updates = trainer.follow()
     finally:
         group.leave()
     return f"learner {member.describe()} done: {updates} updates (rank 0 ended the run)"
+
+
+def _await_rank_0(signum: int, frame: object) -> None:
+    log.warning(
+        "signal %d: this rank stops when rank 0 stops the group (after its update and checkpoint)", signum
+    )
 
 
 def _follow(args: argparse.Namespace, member: Membership) -> str:

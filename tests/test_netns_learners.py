@@ -149,10 +149,11 @@ def test_two_learner_hosts_through_torchrun_train_equal_one_learner_survive_a_lo
     make_net, tmp_path
 ):
     """Two learner ranks on two hosts (torchrun's rendezvous) and an actor on a third: the first
-    update on each rank equals one learner's on the whole batch; killing the follower ends the run
-    with one error line on each host and a checkpoint; --resume on both hosts (started by torchrun
-    itself this time) restarts the group, which trains on from the checkpoint with both ranks in step
-    (rank 0's state reached the follower)."""
+    update on each rank equals one learner's on the whole batch; a stop signal to both hosts ends the
+    run cleanly with a checkpoint; --resume restarts the group, and killing the follower then ends the
+    run with one error line on each host and a checkpoint; --resume on both hosts (started by
+    torchrun itself this time) restarts the group again, which trains on from the checkpoint with
+    both ranks in step (rank 0's state reached the follower)."""
     started = time.time()
     net = make_net(2)
     host_l, host_f, host_a = net.learner, net.hosts[0], net.hosts[1]
@@ -160,7 +161,10 @@ def test_two_learner_hosts_through_torchrun_train_equal_one_learner_survive_a_lo
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(RANK_PROBE)
     total = 100_000_000
-    logs = {name: tmp_path / f"{name}.log" for name in ("rank0", "rank1", "actors", "rank0b", "rank1b")}
+    logs = {
+        name: tmp_path / f"{name}.log" for name in ("actors", *(f"rank{r}{x}" for r in (0, 1) for x in "bc"))
+    }
+    logs.update({f"rank{r}": tmp_path / f"rank{r}.log" for r in (0, 1)})
 
     def text(name: str) -> str:
         return logs[name].read_text() if logs[name].exists() else ""
@@ -212,34 +216,58 @@ def test_two_learner_hosts_through_torchrun_train_equal_one_learner_survive_a_lo
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=2e-5, atol=1e-5, msg=f"rank {r}: {key}")
 
-    # Phase 2: the follower host's rank dies outright: each host ends with one line, rank 0 with a checkpoint.
-    pid = follower_pid(net)
-    assert pid is not None, text("rank1")[-2000:]
-    os.kill(pid, signal.SIGKILL)
-    assert rank0.wait(timeout=60) == 1, text("rank0")[-3000:]
-    assert rank1.wait(timeout=60) == 1, text("rank1")[-3000:]
+    # Phase 2: both hosts are told to stop (SIGTERM to each host's launch_impala, as scancel or a pod's
+    # deletion does): rank 0 finishes its update, checkpoints and releases the follower, which waited
+    # for it; neither host reports an error, and the agents exit 128 + SIGTERM.
+    rank0.send_signal(signal.SIGTERM)
+    rank1.send_signal(signal.SIGTERM)
+    assert rank0.wait(timeout=60) == 128 + signal.SIGTERM, text("rank0")[-3000:]
+    assert rank1.wait(timeout=60) == 128 + signal.SIGTERM, text("rank1")[-3000:]
+    assert re.search(r"launch_impala: done: .* checkpoint \S+ \(interrupted\)", text("rank0")), text("rank0")[
+        -3000:
+    ]
+    assert re.search(r"launch_impala: learner rank 1 of 2 .* done: \d+ updates", text("rank1")), text(
+        "rank1"
+    )[-3000:]
+    for name in ("rank0", "rank1"):
+        assert "launch_impala: error" not in text(name) and "Traceback" not in text(name), text(name)[-3000:]
+    stopped = int(load_checkpoint(str(logdir / "checkpoint.pt"), keys=("env_frames",))["env_frames"])
+
+    # Phase 3: --resume on both hosts; once the group trains again, the follower host's rank dies
+    # outright: each host ends with one line, rank 0 with a checkpoint.
+    rank0, rank1 = start_ranks(
+        learner_host, ["--logdir", str(logdir), "--resume", "--max-seconds", "120"], "again", "b"
+    )
+    assert wait_for(lambda: (tmp_path / "again-rank1.pt").exists() and follower_pid(net), 90), (
+        text("rank0b")[-3000:] + text("rank1b")[-2000:]
+    )
+    assert f"resumed from {logdir}/checkpoint.pt at {stopped} env frames" in text("rank0b")
+    os.kill(follower_pid(net), signal.SIGKILL)
+    assert rank0.wait(timeout=60) == 1, text("rank0b")[-3000:]
+    assert rank1.wait(timeout=60) == 1, text("rank1b")[-3000:]
     for name, says in (
-        ("rank0", "a learner rank stopped"),
-        ("rank1", "learner rank 1 of 2 was killed (SIGKILL)"),
+        ("rank0b", "a learner rank stopped"),
+        ("rank1b", "learner rank 1 of 2 was killed (SIGKILL)"),
     ):
         out = text(name)
         errors = [line for line in out.splitlines() if line.startswith("launch_impala: error:")]
         assert len(errors) == 1 and says in errors[0], out[-3000:]
         assert "Traceback" not in out and "launch_impala: done" not in out, out[-3000:]
-    assert "--resume continues" in text("rank0") and (logdir / "checkpoint.pt").exists()
+    assert "--resume continues" in text("rank0b") and (logdir / "checkpoint.pt").exists()
     frames = int(load_checkpoint(str(logdir / "checkpoint.pt"), keys=("env_frames",))["env_frames"])
+    assert frames > stopped
 
-    # Phase 3: --resume on both hosts, this time under torchrun itself, restarts the group from that
-    # checkpoint; it trains 2,000 more frames.
+    # Phase 4: --resume on both hosts, this time under torchrun itself, restarts the group from that
+    # checkpoint; it trains 2,000 more frames and ends at its budget.
     resume = ["--logdir", str(logdir), "--resume", "--total-frames", str(frames + 2000)]
-    rank0, rank1 = start_ranks(torchrun_host, [*resume, "--max-seconds", "90"], "resumed", "b")
-    assert rank0.wait(timeout=120) == 0, text("rank0b")[-3000:] + text("actors")[-1000:]
-    assert rank1.wait(timeout=60) == 0, text("rank1b")[-3000:]
-    assert f"resumed from {logdir}/checkpoint.pt at {frames} env frames" in text("rank0b")
-    done = [line for line in text("rank0b").splitlines() if line.startswith("launch_impala: done:")]
+    rank0, rank1 = start_ranks(torchrun_host, [*resume, "--max-seconds", "90"], "resumed", "c")
+    assert rank0.wait(timeout=120) == 0, text("rank0c")[-3000:] + text("actors")[-1000:]
+    assert rank1.wait(timeout=60) == 0, text("rank1c")[-3000:]
+    assert f"resumed from {logdir}/checkpoint.pt at {frames} env frames" in text("rank0c")
+    done = [line for line in text("rank0c").splitlines() if line.startswith("launch_impala: done:")]
     assert done and int(re.search(r"done: (\d+) env frames", done[0]).group(1)) >= frames + 2000, done
-    follower_done = re.search(r"launch_impala: learner rank 1 of 2 .* done: (\d+) updates", text("rank1b"))
-    assert follower_done and int(follower_done.group(1)) >= 1, text("rank1b")[-2000:]
+    follower_done = re.search(r"launch_impala: learner rank 1 of 2 .* done: (\d+) updates", text("rank1c"))
+    assert follower_done and int(follower_done.group(1)) >= 1, text("rank1c")[-2000:]
     # The follower took rank 0's resumed state (weights and optimizer): after their first update the two
     # ranks hold the same weights, and not those of the first run's first update.
     resumed = [torch.load(tmp_path / f"resumed-rank{r}.pt") for r in (0, 1)]
