@@ -7,8 +7,8 @@ with the same flags and torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, M
 then joins the group (``learner.group.membership``); rank 0 is the learner the actors connect to.
 
 Running torchrun here rather than asking the user to type it buys the project's rules for its
-outcomes: bad group flags are one line and exit 2 before anything starts (torchrun itself waits
-forever for a node rank >= --nnodes), and the rank's own last line is the host's last line (torchrun
+outcomes: bad group flags are one line and exit 2 before anything starts (torchrun itself, given a
+node rank >= --nnodes, waits without a word), and the rank's own last line is the host's last line (torchrun
 would add its failure report, a traceback, after a rank that stopped). Starting each rank under
 ``torchrun`` by hand works the same way (the rank reads the same environment).
 """
@@ -22,8 +22,6 @@ import sys
 
 from impala.run.config import ConfigError
 from learner.group import Membership, group_interface, membership
-
-log = logging.getLogger(__name__)
 
 HELP = {
     "node_rank": "This host's rank in a learner group across hosts: 0 for the learner the actors connect to "

@@ -4,6 +4,11 @@ Example::
 
     launch_impala --workers 16 --env PongDeterministic-v4
     launch_impala --workers 2 --env CartPole-v1 --total-frames 300000
+    # one learner rank on each of two hosts (docs/SCALE_OUT.md, section 9): on host 0, then host 1
+    launch_impala --env PongDeterministic-v4 --workers 0 --learners 2 --node-rank 0 \
+        --rdzv-endpoint host0:29400 --bind host0 --curve keys/learner
+    launch_impala --env PongDeterministic-v4 --workers 0 --learners 2 --node-rank 1 \
+        --rdzv-endpoint host0:29400 --bind host1 --insecure-bind
 
 Only wiring: flags -> (RunConfig, ImpalaConfig) -> env probe -> ImpalaTrainer -> ``runtime.run``.
 """
@@ -23,7 +28,6 @@ import torch
 
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
-    resolve_device,
     IMPALA_BRIEF,
     RUN_BRIEF,
     ConfigError,
@@ -38,6 +42,7 @@ from impala.run.config import (
     load_preset,
     resume_changes,
     resume_folder,
+    resolve_device,
     resume_record,
     saved_settings,
 )
@@ -263,7 +268,11 @@ def follow_rank_0(args: argparse.Namespace, member: Membership) -> str:
     group = join_group(member, backend, args.bind)
     own = {k: getattr(args, k) for k in ("bind", "curve", "insecure_bind", "device", "log_level")}
     impala, config = follower_settings(group, **own)
-    log.info("learner group: %s joined on %s", member.describe(), os.environ.get("GLOO_SOCKET_IFNAME", "?"))
+    log.info(
+        "learner group: %s joined on %s",
+        member.describe(),
+        os.environ.get("GLOO_SOCKET_IFNAME") or "the interface of this host's name",
+    )
     env, tasks, _ = probe_run_envs(config)
     torch.set_num_threads(learner_threads(config, env, ranks_here=member.local_world_size))
     trainer = ImpalaTrainer(impala, config, env, group=group, tasks=tasks)
@@ -292,7 +301,7 @@ def _follow(args: argparse.Namespace, member: Membership) -> str:
     except START_ERRORS as e:
         raise LaunchError(f"learner {member.describe()}: {str(e).strip() or type(e).__name__}") from None
     except RuntimeError as e:  # the group never formed, or rank 0 is gone (gloo: connection closed)
-        if not lost_peer(e) and "timed out" not in str(e).lower() and "store" not in str(e).lower():
+        if not lost_peer(e):
             raise
         raise LaunchError(
             f"learner {member.describe()}: rank 0 is gone or never came ({peer_error(e)}); "
