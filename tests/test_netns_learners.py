@@ -169,6 +169,17 @@ def test_two_learner_hosts_through_torchrun_train_equal_one_learner_survive_a_lo
     def text(name: str) -> str:
         return logs[name].read_text() if logs[name].exists() else ""
 
+    def phase(suffix: str = "") -> str:
+        """Both ranks' logs of a phase and the actors', for an assertion that fails."""
+        return "\n".join(
+            f"--- {n}:\n{text(n)[-2500:]}" for n in (f"rank0{suffix}", f"rank1{suffix}", "actors")
+        )
+
+    def exits(*procs: subprocess.Popen, timeout: float) -> list[int | None]:
+        """The ranks' exit codes once all have exited (None for one still running at ``timeout``)."""
+        wait_for(lambda: all(p.poll() is not None for p in procs), timeout)
+        return [p.poll() for p in procs]
+
     def start_ranks(command, args: list[str], out: str, suffix: str = "") -> list[subprocess.Popen]:
         env = {"PROBE_OUT": str(tmp_path / out), "PYTHONPATH": str(probe)}
         return [
@@ -198,9 +209,7 @@ def test_two_learner_hosts_through_torchrun_train_equal_one_learner_survive_a_lo
         path = logdir / "metrics.csv"
         return path.read_text().count("\n") - 1 if path.exists() else 0
 
-    assert wait_for(lambda: rows() >= 3 and (tmp_path / "first-rank1.pt").exists(), 90), (
-        text("rank0")[-3000:] + text("rank1")[-2000:] + text("actors")[-1000:]
-    )
+    assert wait_for(lambda: rows() >= 3 and (tmp_path / "first-rank1.pt").exists(), 90), phase()
     assert re.search(r"learner group: 2 ranks across hosts \(torchrun, rendezvous 10\.77\.0\.1:29400\), gloo "
                      r"backend on vl\w+; this is rank 0", text("rank0")), text("rank0")[-3000:]  # fmt: skip
     assert "learner-1 INFO learner group: rank 1 of 2 (rendezvous 10.77.0.1:29400) joined on vh" in text(
@@ -221,8 +230,7 @@ def test_two_learner_hosts_through_torchrun_train_equal_one_learner_survive_a_lo
     # for it; neither host reports an error, and the agents exit 128 + SIGTERM.
     rank0.send_signal(signal.SIGTERM)
     rank1.send_signal(signal.SIGTERM)
-    assert rank0.wait(timeout=60) == 128 + signal.SIGTERM, text("rank0")[-3000:]
-    assert rank1.wait(timeout=60) == 128 + signal.SIGTERM, text("rank1")[-3000:]
+    assert exits(rank0, rank1, timeout=60) == [128 + signal.SIGTERM] * 2, phase()
     assert re.search(r"launch_impala: done: .* checkpoint \S+ \(interrupted\)", text("rank0")), text("rank0")[
         -3000:
     ]
@@ -238,13 +246,10 @@ def test_two_learner_hosts_through_torchrun_train_equal_one_learner_survive_a_lo
     rank0, rank1 = start_ranks(
         learner_host, ["--logdir", str(logdir), "--resume", "--max-seconds", "120"], "again", "b"
     )
-    assert wait_for(lambda: (tmp_path / "again-rank1.pt").exists() and follower_pid(net), 90), (
-        text("rank0b")[-3000:] + text("rank1b")[-2000:]
-    )
+    assert wait_for(lambda: (tmp_path / "again-rank1.pt").exists() and follower_pid(net), 90), phase("b")
     assert f"resumed from {logdir}/checkpoint.pt at {stopped} env frames" in text("rank0b")
     os.kill(follower_pid(net), signal.SIGKILL)
-    assert rank0.wait(timeout=60) == 1, text("rank0b")[-3000:]
-    assert rank1.wait(timeout=60) == 1, text("rank1b")[-3000:]
+    assert exits(rank0, rank1, timeout=60) == [1, 1], phase("b")
     for name, says in (
         ("rank0b", "a learner rank stopped"),
         ("rank1b", "learner rank 1 of 2 was killed (SIGKILL)"),
@@ -261,8 +266,7 @@ def test_two_learner_hosts_through_torchrun_train_equal_one_learner_survive_a_lo
     # checkpoint; it trains 2,000 more frames and ends at its budget.
     resume = ["--logdir", str(logdir), "--resume", "--total-frames", str(frames + 2000)]
     rank0, rank1 = start_ranks(torchrun_host, [*resume, "--max-seconds", "90"], "resumed", "c")
-    assert rank0.wait(timeout=120) == 0, text("rank0c")[-3000:] + text("actors")[-1000:]
-    assert rank1.wait(timeout=60) == 0, text("rank1c")[-3000:]
+    assert exits(rank0, rank1, timeout=120) == [0, 0], phase("c")
     assert f"resumed from {logdir}/checkpoint.pt at {frames} env frames" in text("rank0c")
     done = [line for line in text("rank0c").splitlines() if line.startswith("launch_impala: done:")]
     assert done and int(re.search(r"done: (\d+) env frames", done[0]).group(1)) >= frames + 2000, done
