@@ -317,6 +317,11 @@ def launch(argv: list[str] | None) -> Outcome:
     try:
         args = parse_args(argv)
         member = group_membership(args)
+        if member is None and hosts.requested_rank(args) is not None:  # main() would have been the agent
+            raise ConfigError(
+                "--node-rank runs this host's rank as a process of its own (torchrun's agent): start it with "
+                "the launch_impala command, not from Python"
+            )
         if member is not None and member.rank > 0:
             return Outcome(None, None, _follow(args, member))
         config, impala = resolve(args)

@@ -101,6 +101,18 @@ def test_bad_group_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypa
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
+def test_a_group_across_hosts_is_refused_from_python(tmp_path, monkeypatch):
+    """``impala.train`` runs ``launch`` in its caller's process, which cannot become torchrun's agent:
+    the group flags are refused there rather than ignored (a lone learner that thinks it is rank 0)."""
+    from learner.runtime import LaunchError
+
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(LaunchError, match="start it with the launch_impala command, not from Python"):
+        launch_impala.launch([*TINY, *GROUP, "--logdir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
 def test_rank_0s_state_reaches_a_follower_as_json_and_raw_bytes_unchanged():
     """What a follower receives on --resume (a learner's state_dict: weights, PopArt buffers, the
     optimizer's per-parameter state under int keys, its hyper-parameters with tuples and None) is
