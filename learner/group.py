@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 from impala.transport.trajectory import TrajectorySchema
 
 log = logging.getLogger(__name__)

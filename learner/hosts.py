@@ -20,7 +20,7 @@ import logging
 import signal
 import sys
 
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 from learner.group import Membership, group_interface, membership
 
 HELP = {

@@ -201,9 +201,10 @@ class RunConfig:
     )
     learners: int = option(
         1,
-        "Learner processes in a data-parallel group on this machine (torch.distributed: gloo on CPU, NCCL "
-        "with a CUDA --device, one GPU per rank); each update's batch is split over them, --batch-size must "
-        "divide. Rank 0 receives the unrolls, publishes weights and writes checkpoints.",
+        "Learner ranks in a data-parallel group (torch.distributed: gloo on CPU, NCCL with a CUDA --device, "
+        "one GPU per rank): processes on this machine, or with --node-rank and --rdzv-endpoint one rank per "
+        "host; each update's batch is split over them, --batch-size must divide. Rank 0 receives the "
+        "unrolls, publishes weights and writes checkpoints.",
     )
     cpu_affinity: Literal["auto", "off", "split", "learner-first"] = option(
         "auto",
