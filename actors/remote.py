@@ -26,11 +26,9 @@ from actors.pool import ActorPool
 from impala.envs import EnvPackageError
 from impala.transport import wire
 from impala.run.cpus import available_cpus
-from impala.run.config import (
-    LOOPBACK,
+from impala.options import (
     ConfigError,
     FlagParser,
-    RunConfig,
     add_flags,
     check_fields,
     fail,
@@ -39,6 +37,7 @@ from impala.run.config import (
     need,
     option,
 )
+from impala.run.config import LOOPBACK, RunConfig
 from impala.transport.curve import client_keys, make_client_keys, make_client_socket
 from impala.transport.messages import RunInfo
 from impala.run.metrics import LOG_FORMAT, log_this_one
@@ -163,56 +162,68 @@ def main(argv: list[str] | None = None) -> int:
         return fail("impala-actors", e)
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     if options.make_keys:
-        if not config.curve:
-            return fail("impala-actors", "--make-keys needs --curve DIR")
-        try:
-            public = make_client_keys(config.curve)
-        except ConfigError as e:
-            return fail("impala-actors", e)
-        print(
-            f"created {public}: copy it into the learner's CURVE directory under authorized/, and copy the "
-            f"learner's server.key to {config.curve}/"
-        )
-        return 0
+        return _make_keys(config)
     try:
-        keys = client_keys(config.curve) if config.curve else None
-        if not options.learner:
-            raise ConfigError("--learner tcp://HOST:PORT is required")
-        if config.workers < 1:
-            raise ConfigError(f"--workers must be >= 1, got {config.workers}")
-        if options.first_id + config.workers - 1 > wire.MAX_ACTOR_ID:
-            raise ConfigError(
-                f"--first-id {options.first_id} + --workers {config.workers}: actor ids must stay <= "
-                f"{wire.MAX_ACTOR_ID} (the wire's limit)"
-            )
-        trajectory_endpoint, params_endpoint = parse_endpoint(options.learner)
-        host = trajectory_endpoint.split("//", 1)[1].rsplit(":", 1)[0]
-        if keys is None and host not in LOOPBACK and not options.insecure:
-            raise ConfigError(
-                f"{options.learner} is not on this machine and no --curve keys were given: whoever answers "
-                "at that address "
-                "would choose what these actors run. Pass --curve DIR (see README, Security), or --insecure "
-                "on a trusted network"
-            )
-        run = fetch_run_info(params_endpoint, options.timeout, keys)
-        configs = actor_configs(
-            run,
-            range(options.first_id, options.first_id + config.workers),
-            trajectory_endpoint=trajectory_endpoint,
-            params_endpoint=params_endpoint,
-            seed=config.seed,
-            curve=keys,
-            learner_timeout_s=options.learner_timeout,
-        )
-        pool = ActorPool(configs, start_method=config.start_method)
+        pool, tasks, trajectory_endpoint = _actor_pool(options, config)
     except (ValueError, TimeoutError, FileNotFoundError) as e:  # ConfigError and CurveError are ValueErrors
         return fail("impala-actors", e)
-    log.info(
-        "running %d actors for %s on %s",
-        config.workers,
-        ",".join(t.id for t in run.task_envs),
-        trajectory_endpoint,
+    log.info("running %d actors for %s on %s", config.workers, tasks, trajectory_endpoint)
+    return _supervise(pool, config)
+
+
+def _make_keys(config: RunConfig) -> int:
+    """``--make-keys``: this machine's CURVE client keys in ``--curve``, and what to copy where."""
+    if not config.curve:
+        return fail("impala-actors", "--make-keys needs --curve DIR")
+    try:
+        public = make_client_keys(config.curve)
+    except ConfigError as e:
+        return fail("impala-actors", e)
+    print(
+        f"created {public}: copy it into the learner's CURVE directory under authorized/, and copy the "
+        f"learner's server.key to {config.curve}/"
     )
+    return 0
+
+
+def _actor_pool(options: RemoteOptions, config: RunConfig) -> tuple[ActorPool, str, str]:
+    """The actors' pool (not started), built from the run the learner sends, with the run's task ids and
+    the trajectory endpoint; bad flags, an unsafe learner address or no answer raise."""
+    keys = client_keys(config.curve) if config.curve else None
+    if not options.learner:
+        raise ConfigError("--learner tcp://HOST:PORT is required")
+    if config.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {config.workers}")
+    if options.first_id + config.workers - 1 > wire.MAX_ACTOR_ID:
+        raise ConfigError(
+            f"--first-id {options.first_id} + --workers {config.workers}: actor ids must stay <= "
+            f"{wire.MAX_ACTOR_ID} (the wire's limit)"
+        )
+    trajectory_endpoint, params_endpoint = parse_endpoint(options.learner)
+    host = trajectory_endpoint.split("//", 1)[1].rsplit(":", 1)[0]
+    if keys is None and host not in LOOPBACK and not options.insecure:
+        raise ConfigError(
+            f"{options.learner} is not on this machine and no --curve keys were given: whoever answers "
+            "at that address "
+            "would choose what these actors run. Pass --curve DIR (see README, Security), or --insecure "
+            "on a trusted network"
+        )
+    run = fetch_run_info(params_endpoint, options.timeout, keys)
+    configs = actor_configs(
+        run,
+        range(options.first_id, options.first_id + config.workers),
+        trajectory_endpoint=trajectory_endpoint,
+        params_endpoint=params_endpoint,
+        seed=config.seed,
+        curve=keys,
+        learner_timeout_s=options.learner_timeout,
+    )
+    pool = ActorPool(configs, start_method=config.start_method)
+    return pool, ",".join(t.id for t in run.task_envs), trajectory_endpoint
+
+
+def _supervise(pool: ActorPool, config: RunConfig) -> int:
+    """Run the pool until the learner is gone (0), refuses the actors (2) or ``--max-seconds`` pass."""
     pool.start()
     start = time.monotonic()
     try:

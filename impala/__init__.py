@@ -12,9 +12,11 @@
 
 The library both learners and the actors stand on. Its rooms, bottom up (imports point down only):
 
+- ``options``: the one configuration mechanism (typed dataclasses -> flags, presets, :class:`ConfigError`),
+  importing nothing of the project, so every room may use it;
 - ``algos``: the learning math as pure tensor functions (V-trace, PopArt, the IMPALA losses, PPO's
   formulas, observation normalizers);
-- ``run``: the one configuration mechanism and run plumbing (configs, CPUs, checkpoints, metrics, tracking);
+- ``run``: run plumbing (the run's configurations, CPUs, checkpoints, metrics, tracking);
 - ``envs``: building, probing and fingerprinting environments (Atari, gymnasium, Unity);
 - ``nets``: the networks (IMPALA's CNNs/MLP, PPO's policy);
 - ``transport``: what travels between processes (trajectory schema, wire format, messages, weights, CURVE);

@@ -8,7 +8,7 @@ processes through the actors' own agent code):
   weights as named arrays (what a weights message carries). Checkpoints written before the
   runtime recorded ``kind``/``env``/``agent`` are IMPALA's; their flat config record says
   the same (``env``, ``env_kwargs``, ``model``, ``use_lstm``).
-- :class:`EvalConfig`: the options, one flag each (``impala.run.config.add_flags``).
+- :class:`EvalConfig`: the options, one flag each (``impala.options.add_flags``).
 - :class:`EpisodeRecord`, :class:`EvalResult`: per-episode figures and the summary, with
   ``to_dict()`` for the JSON file; every result names its protocol and its settings.
 """
@@ -26,7 +26,7 @@ from typing import Any, Literal, Mapping
 import numpy as np
 
 from impala.run.checkpoint import CheckpointError, load_checkpoint
-from impala.run.config import ConfigError, check_fields, need, option
+from impala.options import ConfigError, check_fields, need, option
 from impala.run.cpus import available_cpus
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.protocols import ProtocolName

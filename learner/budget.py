@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import time
 
-from impala.run.config import ConfigError, RunConfig
+from impala.options import ConfigError
+from impala.run.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from impala.run.checkpoint import CheckpointError
-from impala.run.config import ConfigError, FlagParser, add_flags, fail, from_flags
+from impala.options import ConfigError, FlagParser, add_flags, fail, from_flags
 from impala.envs import UnknownEnvError
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.protocols import eval_protocol

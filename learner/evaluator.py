@@ -31,7 +31,7 @@ import gymnasium as gym
 import numpy as np
 
 from actors.agents import Agent, make_agent
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import build_env

@@ -22,7 +22,7 @@ from impala.nets.onnx_export import (
     require_onnx,
 )
 from impala.run.checkpoint import CheckpointError
-from impala.run.config import ConfigError, FlagParser, fail
+from impala.options import ConfigError, FlagParser, fail
 from impala.transport.messages import ImpalaAgentSpec, PPOAgentSpec
 
 PROG = "impala-export"

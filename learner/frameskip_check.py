@@ -36,7 +36,7 @@ import pickle
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import gymnasium as gym
 
@@ -44,7 +44,7 @@ from actors.actor import Actor
 from actors.loop import ActorConfig, actor_configs
 from actors.pool import ActorPool
 from impala.run.checkpoint import CheckpointError
-from impala.run.config import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
+from impala.options import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.audit import (
     ENV_IN_INIT,
@@ -231,27 +231,43 @@ def check_workers(
             row.errors.append(f"the actor could not be sent to a {start_method} worker: {e} ({ENV_IN_INIT})")
             started_all = False
         spawned = pool.pids()
-        deadline = time.monotonic() + timeout
-        while started_all and len(server.accepted) < workers:
-            dead = [a for a in pool.actors if not a.is_alive() and a.config.actor_id not in server.accepted]
-            if dead:
-                time.sleep(0.5)  # a hello sent just before exiting may still be in flight
-                dead = [a for a in dead if a.config.actor_id not in server.accepted]
-                for a in dead:
-                    row.errors.append(
-                        f"worker {a.config.actor_id} exited with code {a.exitcode} before saying hello"
-                    )
-                if dead:
-                    break
-            if time.monotonic() > deadline:
-                row.errors.append(
-                    f"only {len(server.accepted)} of {workers} workers said hello within {timeout:.0f}s"
-                )
-                break
-            time.sleep(0.05)
+        if started_all:
+            _wait_for_hellos(server, pool, workers, timeout, row)
     finally:
         pool.stop()
         server.close()
+    _check_stopped(pool, spawned, row)
+    _check_fingerprints(server.accepted, cfg, expected, row)
+    row.seconds = time.monotonic() - started
+    return row
+
+
+def _wait_for_hellos(
+    server: TrajectoryServer, pool: ActorPool, workers: int, timeout: float, row: Row
+) -> None:
+    """Until every worker said hello; a worker that exited first, or ``timeout``, is an error in ``row``."""
+    deadline = time.monotonic() + timeout
+    while len(server.accepted) < workers:
+        dead = [a for a in pool.actors if not a.is_alive() and a.config.actor_id not in server.accepted]
+        if dead:
+            time.sleep(0.5)  # a hello sent just before exiting may still be in flight
+            dead = [a for a in dead if a.config.actor_id not in server.accepted]
+            for a in dead:
+                row.errors.append(
+                    f"worker {a.config.actor_id} exited with code {a.exitcode} before saying hello"
+                )
+            if dead:
+                return
+        if time.monotonic() > deadline:
+            row.errors.append(
+                f"only {len(server.accepted)} of {workers} workers said hello within {timeout:.0f}s"
+            )
+            return
+        time.sleep(0.05)
+
+
+def _check_stopped(pool: ActorPool, spawned: list[int], row: Row) -> None:
+    """Every worker process is gone and joined once the pool stopped; any left is an error in ``row``."""
     left = _lingering(spawned)
     if left:
         row.errors.append(f"worker processes still running after stop: pids {left}")
@@ -260,7 +276,11 @@ def check_workers(
     if still_children:
         row.errors.append(f"worker processes not joined after stop: pids {still_children}")
 
-    for actor_id, info in sorted(server.accepted.items()):
+
+def _check_fingerprints(accepted: Mapping[int, Mapping[str, Any]], cfg: Any, expected: Any, row: Row) -> None:
+    """Each worker's hello: a fingerprint measured in the child, matching the configured settings and the
+    expected observation; what it measured goes into ``row``, what differs into its mismatches."""
+    for actor_id, info in sorted(accepted.items()):
         pid = info.get("pid")
         raw = info.get("fingerprint")
         if pid == os.getpid():
@@ -277,8 +297,6 @@ def check_workers(
         row.pids[actor_id] = int(pid) if isinstance(pid, int) else -1
         row.mismatches += [(actor_id, m) for m in check_against_config(fp, cfg)]
         row.mismatches += [(actor_id, m) for m in obs_mismatches(expected, fp)]
-    row.seconds = time.monotonic() - started
-    return row
 
 
 def probe_actor_class(actor_class: type, spec: EnvSpec, *, start_method: str = "spawn") -> list[str]:

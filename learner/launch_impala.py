@@ -4,6 +4,11 @@ Example::
 
     launch_impala --workers 16 --env PongDeterministic-v4
     launch_impala --workers 2 --env CartPole-v1 --total-frames 300000
+    # one learner rank on each of two hosts (docs/SCALE_OUT.md, section 9): on host 0, then host 1
+    launch_impala --env PongDeterministic-v4 --workers 0 --learners 2 --node-rank 0 \
+        --rdzv-endpoint host0:29400 --bind host0 --curve keys/learner
+    launch_impala --env PongDeterministic-v4 --workers 0 --learners 2 --node-rank 1 \
+        --rdzv-endpoint host0:29400 --bind host1 --insecure-bind
 
 Only wiring: flags -> (RunConfig, ImpalaConfig) -> env probe -> ImpalaTrainer -> ``runtime.run``.
 """
@@ -15,27 +20,23 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import sys
 
 import learner.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
 import torch
 
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
+from impala.options import ConfigError, FlagParser, add_flags, apply_preset, fail, from_flags, load_preset
 from impala.run.config import (
     IMPALA_BRIEF,
     RUN_BRIEF,
-    ConfigError,
-    FlagParser,
     ImpalaConfig,
     RunConfig,
-    add_flags,
-    apply_preset,
     apply_saved,
-    fail,
-    from_flags,
-    load_preset,
     resume_changes,
     resume_folder,
+    resolve_device,
     resume_record,
     saved_settings,
 )
@@ -43,7 +44,8 @@ from impala.envs import EnvSpec
 from impala.envs.atari import human_normalized_score
 from impala.transport.messages import task_shares
 from impala.envs.probe import EnvInfo, probe_env, probe_tasks
-from learner.group import LearnerGroupError
+from learner import hosts
+from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
 from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
 from learner.runtime import (
@@ -56,7 +58,13 @@ from learner.runtime import (
     claim_cpus,
     run,
 )
-from learner.vtrace_learner import IMPALA_UNROLL, ImpalaTrainer, learner_threads, start_group
+from learner.vtrace_learner import (
+    IMPALA_UNROLL,
+    ImpalaTrainer,
+    follower_settings,
+    learner_threads,
+    start_group,
+)
 
 log = logging.getLogger("launch_impala")
 
@@ -94,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(parser.add_argument_group("run"), RunConfig, helps=RUN_HELP, briefs=RUN_BRIEFS)
     add_flags(parser.add_argument_group("IMPALA"), ImpalaConfig, briefs=IMPALA_BRIEF)
+    hosts.add_flags(parser)
     return parser
 
 
@@ -226,25 +235,105 @@ def log_multi_task(config: RunConfig, impala: ImpalaConfig, tasks: tuple[EnvInfo
         )
 
 
+def group_membership(args: argparse.Namespace) -> Membership | None:
+    """This process's rank when torchrun started it as one of a learner group across hosts (None: it runs
+    alone, or starts its own followers with --learners G); ``args.learners`` becomes the group's size.
+    A --learners that says otherwise is a :class:`ConfigError`."""
+    member = membership()
+    if member is None:
+        return None
+    if "learners" in args.given and args.learners != member.world_size:
+        raise ConfigError(
+            f"--learners {args.learners}, but torchrun started {member.world_size} ranks (--nnodes x "
+            "--nproc-per-node): give --learners the group's size, or leave it out"
+        )
+    args.learners = member.world_size
+    return member
+
+
+def follow_rank_0(args: argparse.Namespace, member: Membership) -> str:
+    """A follower rank across hosts: join the group, take rank 0's resolved settings (this host needs no
+    run folder, not even on --resume: rank 0 sends its state too), probe the same env, and step on each
+    batch's share until rank 0 stops the run. Returns the rank's last line."""
+    logging.basicConfig(
+        level=args.log_level, format=f"%(asctime)s learner-{member.rank} %(levelname)s %(message)s"
+    )
+    backend = "nccl" if resolve_device(args.device).type == "cuda" else "gloo"
+    group = join_group(member, backend, args.bind)
+    own = {k: getattr(args, k) for k in ("bind", "curve", "insecure_bind", "device", "log_level")}
+    impala, config = follower_settings(group, **own)
+    log.info(
+        "learner group: %s joined on %s",
+        member.describe(),
+        os.environ.get("GLOO_SOCKET_IFNAME") or "the interface of this host's name",
+    )
+    env, tasks, _ = probe_run_envs(config)
+    torch.set_num_threads(learner_threads(config, env, ranks_here=member.local_world_size))
+    trainer = ImpalaTrainer(impala, config, env, group=group, tasks=tasks)
+    # A stop signal (scancel, a pod's deletion, Ctrl-C) reaches every host at once: rank 0 finishes its
+    # update and checkpoints, which needs this rank in the update, then releases it. Dying at once here
+    # would cost that update and end the run as a lost rank.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _await_rank_0)
+    try:
+        updates = trainer.follow()
+    finally:
+        group.leave()
+    return f"learner {member.describe()} done: {updates} updates (rank 0 ended the run)"
+
+
+def _await_rank_0(signum: int, frame: object) -> None:
+    log.warning(
+        "signal %d: this rank stops when rank 0 stops the group (after its update and checkpoint)", signum
+    )
+
+
+def _follow(args: argparse.Namespace, member: Membership) -> str:
+    """:func:`follow_rank_0`, its failures as :class:`LaunchError`: bad input exit 2, a lost rank 0 exit 1."""
+    try:
+        return follow_rank_0(args, member)
+    except START_ERRORS as e:
+        raise LaunchError(f"learner {member.describe()}: {str(e).strip() or type(e).__name__}") from None
+    except RuntimeError as e:  # the group never formed, or rank 0 is gone (gloo: connection closed)
+        if not lost_peer(e):
+            raise
+        raise LaunchError(
+            f"learner {member.describe()}: rank 0 is gone or never came ({peer_error(e)}); "
+            "rank 0 writes the run's checkpoint: start every host's rank again (rank 0 with --resume) to "
+            "continue",
+            status=1,
+        ) from None
+
+
 def launch(argv: list[str] | None) -> Outcome:
     """Parse, resolve, probe the env, wire the run and train (``main`` and ``impala.train``). Raises
     :class:`LaunchError`."""
     try:
         args = parse_args(argv)
+        member = group_membership(args)
+        if member is None and hosts.requested_rank(args) is not None:  # main() would have been the agent
+            raise ConfigError(
+                "--node-rank runs this host's rank as a process of its own (torchrun's agent): start it with "
+                "the launch_impala command, not from Python"
+            )
+        if member is not None and member.rank > 0:
+            return Outcome(None, None, _follow(args, member))
         config, impala = resolve(args)
     except ConfigError as e:
         raise LaunchError(str(e)) from None
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
     claim = CpuClaim()  # the CPUs a pinned run holds until it ends (a second run then leaves them be)
+    trainer = None
     created: tuple[str, ...] = ()  # the folders this start made (a failed start takes them away again)
     try:
         created = prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         env, tasks, note = probe_run_envs(config)
         config = claim_cpus(config, claim, env)
         config = dataclasses.replace(config, publish_delay=config.weights_delay())  # config.yaml says which
-        torch.set_num_threads(learner_threads(config, env))
+        ranks_here = member.local_world_size if member is not None else None
+        torch.set_num_threads(learner_threads(config, env, ranks_here))
         trainer = ImpalaTrainer(
-            impala, config, env, group=start_group(impala, config, env, tasks), tasks=tasks
+            impala, config, env, group=start_group(impala, config, env, tasks, member), tasks=tasks
         )
         record = {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""}
         if config.resume:
@@ -265,8 +354,10 @@ def launch(argv: list[str] | None) -> Outcome:
             log.info("%s; learner on %s", info.description, trainer.device)
         return Outcome(config, run(trainer, config, plan))
     except RunFinished as e:  # --resume of a finished run: nothing to do, and no restart loop
+        _release_followers(trainer)
         return Outcome(config, None, str(e))
     except START_ERRORS as e:
+        _release_followers(trainer)
         drop_unused_run_folder(created)
         raise LaunchError(str(e).strip() or type(e).__name__) from None
     except LearnerGroupError as e:  # not bad input: the run started and lost a rank
@@ -275,14 +366,28 @@ def launch(argv: list[str] | None) -> Outcome:
             f"{e}; "
             + (
                 f"the run ends with its checkpoint {config.checkpoint_path}: --resume continues"
+                + (" (start every host's rank again, this one with --resume)" if member is not None else "")
                 if saved
                 else "no checkpoint was written (nothing trained yet): start the run again"
             ),
             status=1,
         ) from None
     finally:
+        if member is not None and trainer is not None and trainer.group is not None:
+            trainer.group.leave()  # across hosts: this process ends here (one host's group leaves with it)
         claim.release()
         release_run_folders()
+
+
+def _release_followers(trainer: ImpalaTrainer | None) -> None:
+    """A run that ends before it trains (finished already, bad input found late) stops its followers, which
+    would otherwise wait in a collective until their host's rank 0 connection closes."""
+    if trainer is None or trainer.group is None:
+        return
+    try:
+        trainer.close()
+    except RuntimeError as e:  # a follower that is gone already
+        log.warning("releasing the learner group: %s", peer_error(e))
 
 
 def done_line(config: RunConfig, result: RunResult) -> str:
@@ -303,9 +408,29 @@ def done_line(config: RunConfig, result: RunResult) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``launch_impala``: :func:`launch`; bad input is one line, exit 2."""
+def host_rank(argv: list[str]) -> Membership | None:
+    """With ``--node-rank`` and ``--rdzv-endpoint``: this host's rank of a learner group across hosts, its
+    flags checked (None: the run is this process's, or torchrun started it as a rank)."""
     try:
+        args = parse_args(argv)
+        member = hosts.agent_membership(args)
+        # the run's own settings are checked here too, before the rendezvous waits for the other hosts;
+        # a follower host resuming may lack the run folder (rank 0 sends it the run's settings)
+        if member is not None and not (args.resume and member.rank > 0):
+            resolve(args)
+        return member
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``launch_impala``: :func:`launch`, or this host's rank of a learner group across hosts
+    (:func:`learner.hosts.run_rank`); bad input is one line, exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        member = host_rank(argv)
+        if member is not None:
+            return hosts.run_rank(member, argv)
         outcome = launch(argv)
     except LaunchError as e:
         fail("launch_impala", e)

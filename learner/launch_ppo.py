@@ -74,14 +74,11 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
-from impala.run.config import (
-    RUN_ID,
+from impala.options import (
     ConfigError,
     FlagParser,
-    RunConfig,
     add_flags,
     apply_preset,
-    RUN_BRIEF,
     check_fields,
     fail,
     flag_name,
@@ -89,6 +86,11 @@ from impala.run.config import (
     load_preset,
     need,
     option,
+)
+from impala.run.config import (
+    RUN_ID,
+    RunConfig,
+    RUN_BRIEF,
     resume_changes,
     resume_record,
     saved_settings,
@@ -725,17 +727,7 @@ def launch(argv: list[str] | None) -> Outcome:
         if config.cpu_affinity == "auto":  # its actors wait during updates: the learner uses every core then
             config = dataclasses.replace(config, cpu_affinity="off")
         torch.set_num_threads(config.cpu_threads(actors_wait_during_updates=actors_wait(config, ppo_config)))
-        trainer = MLAgentsPPOTrainer(
-            ppo_config,
-            config,
-            env,
-            params_wait_s=options.params_wait,
-            strength=options.extrinsic_strength,
-            inference=options.inference,
-        )
-        if init_path:
-            trainer.initialize_from(init_path)
-            log.info("initialized from %s (its weights; this run's counters start at 0)", init_path)
+        trainer = _trainer(config, options, ppo_config, env, init_path)
         log_plan(env, config, ppo_config, trainer, args.ppo__semantics, trainer_config)
         if options.inference:
             weights = init_path or (config.checkpoint_path if config.resume else None)
@@ -747,26 +739,8 @@ def launch(argv: list[str] | None) -> Outcome:
             )
         if args.mlagents_form and not options.inference:
             write_mlagents_configuration(config, options, ppo_config, file, args)
-        plan = RunPlan(
-            env,
-            f"ppo/{args.ppo__semantics} {env.spec.id}",
-            {
-                "ppo": dataclasses.asdict(ppo_config),
-                "run": dataclasses.asdict(config),
-                "launch": dataclasses.asdict(options),
-                "initialize_from": init_path,
-                "semantics": args.ppo__semantics,
-                "trainer_config": trainer_config,
-                "env": env.spec.id,
-                "unroll_length": config.unroll_length,
-                **({"resumes": resume_record(resumes, changes)} if resumes is not None else {}),
-            },
-            hello_timeout=max(180.0, options.unity_timeout + 120.0),
-            log_every_steps=options.summary_freq,
-            checkpoint_every_steps=None if options.inference else options.checkpoint_interval,
-            keep_checkpoints=options.keep_checkpoints,
-            inference=options.inference,
-        )
+        record = {"resumes": resume_record(resumes, changes)} if resumes is not None else {}
+        plan = _run_plan(env, config, options, ppo_config, args, trainer_config, init_path, record)
         result: RunResult = run(trainer, config, plan)
         result.rejected_nan = trainer.rejected_nan
         if (
@@ -781,6 +755,58 @@ def launch(argv: list[str] | None) -> Outcome:
         raise LaunchError(str(e).strip() or type(e).__name__) from None
     finally:
         release_run_folders()
+
+
+def _trainer(
+    config: RunConfig, options: PPOLaunchOptions, ppo_config: PPOConfig, env: Any, init_path: str | None
+) -> MLAgentsPPOTrainer:
+    """The PPO trainer of this run, with ``--initialize-from``'s weights when given."""
+    trainer = MLAgentsPPOTrainer(
+        ppo_config,
+        config,
+        env,
+        params_wait_s=options.params_wait,
+        strength=options.extrinsic_strength,
+        inference=options.inference,
+    )
+    if init_path:
+        trainer.initialize_from(init_path)
+        log.info("initialized from %s (its weights; this run's counters start at 0)", init_path)
+    return trainer
+
+
+def _run_plan(
+    env: Any,
+    config: RunConfig,
+    options: PPOLaunchOptions,
+    ppo_config: PPOConfig,
+    args: argparse.Namespace,
+    trainer_config: Any,
+    init_path: str | None,
+    resumes: dict[str, Any],
+) -> RunPlan:
+    """What ``runtime.run`` needs of a PPO run: its env, label, the settings its run folder records (with
+    ``resumes``, the record of its resumes, when it was resumed) and PPO's step-counted cadences."""
+    return RunPlan(
+        env,
+        f"ppo/{args.ppo__semantics} {env.spec.id}",
+        {
+            "ppo": dataclasses.asdict(ppo_config),
+            "run": dataclasses.asdict(config),
+            "launch": dataclasses.asdict(options),
+            "initialize_from": init_path,
+            "semantics": args.ppo__semantics,
+            "trainer_config": trainer_config,
+            "env": env.spec.id,
+            "unroll_length": config.unroll_length,
+            **resumes,
+        },
+        hello_timeout=max(180.0, options.unity_timeout + 120.0),
+        log_every_steps=options.summary_freq,
+        checkpoint_every_steps=None if options.inference else options.checkpoint_interval,
+        keep_checkpoints=options.keep_checkpoints,
+        inference=options.inference,
+    )
 
 
 def done_line(config: RunConfig, result: RunResult) -> str:

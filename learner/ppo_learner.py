@@ -41,7 +41,7 @@ from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
 from impala.run.ppo_config import PPOConfig, actors_wait
 from impala.transport.params import state_dict_arrays
 from impala.nets.onnx_export import export_ppo_onnx, onnx_file_name
-from impala.nets.obs_layout import ObsLayout
+from impala.envs.obs_layout import ObsLayout
 from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
 
@@ -217,7 +217,7 @@ class PPOLearner:
       device: torch device for the networks and the update.
       branches: each discrete branch's action count (empty: continuous actions only).
       action_mask: pieces carry the env's action masks (``TrajectoryPiece.action_mask``).
-      obs_layout: which parts of the flat observation are images (``impala.nets.obs_layout``).
+      obs_layout: which parts of the flat observation are images (``impala.envs.obs_layout``).
     """
 
     def __init__(
@@ -479,7 +479,6 @@ class PPOLearner:
         adv_all = data["advantages"]
         if cfg.advantage_norm == "buffer":
             adv_all = ppo.normalize_advantages_mlagents(adv_all)
-        normalized_obs = cfg.obs_norm == "vecnormalize"
         params = list(self.policy.parameters())
 
         stats: dict[str, list[float]] = {
@@ -492,41 +491,7 @@ class PPOLearner:
         for _ in range(cfg.num_epoch):
             perm = torch.as_tensor(self.rng.permutation(n), device=self.device)
             for sl in self.minibatch_slices(n):
-                idx = perm[sl]
-                ev = self.policy.evaluate(
-                    data["obs"][idx],
-                    data["actions"][idx],
-                    normalized=normalized_obs,
-                    discrete_actions=data["discrete_actions"][idx] if "discrete_actions" in data else None,
-                    action_mask=data["action_mask"][idx] if "action_mask" in data else None,
-                )
-                adv = adv_all[idx]
-                if cfg.advantage_norm == "minibatch":
-                    adv = ppo.normalize_advantages_sb3(adv)
-                pl = ppo.clipped_policy_loss(
-                    ev.log_prob, data["log_probs"][idx], adv, epsilon=eps, per_dim=cfg.ratio == "per_dim"
-                )
-                v_old, ret = data["values"][idx], data["returns"][idx]
-                if cfg.value_loss == "mlagents":
-                    vl = ppo.value_loss_mlagents_as_run(ev.value, ret, epsilon=eps)
-                elif cfg.value_loss == "mlagents_intended":
-                    vl = ppo.value_loss_mlagents_intended(ev.value, v_old, ret, epsilon=eps)
-                elif cfg.value_loss == "mse":
-                    vl = ppo.value_loss_mse(ev.value, ret)
-                else:
-                    vl = ppo.value_loss_sb3_clipped(ev.value, v_old, ret, clip_range_vf=cfg.clip_range_vf)
-                ent = ppo.reduce_hybrid_entropy(ev.entropy, ev.discrete_entropy, over_dims=cfg.entropy_reduce)
-                # Both libraries' totals are the same sum (#5); ppo.total_loss_sb3 is its SB3 spelling.
-                total = ppo.total_loss_mlagents(pl.loss, vl, ent, beta=beta, vf_coef=cfg.vf_coef)
-                for k, v in (
-                    ("policy_loss", pl.loss),
-                    ("value_loss", vl),
-                    ("entropy", ent),
-                    ("approx_kl", pl.approx_kl),
-                    ("clip_fraction", pl.clip_fraction),
-                    ("loss", total.loss),
-                ):
-                    stats[k].append(float(v.detach()))
+                pl, total = self._minibatch_loss(data, perm[sl], adv_all, eps, beta, stats)
                 n_minibatches += 1
                 # SB3 checks before the optimizer step of this minibatch (#7).
                 if cfg.target_kl is not None and float(pl.approx_kl) > 1.5 * cfg.target_kl:
@@ -540,13 +505,79 @@ class PPOLearner:
             if early_stop:
                 break
 
+        metrics = self._update_metrics(data, stats, grad_norms, (lr, eps, beta), n_minibatches, early_stop)
+        self.buffer.clear()
+        self.update_count += 1
+        metrics["update_count"] = float(self.update_count)
+        self._sync_obs_snapshot()
+        return metrics
+
+    def _minibatch_loss(
+        self,
+        data: Mapping[str, torch.Tensor],
+        idx: torch.Tensor,
+        adv_all: torch.Tensor,
+        eps: float,
+        beta: float,
+        stats: dict[str, list[float]],
+    ) -> tuple[Any, Any]:
+        """The clipped policy loss and the total loss of one minibatch (rows ``idx``); appends its
+        statistics to ``stats``."""
+        cfg = self.config
+        ev = self.policy.evaluate(
+            data["obs"][idx],
+            data["actions"][idx],
+            normalized=cfg.obs_norm == "vecnormalize",
+            discrete_actions=data["discrete_actions"][idx] if "discrete_actions" in data else None,
+            action_mask=data["action_mask"][idx] if "action_mask" in data else None,
+        )
+        adv = adv_all[idx]
+        if cfg.advantage_norm == "minibatch":
+            adv = ppo.normalize_advantages_sb3(adv)
+        pl = ppo.clipped_policy_loss(
+            ev.log_prob, data["log_probs"][idx], adv, epsilon=eps, per_dim=cfg.ratio == "per_dim"
+        )
+        v_old, ret = data["values"][idx], data["returns"][idx]
+        if cfg.value_loss == "mlagents":
+            vl = ppo.value_loss_mlagents_as_run(ev.value, ret, epsilon=eps)
+        elif cfg.value_loss == "mlagents_intended":
+            vl = ppo.value_loss_mlagents_intended(ev.value, v_old, ret, epsilon=eps)
+        elif cfg.value_loss == "mse":
+            vl = ppo.value_loss_mse(ev.value, ret)
+        else:
+            vl = ppo.value_loss_sb3_clipped(ev.value, v_old, ret, clip_range_vf=cfg.clip_range_vf)
+        ent = ppo.reduce_hybrid_entropy(ev.entropy, ev.discrete_entropy, over_dims=cfg.entropy_reduce)
+        # Both libraries' totals are the same sum (#5); ppo.total_loss_sb3 is its SB3 spelling.
+        total = ppo.total_loss_mlagents(pl.loss, vl, ent, beta=beta, vf_coef=cfg.vf_coef)
+        for k, v in (
+            ("policy_loss", pl.loss),
+            ("value_loss", vl),
+            ("entropy", ent),
+            ("approx_kl", pl.approx_kl),
+            ("clip_fraction", pl.clip_fraction),
+            ("loss", total.loss),
+        ):
+            stats[k].append(float(v.detach()))
+        return pl, total
+
+    def _update_metrics(
+        self,
+        data: Mapping[str, torch.Tensor],
+        stats: dict[str, list[float]],
+        grad_norms: list[float],
+        schedules: tuple[float, float, float],
+        n_minibatches: int,
+        early_stop: bool,
+    ) -> dict[str, float]:
+        """An update's metrics: the minibatches' means, the schedules' values and the buffer's counts."""
+        lr, eps, beta = schedules
         metrics = {k: (float(np.mean(v)) if v else float("nan")) for k, v in stats.items()}
         metrics.update(
             explained_variance=ppo.explained_variance(data["values"].double(), data["returns"].double()),
             learning_rate=lr,
             epsilon=eps,
             beta=beta,
-            buffer_steps=float(n),
+            buffer_steps=float(data["obs"].shape[0]),
             n_minibatches=float(n_minibatches),
             early_stop=float(early_stop),
             total_steps=float(self.total_steps),
@@ -560,10 +591,6 @@ class PPOLearner:
             metrics["broken_trajectories"] = float(self.trajectories.broken)
         if grad_norms:
             metrics["grad_norm"] = float(np.mean(grad_norms))
-        self.buffer.clear()
-        self.update_count += 1
-        metrics["update_count"] = float(self.update_count)
-        self._sync_obs_snapshot()
         return metrics
 
     def _sync_obs_snapshot(self) -> None:

@@ -42,7 +42,8 @@ from impala.envs import UnknownEnvError
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import EnvInfo
 from impala.run.checkpoint import CheckpointError
-from impala.run.config import ConfigError, RunConfig, resolve_device
+from impala.options import ConfigError
+from impala.run.config import RunConfig, resolve_device
 from impala.run.cpus import CpuClaim, available_cpus, pin_process, split_cpus
 from impala.run.metrics import MetricsLogger
 from impala.run.tracking import WandbTracker

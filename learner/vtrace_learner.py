@@ -10,6 +10,7 @@ outputs are preserved).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -19,7 +20,8 @@ import numpy as np
 import torch
 
 from impala.transport import wire
-from impala.run.config import ConfigError, ImpalaConfig, RunConfig, resolve_device
+from impala.options import ConfigError
+from impala.run.config import ImpalaConfig, RunConfig, resolve_device
 from impala.envs.probe import EnvInfo
 from impala.transport.messages import ImpalaAgentSpec
 from impala.nets.impala_net import ImpalaNet, build_model
@@ -38,9 +40,19 @@ from impala.transport.trajectory import (
     rebuild_frame_stacks,
     stack_time_major,
 )
-from impala.run.checkpoint import load_checkpoint
 from impala.run.orphans import exit_when_orphaned
-from learner.group import STOP, UPDATE, LearnerGroup, LearnerGroupError, init_group, lost_peer
+from learner.group import (
+    STOP,
+    SYNC,
+    UPDATE,
+    LearnerGroup,
+    LearnerGroupError,
+    Membership,
+    init_group,
+    join_group,
+    lost_peer,
+    peer_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +147,18 @@ def untrainable_behaviour(logits: np.ndarray, actions: np.ndarray) -> str | None
 LEARNER_THREADS = 2
 
 
-def learner_threads(run: RunConfig, env: EnvInfo) -> int:
+def learner_threads(run: RunConfig, env: EnvInfo, ranks_here: int | None = None) -> int:
     """Torch threads for one learner rank. Image observations (a conv net, whose update parallelizes) get
     at least LEARNER_THREADS unless the actors were niced below the learner by ``--actor-nice`` alone: with
     ``--cpu-affinity learner-first`` (opt-in) the second thread takes the actors' core
     whenever the update can use it (Pong, 2 actors on 2 cores: 0.75-0.89 of the cost model's ceiling,
     four runs of five at 0.83 or above, against 0.75-0.80 for one pinned thread, BENCHMARKS.md).
     Vector observations (an MLP of small layers) keep the cores the actors leave, at least 1: there a
-    second thread only adds synchronization (CartPole, 2 actors on 2 cores: 18% fewer frames/s)."""
+    second thread only adds synchronization (CartPole, 2 actors on 2 cores: 18% fewer frames/s).
+    ``ranks_here``: the group's ranks that share this machine's CPUs (all --learners on one machine; a
+    group across hosts has one per host)."""
     at_least = LEARNER_THREADS if len(env.obs_shape) == 3 else 1
-    return max(1, run.cpu_threads(at_least=at_least) // run.learners)
+    return max(1, run.cpu_threads(at_least=at_least) // (ranks_here or run.learners))
 
 
 def cpu_has_native_bf16() -> bool:
@@ -356,16 +370,38 @@ class VTraceLearner:
 
     def step(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
         """One update. ``batch`` holds the impala_unroll_schema arrays stacked as [T(+1), B, ...]."""
-        cfg = self.config
-        core_state = self._core_state(batch)
-        torso = self.model.torso
         # Health metrics cost ~10% of a small CPU update, and the console and CSV show one row
         # every few seconds: measure them on every HEALTH_EVERY-th update and repeat the last values.
         measure = self.updates % self.HEALTH_EVERY == 0
-        torso.track_activity = measure
+        T = batch["actions"].shape[0]
         task_ids = self._task_ids(batch)
         fixed = BatchTargets(batch["target_vs"], batch["target_pg_adv"]) if "target_vs" in batch else None
-        T = batch["actions"].shape[0]
+        logits, values = self._forward(batch, T, fixed, task_ids, measure)
+        loss = self._loss(batch, logits, values, T, fixed, task_ids)
+        lr = self.learning_rate(frames_done)
+        grad_norm = self._apply(loss, lr, task_ids, T)
+        self.updates += 1
+        metrics = self._metrics(loss, grad_norm, lr)
+        if self.task_names:
+            self._add_task_health(loss, logits[:T], values[:T], task_ids[:T])
+        if measure:
+            self._health = self._measure_health(loss, logits, values, self.model.torso)
+            self._health.update(self._task_health())
+        metrics.update(self._health)
+        return metrics
+
+    def _forward(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        T: int,
+        fixed: BatchTargets | None,
+        task_ids: torch.Tensor | None,
+        measure: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The network's logits and values over the unroll; the torso tracks its activity if ``measure``."""
+        core_state = self._core_state(batch)
+        torso = self.model.torso
+        torso.track_activity = measure
         # Fixed targets need no bootstrap value: the forward pass (and so the backward) skips step T,
         # 1/(T+1) of the update's network work. The outputs of steps 0..T-1 do not depend on step T.
         steps = T if fixed is not None else T + 1
@@ -373,8 +409,19 @@ class VTraceLearner:
             task_ids = task_ids[:steps]
         out, _ = self.model(batch["obs"][:steps], batch["first"][:steps], core_state, task_ids)
         torso.track_activity = False
-        logits = out.policy_logits.float()
-        values = out.values.float()
+        return out.policy_logits.float(), out.values.float()
+
+    def _loss(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        logits: torch.Tensor,
+        values: torch.Tensor,
+        T: int,
+        fixed: BatchTargets | None,
+        task_ids: torch.Tensor | None,
+    ) -> Any:
+        """The IMPALA loss (with PopArt's normalized values when ``--popart``) of this batch."""
+        cfg = self.config
         # with fixed targets the bootstrap value is not read (impala_loss, popart_impala_loss)
         bootstrap = values[T] if fixed is None else torch.zeros_like(values[0])
         rewards, discounts = self._rewards_discounts(batch)
@@ -389,7 +436,7 @@ class VTraceLearner:
             targets=fixed,
         )
         if cfg.popart:
-            loss = popart_impala_loss(
+            return popart_impala_loss(
                 batch["behaviour_logits"],
                 logits[:T],
                 batch["actions"],
@@ -401,18 +448,21 @@ class VTraceLearner:
                 0 if task_ids is None else task_ids[:T],
                 **common,
             )
-        else:
-            loss = impala_loss(
-                batch["behaviour_logits"],
-                logits[:T],
-                batch["actions"],
-                discounts,
-                rewards,
-                values[:T],
-                bootstrap,
-                **common,
-            )
-        lr = self.learning_rate(frames_done)
+        return impala_loss(
+            batch["behaviour_logits"],
+            logits[:T],
+            batch["actions"],
+            discounts,
+            rewards,
+            values[:T],
+            bootstrap,
+            **common,
+        )
+
+    def _apply(self, loss: Any, lr: float, task_ids: torch.Tensor | None, T: int) -> torch.Tensor:
+        """Backward, gradients summed over the group and clipped, then the optimizer (and PopArt) step;
+        returns the gradient norm before clipping."""
+        cfg = self.config
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -440,7 +490,10 @@ class VTraceLearner:
             # pass) must not reach the weights, the actors or a checkpoint: drop this step, go on.
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_updates += 1
-        self.updates += 1
+        return grad_norm
+
+    def _metrics(self, loss: Any, grad_norm: torch.Tensor, lr: float) -> dict[str, float]:
+        """The update's losses, gradient norm, learning rate and PopArt statistics, by their log names."""
         state = self.model.baseline.state
         metrics = {
             "losses/total": float(loss.total.detach()),
@@ -461,12 +514,6 @@ class VTraceLearner:
         else:
             metrics["popart/mu"] = float(state.mu[0])
             metrics["popart/sigma"] = float(state.sigma[0])
-        if self.task_names:
-            self._add_task_health(loss, logits[:T], values[:T], task_ids[:T])
-        if measure:
-            self._health = self._measure_health(loss, logits, values, torso)
-            self._health.update(self._task_health())
-        metrics.update(self._health)
         return metrics
 
     @torch.no_grad()
@@ -594,7 +641,7 @@ class ImpalaTrainer:
             raise ConfigError(f"--model {config.model}: {e}") from None
         device = resolve_device(run.device)
         if group is not None and device.type == "cuda":
-            device = torch.device("cuda", group.rank)  # one GPU per rank
+            device = torch.device("cuda", group.local_rank)  # one GPU per rank of this host
         self.learner = VTraceLearner(
             model,
             config,
@@ -625,6 +672,7 @@ class ImpalaTrainer:
         self._pending: list[Mapping[str, np.ndarray]] = []
         self._sources: list[int] = []  # actor id of each pending unroll, to name them if a batch is bad
         self._slot = 0  # the staging buffer set the next batch goes to (two alternate)
+        self._closed = False  # rank 0 released the followers
 
     @property
     def device(self) -> torch.device:
@@ -675,7 +723,8 @@ class ImpalaTrainer:
         except RuntimeError as e:
             if not lost_peer(e):
                 raise
-            raise LearnerGroupError(f"a learner rank stopped ({str(e).splitlines()[0][:200]})") from None
+            self._closed = True  # the group is broken: there is no one to release
+            raise LearnerGroupError(f"a learner rank stopped ({peer_error(e)})") from None
         sources = sorted(set(self._sources[:B]))
         del self._pending[:B], self._sources[:B]
         return self._train(batch, sources, frames_done)
@@ -689,9 +738,8 @@ class ImpalaTrainer:
         except RuntimeError as e:
             if self.group is None or not lost_peer(e):
                 raise
-            raise LearnerGroupError(
-                f"a learner rank stopped during an update ({str(e).splitlines()[0][:200]})"
-            ) from None
+            self._closed = True  # the group is broken: there is no one to release
+            raise LearnerGroupError(f"a learner rank stopped during an update ({peer_error(e)})") from None
         if self.learner.skipped_updates > skipped_before:
             log.warning(
                 "skipped %d update step(s) with a non-finite loss or gradient; the batch came from actors %s",
@@ -711,6 +759,9 @@ class ImpalaTrainer:
             cmd, frames_done = self.group.command()
             if cmd == STOP:
                 return updates
+            if cmd == SYNC:  # rank 0 resumed: its trainer state, which this host may not have on disk
+                self.learner.load_state_dict(self.group.broadcast_state())
+                continue
             batch = self.learner.prepare(
                 self.group.scatter(None, self.schema, self.config.batch_size), slot=0
             )
@@ -718,8 +769,9 @@ class ImpalaTrainer:
             updates += 1
 
     def close(self) -> None:
-        """Rank 0 at the end of the run: release the followers."""
-        if self.group is not None and self.group.rank == 0:
+        """Rank 0 at the end of the run: release the followers (once)."""
+        if self.group is not None and self.group.rank == 0 and not self._closed:
+            self._closed = True
             self.group.command(STOP)
 
     def validate(self, arrays: Mapping[str, np.ndarray]) -> str | None:
@@ -741,13 +793,44 @@ class ImpalaTrainer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.learner.load_state_dict(state)
+        if self.group is not None and self.group.rank == 0:  # the followers resume from the same state
+            try:
+                self.group.command(SYNC)
+                self.group.broadcast_state(self.learner.state_dict())
+            except RuntimeError as e:
+                if not lost_peer(e):
+                    raise
+                self._closed = True  # the group is broken: there is no one to release
+                raise LearnerGroupError(f"a learner rank stopped ({peer_error(e)})") from None
 
 
 def start_group(
-    impala: ImpalaConfig, run: RunConfig, env: EnvInfo, tasks: Sequence[EnvInfo] = ()
+    impala: ImpalaConfig,
+    run: RunConfig,
+    env: EnvInfo,
+    tasks: Sequence[EnvInfo] = (),
+    member: Membership | None = None,
 ) -> LearnerGroup | None:
     """--learners G > 1: start G-1 follower processes here, each given this run's resolved settings, and join
-    the group as rank 0."""
+    the group as rank 0. ``member``: torchrun started the ranks (across hosts); join them and send them
+    this run's resolved settings (:func:`follower_settings` reads them)."""
+    if member is not None:
+        backend = "nccl" if resolve_device(run.device).type == "cuda" else "gloo"
+        try:
+            group = join_group(member, backend, run.bind)
+            group.broadcast_json({"run": dataclasses.asdict(run), "impala": dataclasses.asdict(impala)})
+        except RuntimeError as e:  # a rank that never joined (it stopped on bad input), or went at once
+            raise LearnerGroupError(f"the learner group did not form ({peer_error(e)})") from None
+        log.info(
+            "learner group: %d ranks across hosts (torchrun, rendezvous %s:%d), %s backend on %s; this is "
+            "rank 0",
+            member.world_size,
+            member.master_addr,
+            member.master_port,
+            backend,
+            os.environ.get("GLOO_SOCKET_IFNAME") or "the interface of this host's name",
+        )
+        return group
     if run.learners == 1:
         return None
     store = os.path.join(os.path.abspath(run.logdir), ".learner_group")
@@ -793,6 +876,11 @@ def follower_main(
     trainer = ImpalaTrainer(
         impala, run, env, group=init_group(rank, run.learners, store, backend), tasks=tasks
     )
-    if run.resume:  # rank 0 resumes from the same file
-        trainer.load_state_dict(load_checkpoint(run.checkpoint_path, keys=("trainer",))["trainer"])
-    trainer.follow()
+    trainer.follow()  # a resumed run's state comes from rank 0 (SYNC), as across hosts
+
+
+def follower_settings(group: LearnerGroup, **own: Any) -> tuple[ImpalaConfig, RunConfig]:
+    """A follower across hosts: rank 0's resolved settings (sent by :func:`start_group`), with ``own``
+    (this host's --bind, --device, ...) in place of rank 0's."""
+    sent = group.broadcast_json()
+    return ImpalaConfig(**sent["impala"]), RunConfig(**{**sent["run"], **own})

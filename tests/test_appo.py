@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from impala.algos import impala_losses, popart
-from impala.run.config import ConfigError, ImpalaConfig, RunConfig
+from impala.options import ConfigError
+from impala.run.config import ImpalaConfig, RunConfig
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo
 from impala.nets.impala_net import build_model

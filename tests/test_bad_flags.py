@@ -115,6 +115,7 @@ TEXT_BAD = {
     "--results-dir": "/proc/no-such-dir/results",
     "--torch-device": "gpu7",
     "--initialize-from": "no-such-run",
+    "--rdzv-endpoint": "learner0-without-a-port",
 }
 # Numeric flags where a negative number is a legitimate value.
 ANY_SIGN = {"--stop-at-return", "--target-frame-rate"}  # a target frame rate of -1: unlimited

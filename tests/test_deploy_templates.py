@@ -20,11 +20,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from impala.run.config import ConfigError, RunConfig, from_flags
+from impala.options import ConfigError, from_flags
+from impala.run.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("launch_impala", "launch_ppo", "impala-actors")
 DUMMY = "1"  # a valid int, float, path, host and env id alike
+# Placeholders that 1 cannot stand for: a learner group's size (a node rank must be below it)
+VALUES = {"LEARNERS": "2"}
 TEMPLATES = sorted(p for p in (ROOT / "deploy").rglob("*") if p.is_file()) + [ROOT / "docs" / "SCALE_OUT.md"]
 
 
@@ -64,12 +67,12 @@ def substitute(text: str) -> str:
             elif m and m.group(1):
                 out.append(substitute(m.group(2)))  # ${VAR:+word}: the word
             else:
-                out.append(DUMMY)
+                out.append(VALUES.get(text[i + 2 : end - 1], DUMMY))
             i = end
         else:
             m = re.match(r"[A-Za-z_][A-Za-z0-9_]*|[0-9@*#?$!-]", text[i + 1 :])
             if m:
-                out.append(DUMMY)
+                out.append(VALUES.get(m.group(0), DUMMY))
                 i += 1 + m.end()
             else:
                 out.append("$")
@@ -240,9 +243,13 @@ def check_command(name: str, argv: list[str]) -> str | None:
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             if name == "launch_impala":
-                from learner import launch_impala
+                from learner import hosts, launch_impala
 
-                launch_impala.resolve(launch_impala.parse_args(argv))
+                args = launch_impala.parse_args(argv)
+                # a learner group's flags (--learners, --node-rank, --rdzv-endpoint) against each other; its
+                # --bind names another machine's address
+                hosts.requested_rank(args)
+                launch_impala.resolve(args)
             elif name == "launch_ppo":
                 from impala.run.ppo_config import config_from_args
                 from learner import launch_ppo
@@ -413,3 +420,68 @@ def test_the_learner_is_a_job_that_stays_down_once_finished():
     # the Service still finds the learner's pod
     (service,) = [d for d in _k8s("learner.yaml") if d["kind"] == "Service"]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
+# --------------------------------------------------------------------------- the learner group across hosts
+
+
+def _group_flags(cmd: list[str]) -> dict[str, str]:
+    flags = ("--learners", "--node-rank", "--rdzv-endpoint")
+    return {f: cmd[cmd.index(f) + 1] for f in flags if f in cmd}
+
+
+def test_slurm_starts_one_learner_rank_per_node_of_the_learner_component():
+    """One srun task per learner node, each launch_impala with the group's size, its task id as node
+    rank, and rank 0's node (the actors' endpoint) as the rendezvous."""
+    text = (ROOT / "deploy" / "slurm" / "impala.sbatch").read_text()
+    (learner,) = [c for c in commands_in(Path("impala.sbatch"), text) if c[0] == "launch_impala"]
+    flags = _group_flags(learner)
+    assert set(flags) == {"--learners", "--node-rank", "--rdzv-endpoint"}, learner
+    raw = " ".join(text.replace("\\\n", " ").split())
+    assert (
+        '--learners "$LEARNERS" --node-rank "$SLURM_PROCID" --rdzv-endpoint "$LEARNER_HOST:$RDZV_PORT"' in raw
+    )
+    assert re.search(r"srun --het-group=0 --ntasks-per-node=1 .*launch_impala", raw)
+    assert "#SBATCH --ntasks-per-node=1" in text.split("hetjob")[0]  # one rank per learner node
+
+
+def test_kubernetes_runs_rank_0_behind_the_service_and_the_other_ranks_as_an_indexed_job():
+    """learner.yaml's pod is node rank 0 and holds the rendezvous (its Service carries the port);
+    learner-ranks.yaml's Indexed Job runs node ranks 1..N-1 (its index + 1, computed by sh for each
+    index), dials rank 0 through the Service, and is not itself behind it."""
+    import subprocess
+
+    docs = _k8s("learner.yaml")
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    (rank0,) = [d for d in docs if d["kind"] == "Job"]
+    (ranks,) = _k8s("learner-ranks.yaml")
+    rank0_cmds = commands_in(ROOT / "deploy" / "k8s" / "learner.yaml")
+    (learners,) = {_group_flags(c)["--learners"] for c in rank0_cmds}
+    assert all(_group_flags(c)["--node-rank"] == "0" for c in rank0_cmds)
+    assert 29400 in [p["port"] for p in service["spec"]["ports"]]
+    assert all(c[c.index("--rdzv-endpoint") + 1].endswith(":29400") for c in rank0_cmds)
+    spec = ranks["spec"]
+    assert ranks["kind"] == "Job" and spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == int(learners) - 1
+    labels = ranks["spec"]["template"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= labels.items()  # actors reach rank 0 alone
+    assert service["spec"]["selector"].items() <= rank0["spec"]["template"]["metadata"]["labels"].items()
+    script = ranks["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    (cmd,) = commands_in(ROOT / "deploy" / "k8s" / "learner-ranks.yaml")
+    assert _group_flags(cmd)["--learners"] == learners
+    assert _group_flags(cmd)["--rdzv-endpoint"] == f"{service['metadata']['name']}:29400"
+    node_ranks = []
+    for index in range(spec["completions"]):
+        out = subprocess.run(
+            ["sh", "-c", script.replace("exec launch_impala", "echo")],
+            env={
+                "JOB_COMPLETION_INDEX": str(index),
+                "ENV_ID": "PongDeterministic-v4",
+                "PATH": "/usr/bin:/bin",
+            },
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        node_ranks.append(int(re.search(r"--node-rank (\d+)", out).group(1)))
+    assert node_ranks == list(range(1, int(learners)))

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from impala.run.checkpoint import CheckpointError
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.protocols import FRAME_CAP, NetworkActions, ProtocolError, action_index_map, eval_protocol

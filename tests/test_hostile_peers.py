@@ -135,8 +135,9 @@ def test_returns_summed_from_unrolls_match_the_actors_own_count(link):
     expected, lengths = tracker.pop()
     assert 50 <= len(expected) <= 100  # all of them fit the 100-episode window
     # the server counts stream by stream, the tracker step by step: the same episodes, in another order
-    assert srv.episodes_total == len(expected)
-    assert sorted(zip(srv.episode_returns, srv.episode_lengths)) == sorted(zip(expected, lengths))
+    episodes = srv.episodes
+    assert episodes.episodes_total == len(expected)
+    assert sorted(zip(episodes.episode_returns, episodes.episode_lengths)) == sorted(zip(expected, lengths))
 
 
 def test_partly_seen_episodes_are_not_counted(link):
@@ -165,7 +166,8 @@ def test_partly_seen_episodes_are_not_counted(link):
     push.send_multipart(_frames("unroll", 8, unroll(True, True), {"env": 2}))
     _drain(srv, 6)
     assert _wait(lambda: srv.dropped["schema"] == 1 and srv.dropped["non_finite"] == 1)
-    assert list(srv.episode_returns) == [float(T), 2.0 * T] and list(srv.episode_lengths) == [T, T]
+    episodes = srv.episodes
+    assert list(episodes.episode_returns) == [float(T), 2.0 * T] and list(episodes.episode_lengths) == [T, T]
 
 
 def test_an_honest_actor_reports_the_same_returns_as_before():
@@ -203,7 +205,7 @@ def test_an_honest_actor_reports_the_same_returns_as_before():
         actor.join(timeout=30)
         srv.close()
     assert 10 <= len(claimed) <= 100, len(claimed)
-    assert sorted(zip(srv.episode_returns, srv.episode_lengths)) == sorted(claimed)
+    assert sorted(zip(srv.episodes.episode_returns, srv.episodes.episode_lengths)) == sorted(claimed)
 
 
 # ------------------------------------------------------------------ fair share per actor id
@@ -224,7 +226,7 @@ def test_one_id_gets_at_most_its_share_of_the_queue():
         for actor in (1, 2):
             socks[0].send_multipart(_frames("hello", actor))
         assert _wait(lambda: {1, 2} <= set(srv.accepted))
-        srv.last_seen[2] = time.monotonic() + 60  # actor 2 stays active while actor 1 floods
+        srv.admission.last_seen[2] = time.monotonic() + 60  # actor 2 stays active while actor 1 floods
         for i in range(20):
             socks[i % 4].send_multipart(_frames("unroll", 1, u))
         assert _wait(lambda: srv.dropped["over_share"] == 14), dict(srv.dropped)
@@ -234,7 +236,7 @@ def test_one_id_gets_at_most_its_share_of_the_queue():
         assert sorted(got) == [1] * 6 + [2] * 2 and srv.queue.qsize() == 0, got
         assert srv.stats()["transport/dropped_over_share"] == 14.0
         # an id alone is never over its share (ceil(8 / 1) + 2): it fills the queue and waits for room
-        srv.last_seen[2] = time.monotonic() - 60
+        srv.admission.last_seen[2] = time.monotonic() - 60
         time.sleep(0.1)  # (the active count is refreshed every 50 ms)
         for i in range(12):
             socks[i % 4].send_multipart(_frames("unroll", 1, u))
@@ -261,7 +263,7 @@ def test_an_id_on_one_connection_waits_for_its_share_and_loses_nothing():
         one.send_multipart(_frames("hello", 1))
         other.send_multipart(_frames("hello", 2))
         assert _wait(lambda: {1, 2} <= set(srv.accepted))
-        srv.last_seen[2] = time.monotonic() + 60  # actor 2 stays active
+        srv.admission.last_seen[2] = time.monotonic() + 60  # actor 2 stays active
         for _ in range(20):
             one.send_multipart(_frames("unroll", 1, u))
         assert _wait(lambda: srv.queue.queued(1) == 6)  # its share, ceil(8 / 2) + 2, then it waits
@@ -652,7 +654,7 @@ def test_a_refusal_is_told_without_an_update_and_outlives_a_flood_of_others():
         for actor in range(2000, 2100):
             push.send_multipart(_frames("hello", actor, info={"junk": 1}))
         assert _wait(lambda: srv.refused_hellos == 101)
-        assert 1000 not in srv.refused_recent  # pushed out by the newer refusals ...
+        assert 1000 not in srv.admission.refused_recent  # pushed out by the newer refusals ...
         push.send_multipart(_frames("unroll", 1000, SCHEMA.allocate()))  # ... until the victim sends again
         assert [1000, "forged", "junk"] in reported()
     finally:

@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from impala.run.config import ImpalaConfig, RunConfig, load_preset
+from impala.options import load_preset
+from impala.run.config import ImpalaConfig, RunConfig
 from impala.nets.impala_net import build_model
 from learner.vtrace_learner import VTraceLearner
 
@@ -237,7 +238,7 @@ def test_bf16_torso_update_is_the_float32_update_to_within_its_rounding():
 
 
 def test_precision_bf16_is_for_an_image_torso_and_fp32_is_the_default():
-    from impala.run.config import ConfigError
+    from impala.options import ConfigError
     from learner.vtrace_learner import cpu_has_native_bf16, torso_precision
 
     image, vector = build_model("shallow", OBS, A), build_model("mlp", (4,), 2)

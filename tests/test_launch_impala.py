@@ -366,7 +366,8 @@ def test_help_documents_every_option():
 
 
 def test_env_kwargs_override_is_applied_and_validated(tmp_path):
-    from impala.run.config import ConfigError, RunConfig
+    from impala.options import ConfigError
+    from impala.run.config import RunConfig
     from impala.envs import EnvSpec
     from impala.envs.probe import probe_env
 
@@ -463,7 +464,7 @@ def test_preset_values_are_defaults_that_flags_override(tmp_path):
         32,
     )
     preset.write_text("unroll_length: eighty\n")
-    from impala.run.config import ConfigError
+    from impala.options import ConfigError
 
     with pytest.raises(ConfigError, match="unroll_length"):
         parse_args(["--config", str(preset)])
@@ -518,7 +519,7 @@ def test_every_numeric_and_choice_field_rejects_bad_values(cls_name):
     import math
 
     import impala.run.config
-    from impala.run.config import ConfigError, field_kind
+    from impala.options import ConfigError, field_kind
 
     cls = getattr(impala.run.config, cls_name)
     accepted = []

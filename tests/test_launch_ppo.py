@@ -32,7 +32,8 @@ from fake_unity import write_fake_build  # noqa: E402
 
 from actors.ppo_agent import PPOAgent  # noqa: E402
 from impala.transport import wire  # noqa: E402
-from impala.run.config import ConfigError, RunConfig  # noqa: E402
+from impala.options import ConfigError  # noqa: E402
+from impala.run.config import RunConfig  # noqa: E402
 from impala.envs import EnvSpec  # noqa: E402
 from impala.envs.probe import EnvInfo  # noqa: E402
 from impala.envs.vector import StepResult  # noqa: E402

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from impala.run.config import ImpalaConfig, RunConfig, load_preset
+from impala.options import load_preset
+from impala.run.config import ImpalaConfig, RunConfig
 
 T, B, A, OBS = 5, 4, 6, (4, 84, 84)
 PRESET = os.path.join(os.path.dirname(__file__), "..", "configs", "atari.yaml")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from impala.run.config import FlagParser
+from impala.options import FlagParser
 from impala.run.ppo_config import (
     ConfigError,
     PPOConfig,

@@ -25,16 +25,8 @@ from impala.run.checkpoint import (
     prepare_run_folder,
     release_run_folders,
 )
-from impala.run.config import (
-    ConfigError,
-    FlagParser,
-    RunConfig,
-    add_flags,
-    apply_preset,
-    capped,
-    given_flags,
-    read_yaml,
-)
+from impala.options import ConfigError, FlagParser, add_flags, apply_preset, capped, given_flags, read_yaml
+from impala.run.config import RunConfig
 from impala.transport.messages import ImpalaAgentSpec, RunInfo
 from learner import checkpointer as ckpt_module
 from learner.budget import Budget
@@ -430,7 +422,7 @@ def test_a_folder_in_use_by_a_live_run_is_refused_to_a_second_process(tmp_path):
     prepare_run_folder(str(folder), resume=False, force=False)  # this process holds it, as a live run does
     other = subprocess.run(
         [sys.executable, "-c", "import sys; from impala.run.checkpoint import prepare_run_folder as p; "
-         "from impala.run.config import ConfigError\n"
+         "from impala.options import ConfigError\n"
          "try:\n p(sys.argv[1], resume=True, force=False)\nexcept ConfigError as e:\n print(e); sys.exit(2)",
          str(folder)],
         capture_output=True, text=True, timeout=120,

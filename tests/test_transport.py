@@ -123,8 +123,8 @@ def test_unrolls_from_a_future_policy_version_are_dropped(server, push, caplog):
 
 def test_unrolls_from_another_run_or_unverified_local_ids_are_dropped(server, push):
     server.run_info = {"run_id": "current"}
-    server.protected_ids.add(0)
-    server.local_token = "t0ken"
+    server.admission.protected_ids.add(0)
+    server.admission.local_token = "t0ken"
     for actor in (0, 9):
         _send(push, wire.encode("hello", actor=actor, version=-1, info={"fingerprint": {}}))
     assert _wait(lambda: {0, 9} <= set(server.accepted))
@@ -257,10 +257,10 @@ def test_hello_keeps_only_small_typed_fields(server, push):
 
 
 def test_refused_ids_take_no_slot_and_idle_actors_give_theirs_up(server, push, monkeypatch):
-    import learner.server as server_module
+    import learner.admission as admission_rules
 
-    monkeypatch.setattr(server_module, "MAX_ACTORS", 4)
-    monkeypatch.setattr(server_module, "MAX_REFUSED", 16)
+    monkeypatch.setattr(admission_rules, "MAX_ACTORS", 4)
+    monkeypatch.setattr(admission_rules, "MAX_REFUSED", 16)
     for i in range(50):  # many refused ids: remembered up to MAX_REFUSED, never counted as actors
         _send(push, wire.encode("hello", actor=1000 + i, version=-1, info={"ok": False}))
     assert _wait(lambda: server.refused_hellos == 50)
@@ -272,9 +272,9 @@ def test_refused_ids_take_no_slot_and_idle_actors_give_theirs_up(server, push, m
     _send(push, wire.encode("hello", actor=99, version=-1, info={"fingerprint": {}}))
     assert _wait(lambda: server.dropped["unknown_actor"] == 1) and 99 not in server.accepted
     # Once actor 2 has been silent longer than ACTOR_IDLE_S, its slot goes to the newcomer.
-    monkeypatch.setattr(server_module, "ACTOR_IDLE_S", 0.2)
+    monkeypatch.setattr(admission_rules, "ACTOR_IDLE_S", 0.2)
     for actor in (0, 1, 3):
-        server.last_seen[actor] = time.monotonic() + 3600  # still active
+        server.admission.last_seen[actor] = time.monotonic() + 3600  # still active
     time.sleep(0.3)
     _send(push, wire.encode("hello", actor=99, version=-1, info={"fingerprint": {}}))
     assert _wait(lambda: 99 in server.accepted)
@@ -336,9 +336,9 @@ def test_an_actor_that_goes_silent_is_said_to_have_left_and_back_when_it_returns
 ):
     """The learner's log says when a remote actor joins, when it has sent nothing for a while, and when it
     returns."""
-    import learner.server as server_module
+    import learner.admission as admission_rules
 
-    monkeypatch.setattr(server_module, "SILENT_S", 0.5)
+    monkeypatch.setattr(admission_rules, "SILENT_S", 0.5)
     with caplog.at_level(logging.INFO, logger="learner.server"):
         _send(push, wire.encode("hello", actor=42, version=-1, info={"fingerprint": {}, "num_envs": 2}))
         assert _wait(lambda: "actor 42 joined (2 envs" in caplog.text)
@@ -358,7 +358,7 @@ def test_an_unknown_actor_of_another_run_counts_as_other_run_not_unknown(server,
     assert _wait(lambda: server.dropped["other_run"] == 1 and server.dropped["unknown_actor"] == 1), dict(
         server.dropped
     )
-    assert 77 not in server.unknown_recent and 78 in server.unknown_recent
+    assert 77 not in server.admission.unknown_recent and 78 in server.admission.unknown_recent
 
 
 def test_a_publish_delay_sends_the_weights_of_earlier_updates_as_they_were():

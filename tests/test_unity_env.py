@@ -394,7 +394,7 @@ def test_discrete_only_behaviour(unity):
 
 def test_visual_observation_flattened_hwc(unity):
     """A camera spec (rank 3, HWC) travels flattened after the vector spec, in C order: the policy reshapes
-    it back from ``obs_specs`` (impala.nets.obs_layout)."""
+    it back from ``obs_specs`` (impala.envs.obs_layout)."""
     cfg = fu.preset("visual")
     env, player = unity(cfg, worker_id=12)
     assert env.obs_specs == [(2,), (20, 20, 3)] and env.obs_dim == 2 + 1200

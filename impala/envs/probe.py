@@ -19,8 +19,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from impala.nets.obs_layout import ObsLayout, image_layout
-from impala.run.config import ConfigError
+from impala.envs.obs_layout import ObsLayout, image_layout
+from impala.options import ConfigError
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import (
     EnvFingerprint,

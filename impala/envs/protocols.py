@@ -38,7 +38,7 @@ from typing import Any, Literal, Sequence
 import gymnasium as gym
 import numpy as np
 
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import (
     ConfiguredSettings,

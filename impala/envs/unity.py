@@ -119,7 +119,7 @@ def unity_build_path(value: str) -> str | None:
     ``builds/Crawler.x86_64``). A path to nothing (it ends in a Unity build suffix, or it starts with
     ``/``, ``.`` or ``~``, or has a ``/`` and is no registered gymnasium id such as ``ALE/Pong-v5``) is a
     ``ConfigError``."""
-    from impala.run.config import ConfigError
+    from impala.options import ConfigError
 
     path = os.path.expanduser(value)
     if os.path.exists(path):
@@ -211,15 +211,9 @@ class UnityVecEnv:
         fast_client: bool = True,
     ) -> None:
         try:
-            from mlagents_envs import env_utils
             from mlagents_envs.base_env import ActionTuple
             from mlagents_envs.environment import UnityEnvironment
-            from mlagents_envs.exception import (
-                UnityEnvironmentException,
-                UnityException,
-                UnityTimeOutException,
-                UnityWorkerInUseException,
-            )
+            from mlagents_envs.exception import UnityException
             from mlagents_envs.side_channel.engine_configuration_channel import EngineConfigurationChannel
             from impala.envs.unity_client import FastUnityEnvironment
         except ImportError as exc:  # pragma: no cover - depends on the install
@@ -256,8 +250,48 @@ class UnityVecEnv:
             capture_frame_rate=capture_frame_rate,
         )
         env_cls = FastUnityEnvironment if fast_client else UnityEnvironment
+        self._env = self._start(
+            env_cls,
+            file_name=file_name,
+            worker_id=worker_id,
+            base_port=base_port,
+            seed=seed,
+            no_graphics=no_graphics,
+            timeout_wait=timeout_wait,
+            additional_args=additional_args,
+        )
+
         try:
-            self._env = env_cls(
+            self._setup(behavior_name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(
+        self,
+        env_cls: Any,
+        *,
+        file_name: str | None,
+        worker_id: int,
+        base_port: int,
+        seed: int,
+        no_graphics: bool,
+        timeout_wait: int,
+        additional_args: list[str] | tuple[str, ...],
+    ) -> Any:
+        """Start (or connect to) the Unity instance; each way it can fail is one UnityEnvError that says
+        what to check, and a half-built environment is closed first."""
+        from mlagents_envs import env_utils
+        from mlagents_envs.environment import UnityEnvironment
+        from mlagents_envs.exception import (
+            UnityEnvironmentException,
+            UnityException,
+            UnityTimeOutException,
+            UnityWorkerInUseException,
+        )
+
+        try:
+            return env_cls(
                 file_name=file_name,
                 worker_id=worker_id,
                 base_port=base_port,
@@ -293,12 +327,6 @@ class UnityVecEnv:
         except UnityException as exc:
             _close_half_built(exc, UnityEnvironment)
             raise UnityEnvError(f"{self._where}: {exc}") from exc
-
-        try:
-            self._setup(behavior_name)
-        except BaseException:
-            self.close()
-            raise
 
     # -- setup -------------------------------------------------------------------------------
     def _call(self, fn, *args):
@@ -462,41 +490,8 @@ class UnityVecEnv:
             dec, term = self._call(self._env.get_steps, self.behavior_name)
 
             if len(term) > 0:
-                term_obs = _flat_obs(term.obs, len(term))
-                for j, aid in enumerate(term.agent_id):
-                    slot = slot_of.pop(int(aid), None)
-                    if slot is None:  # an episode the policy never acted in
-                        continue
-                    free.append(slot)
-                    if ended[slot]:  # its next episode ended too: keep the first end
-                        continue
-                    ended[slot] = True
-                    reward[slot] += term.reward[j]
-                    if term.interrupted[j]:
-                        truncated[slot] = True
-                    else:
-                        terminated[slot] = True
-                    if final_obs is None:
-                        final_obs = np.empty((K, self.obs_dim), dtype=np.float32)
-                    final_obs[slot] = term_obs[j]
-
-            seen = np.zeros(K, dtype=bool)
-            free.sort()
-            for j, aid in enumerate(dec.agent_id):
-                aid = int(aid)
-                slot = slot_of.get(aid)
-                if slot is None:
-                    if not free:
-                        raise UnityEnvError(
-                            f"behavior {self.behavior_name!r}: agent id {aid} appeared while all "
-                            f"{K} slots hold running agents; UnityVecEnv needs a fixed number of "
-                            "agents (a new id takes the slot of an agent whose episode ended)"
-                        )
-                    slot = free.pop(0)
-                    slot_of[aid] = slot
-                if not ended[slot]:
-                    reward[slot] += dec.reward[j]
-                seen[slot] = True
+                final_obs = self._end_episodes(term, free, reward, ended, terminated, truncated, final_obs)
+            seen = self._place_decisions(dec, free, reward, ended)
             if seen.all():
                 break
         else:
@@ -518,6 +513,61 @@ class UnityVecEnv:
             final_obs[~ended] = obs[~ended]
         self.episodes.record(reward, ended)
         return StepResult(obs, reward, terminated, truncated, final_obs)
+
+    def _end_episodes(
+        self,
+        term: Any,
+        free: list[int],
+        reward: np.ndarray,
+        ended: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        final_obs: np.ndarray | None,
+    ) -> np.ndarray | None:
+        """The agents whose episode ended in this Unity step: free their slots, add their last reward, say
+        how it ended and keep their last observation (``final_obs``, made when first needed)."""
+        term_obs = _flat_obs(term.obs, len(term))
+        for j, aid in enumerate(term.agent_id):
+            slot = self._slot_of.pop(int(aid), None)
+            if slot is None:  # an episode the policy never acted in
+                continue
+            free.append(slot)
+            if ended[slot]:  # its next episode ended too: keep the first end
+                continue
+            ended[slot] = True
+            reward[slot] += term.reward[j]
+            if term.interrupted[j]:
+                truncated[slot] = True
+            else:
+                terminated[slot] = True
+            if final_obs is None:
+                final_obs = np.empty((self.num_envs, self.obs_dim), dtype=np.float32)
+            final_obs[slot] = term_obs[j]
+        return final_obs
+
+    def _place_decisions(
+        self, dec: Any, free: list[int], reward: np.ndarray, ended: np.ndarray
+    ) -> np.ndarray:
+        """The agents asking for a decision: each keeps its slot, a new agent id takes the lowest freed one;
+        returns which slots asked."""
+        seen = np.zeros(self.num_envs, dtype=bool)
+        free.sort()
+        for j, aid in enumerate(dec.agent_id):
+            aid = int(aid)
+            slot = self._slot_of.get(aid)
+            if slot is None:
+                if not free:
+                    raise UnityEnvError(
+                        f"behavior {self.behavior_name!r}: agent id {aid} appeared while all "
+                        f"{self.num_envs} slots hold running agents; UnityVecEnv needs a fixed number of "
+                        "agents (a new id takes the slot of an agent whose episode ended)"
+                    )
+                slot = free.pop(0)
+                self._slot_of[aid] = slot
+            if not ended[slot]:
+                reward[slot] += dec.reward[j]
+            seen[slot] = True
+        return seen
 
     def close(self) -> None:
         """Send the close message (status 400) and stop the server and the Unity process."""

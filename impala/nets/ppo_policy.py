@@ -37,9 +37,9 @@ from torch import nn
 
 from impala.algos import ppo
 from impala.algos.normalizers import FrozenObsNormalizer, MLAgentsNormalizer
-from impala.nets.obs_layout import ObsLayout
+from impala.envs.obs_layout import ObsLayout
 from impala.nets.visual import make_encoder
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 from impala.run.ppo_config import PPOConfig
 
 ACTIVATIONS = {"swish": nn.SiLU, "tanh": nn.Tanh, "relu": nn.ReLU}
@@ -155,14 +155,14 @@ class ActorCritic(nn.Module):
         vis_encode_type: str = "simple",
     ):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-        if init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {init!r}")
-        if obs_norm not in OBS_NORMS:
-            raise ValueError(f"obs_norm must be one of {OBS_NORMS}, got {obs_norm!r}")
-        if log_prob_form not in LOG_PROB_FORMS:
-            raise ValueError(f"log_prob_form must be one of {LOG_PROB_FORMS}, got {log_prob_form!r}")
+        for name, value, choices in (
+            ("activation", activation, sorted(ACTIVATIONS)),
+            ("init", init, INITS),
+            ("obs_norm", obs_norm, OBS_NORMS),
+            ("log_prob_form", log_prob_form, LOG_PROB_FORMS),
+        ):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         branches = tuple(int(n) for n in branches)
         if action_dim < 0 or any(n < 1 for n in branches) or not (action_dim or branches):
             raise ValueError(
@@ -202,18 +202,7 @@ class ActorCritic(nn.Module):
         if seed is not None:
             gen = torch.Generator().manual_seed(seed)
         if self.visual:
-            # One encoder per image sensor and per body (ML-Agents' actor and critic each own an
-            # ObservationEncoder; SB3's share_features_extractor=False); encodings are concatenated with
-            # the vector sensors in spec order and feed the body MLP.
-            self.actor_encoders, self.critic_encoders = nn.ModuleList(), nn.ModuleList()
-            for shape in layout.shapes:
-                if len(shape) == 3:
-                    chw = layout.chw(shape)
-                    n = len(layout.shapes)
-                    enc, size = make_encoder(vis_encode_type, chw, hidden_units, n, gen)
-                    self.actor_encoders.append(enc)
-                    self.critic_encoders.append(make_encoder(vis_encode_type, chw, hidden_units, n, gen)[0])
-                    body_in += size
+            body_in += self._add_encoders(layout, vis_encode_type, hidden_units, gen)
 
         self.actor_body = mlp_body(body_in, hidden_units, num_layers, activation)
         self.critic_body = mlp_body(body_in, hidden_units, num_layers, activation)
@@ -222,7 +211,28 @@ class ActorCritic(nn.Module):
         self.mu_head = nn.Linear(hidden_units, action_dim) if action_dim else None
         self.log_sigma = nn.Parameter(torch.zeros(action_dim)) if action_dim else None
         self.branch_head = nn.Linear(hidden_units, sum(branches)) if branches else None
+        self._init_weights(init, gen)
 
+    def _add_encoders(
+        self, layout: ObsLayout, vis_encode_type: str, hidden_units: int, gen: torch.Generator | None
+    ) -> int:
+        """One encoder per image sensor and per body (ML-Agents' actor and critic each own an
+        ObservationEncoder; SB3's share_features_extractor=False); encodings are concatenated with the vector
+        sensors in spec order and feed the body MLP. Returns the encodings' total size."""
+        self.actor_encoders, self.critic_encoders = nn.ModuleList(), nn.ModuleList()
+        total = 0
+        for shape in layout.shapes:
+            if len(shape) == 3:
+                chw = layout.chw(shape)
+                n = len(layout.shapes)
+                enc, size = make_encoder(vis_encode_type, chw, hidden_units, n, gen)
+                self.actor_encoders.append(enc)
+                self.critic_encoders.append(make_encoder(vis_encode_type, chw, hidden_units, n, gen)[0])
+                total += size
+        return total
+
+    def _init_weights(self, init: str, gen: torch.Generator | None) -> None:
+        """The bodies' and heads' weights as ML-Agents or SB3 initialize them (``init``), from ``gen``."""
         hidden = [m for body in (self.actor_body, self.critic_body) for m in body if isinstance(m, nn.Linear)]
         if init == "mlagents":
             for layer in hidden:

@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 
 MLAGENTS_ENCODERS = ("simple", "nature_cnn", "resnet")
 VIS_ENCODE_TYPES = (*MLAGENTS_ENCODERS, "sb3_nature_cnn")

@@ -1,2 +1,2 @@
-"""Run plumbing: the one configuration mechanism (dataclasses -> flags), the CPUs a run may use,
-checkpoints, metrics and experiment tracking."""
+"""Run plumbing: the run's configurations (RunConfig, ImpalaConfig, PPOConfig, users of ``impala.options``),
+the CPUs a run may use, checkpoints, metrics and experiment tracking."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -20,15 +20,14 @@ import dataclasses
 import random
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from impala.algos import ppo
+from impala.options import ConfigError, add_flags, check_fields, given_flags, read_yaml
+from impala.options import option as _f
+from impala.run.config import RunConfig
 
 SEMANTICS = ("mlagents", "sb3")
-
-
-from impala.run.config import ConfigError, RunConfig, add_flags, check_fields, given_flags, read_yaml  # noqa: E402 - one config mechanism
-from impala.run.config import option as _f  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -637,11 +636,8 @@ def from_mlagents_yaml(
     return ppo_config_from_file(read_mlagents_yaml(path, behavior), semantics, **overrides)
 
 
-def ppo_config_from_file(
-    file: MLAgentsTrainerFile, semantics: str = "mlagents", **overrides: Any
-) -> PPOConfig:
-    """The PPOConfig of a read trainer file's behaviour (see :func:`from_mlagents_yaml`)."""
-    root, b = file.root, file.settings
+def _check_behavior_keys(root: str, b: Mapping[str, Any]) -> None:
+    """A behaviour's own keys: each known (or at its only supported value), and a PPO trainer."""
     for key, value in b.items():
         if key in _BEHAVIOR_ONLY_DEFAULT:
             _only_default(value, f"{root}.{key}", *_BEHAVIOR_ONLY_DEFAULT[key])
@@ -653,6 +649,9 @@ def ppo_config_from_file(
     if trainer_type != "ppo":
         raise ConfigError(f"{root}.trainer_type: must be 'ppo', got {trainer_type!r}")
 
+
+def _hyperparameter_values(root: str, b: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of a behaviour's ``hyperparameters``, each checked, by their ML-Agents key."""
     vals: dict[str, Any] = {}
     hp = _mapping(b.get("hyperparameters"), f"{root}.hyperparameters")
     for key, value in hp.items():
@@ -667,7 +666,12 @@ def ppo_config_from_file(
             vals[key] = value
         else:
             vals[key] = _number(value, p, int if key in ("batch_size", "buffer_size", "num_epoch") else float)
+    return vals
 
+
+def _network_values(root: str, b: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of a behaviour's ``network_settings``, each checked, by their ML-Agents key."""
+    vals: dict[str, Any] = {}
     net = _mapping(b.get("network_settings"), f"{root}.network_settings")
     for key, value in net.items():
         p = f"{root}.network_settings.{key}"
@@ -689,7 +693,12 @@ def ppo_config_from_file(
             vals[key] = value
         else:
             vals[key] = _number(value, p, int)
+    return vals
 
+
+def _reward_signal_values(root: str, b: Mapping[str, Any]) -> dict[str, Any]:
+    """The extrinsic reward signal's gamma; any other signal, or none, is refused with its key path."""
+    vals: dict[str, Any] = {}
     if "reward_signals" in b:
         rs = _mapping(b.get("reward_signals"), f"{root}.reward_signals")
         for key in rs:
@@ -712,6 +721,16 @@ def ppo_config_from_file(
                 _mapping(value, p)  # ML-Agents' extrinsic signal has no network: its settings change nothing
         else:
             raise ConfigError(f"{p}: unknown key")
+    return vals
+
+
+def ppo_config_from_file(
+    file: MLAgentsTrainerFile, semantics: str = "mlagents", **overrides: Any
+) -> PPOConfig:
+    """The PPOConfig of a read trainer file's behaviour (see :func:`from_mlagents_yaml`)."""
+    root, b = file.root, file.settings
+    _check_behavior_keys(root, b)
+    vals = {**_hyperparameter_values(root, b), **_network_values(root, b), **_reward_signal_values(root, b)}
     for key in ("max_steps", "time_horizon"):
         if key in b:
             vals[key] = _number(b[key], f"{root}.{key}", int)
@@ -830,7 +849,7 @@ PPO_FLAG_NAMES = {
 
 def config_to_argparse(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--semantics``, ``--trainer-config``, ``--behavior`` and one flag per option
-    (``impala.run.config.add_flags``: ``--x/--no-x`` for booleans, ``none`` unsets an optional option).
+    (``impala.options.add_flags``: ``--x/--no-x`` for booleans, ``none`` unsets an optional option).
 
     The layering is preset < trainer YAML < flags given on the command line (``args.given``), so an
     option's default depends on ``--semantics`` and the file: the help text names both presets' values,

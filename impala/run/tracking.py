@@ -12,7 +12,7 @@ import os
 import subprocess
 from typing import Any, Mapping
 
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 
 
 def git_commit(path: str | None = None) -> str | None:

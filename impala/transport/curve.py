@@ -29,7 +29,7 @@ import zmq.auth
 from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 
-from impala.run.config import ConfigError
+from impala.options import ConfigError
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
 from impala.envs import EnvSpec
-from impala.nets.obs_layout import ObsLayout
+from impala.envs.obs_layout import ObsLayout
 from impala.run.config import MAX_TASKS
 from impala.run.ppo_config import PPOConfig
 

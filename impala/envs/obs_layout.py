@@ -6,6 +6,9 @@ a gymnasium image env's frame is one sensor). The policy reads the layout from h
 rank-3 sensor into an image. The cost: images travel as float32, four bytes a pixel where uint8 would
 take one (an 84x84x4 Atari frame is 113 KB a step, twice with ``final_obs``), which suits the small
 cameras of ML-Agents' examples and tiny image envs, not Atari-scale runs.
+
+It lives with the envs because an env's probe is what finds the layout (``impala.envs.probe``); the
+networks and the messages read it from here, so imports between the rooms point one way.
 """
 
 from __future__ import annotations
