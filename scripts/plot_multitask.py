@@ -214,8 +214,14 @@ def figure(runs: dict, games: list[str], out: str) -> None:
     for ax in axes.flat:
         ax.set_xlabel("frames of this game (M)")
         ax.grid(alpha=0.3)
-    handles, names = axes[0][n].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), frameon=False)
+    legend: dict[str, object] = {}  # every run drawn, also one with no median yet (a game missing)
+    for ax in axes[0]:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+    if legend:
+        fig.legend(
+            list(legend.values()), list(legend), loc="lower center", ncol=min(len(legend), 4), frameon=False
+        )
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out, dpi=100)
 
@@ -264,6 +270,9 @@ def main() -> int:
     )
     ap.add_argument("--single", action="append", default=[], metavar="LABEL:GAME=PATH",
                     help="One game's single-task curve to add to the run LABEL (repeatable).")  # fmt: skip
+    ap.add_argument("--upto", type=float, default=0.0, metavar="FRAMES",
+                    help="Draw and tabulate each game up to this many of its frames (a longer single-task "
+                    "run read at the multi-task runs' length); 0: all.")  # fmt: skip
     args = ap.parse_args()
     games = [g.strip() for g in args.games.split(",") if g.strip()]
     runs = load(args.root, games)
@@ -275,6 +284,14 @@ def main() -> int:
     if not runs:
         print(f"plot_multitask: no runs under {args.root!r}", file=sys.stderr)
         return 2
+    if args.upto < 0:
+        print(f"plot_multitask: --upto must be >= 0, got {args.upto:g}", file=sys.stderr)
+        return 2
+    if args.upto:
+        for run in runs.values():
+            for curves in run.values():
+                for key, points in curves.items():
+                    curves[key] = [(f, v) for f, v in points if f <= args.upto * (1 + TOLERANCE)]
     unknown = [g for g in games if human_normalized_score(g, 0.0) is None]
     if unknown:
         print(f"plot_multitask: no human reference score for {', '.join(unknown)}", file=sys.stderr)

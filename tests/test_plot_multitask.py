@@ -92,7 +92,12 @@ def test_curves_kept_as_csv_files_join_by_label(tmp_path):
     # alone: Pong 14.6 -> 1.0, Breakout 1.7 -> 0.0
     assert "| popart s9 | -3.0 (0.500) | 16.1 (0.500) | 0.500 | 0.500 |" in md, md
     assert "| alone | 14.6 (1.000) | 1.7 (0.000) | 0.500 | 0.500 |" in md, md
+    # --upto: the single-task curve read only to 0.5M frames, so no 1M column is left
+    out = _run(*args, "--single", f"alone:PongDeterministic-v4={short}", "--upto", "500000")
+    assert out.returncode == 0, out.stderr
+    assert "at 1M frames" not in (tmp_path / "mt.md").read_text()
     for bad, says in [
+        (["--multi", f"x={short}", "--upto", "-1"], "--upto must be >= 0"),
         (["--multi", "no-equals-sign"], "--multi takes LABEL=PATH"),
         (["--single", f"alone=PongDeterministic-v4={short}"], "--single takes LABEL:GAME=PATH"),
         (["--single", f"alone:CartPole-v1={short}"], "is not one of --games"),
