@@ -20,14 +20,14 @@ import numpy as np
 import zmq
 
 from actors.agents import make_agent
-from impala.transport import wire
-from impala.transport.curve import make_client_socket
 from impala.envs import EnvSpec
 from impala.envs.probe import measure_env_fingerprint
 from impala.envs.vector import EpisodeTracker, GymVecEnv
-from impala.transport.messages import AgentSpec, RunInfo
 from impala.run.metrics import log_this_one
 from impala.run.orphans import exit_if_orphaned
+from impala.transport import wire
+from impala.transport.curve import make_client_socket
+from impala.transport.messages import AgentSpec, RunInfo
 
 log = logging.getLogger(__name__)
 

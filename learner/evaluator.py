@@ -31,7 +31,6 @@ import gymnasium as gym
 import numpy as np
 
 from actors.agents import Agent, make_agent
-from impala.options import ConfigError
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import build_env
@@ -43,6 +42,7 @@ from impala.envs.protocols import (
     network_action_map,
 )
 from impala.evaluation import EpisodeRecord, EvalConfig, EvalResult, PolicyCheckpoint
+from impala.options import ConfigError
 from impala.transport.messages import AgentSpec
 
 PROG = "impala-eval"

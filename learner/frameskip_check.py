@@ -43,8 +43,6 @@ import gymnasium as gym
 from actors.actor import Actor
 from actors.loop import ActorConfig, actor_configs
 from actors.pool import ActorPool
-from impala.run.checkpoint import CheckpointError
-from impala.options import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.audit import (
     ENV_IN_INIT,
@@ -62,6 +60,8 @@ from impala.envs.fingerprint import (
 )
 from impala.envs.probe import expected_observation
 from impala.evaluation import checkpoint_path
+from impala.options import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
+from impala.run.checkpoint import CheckpointError
 from impala.transport.messages import ImpalaAgentSpec, RunInfo
 from impala.transport.trajectory import impala_unroll_schema
 from learner.frameskip_plot import check_checkpoint, plot_episodes, run_episodes, summary_lines

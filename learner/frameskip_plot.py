@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from impala.run.checkpoint import CheckpointError
-from impala.run.cpus import available_cpus
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import ConfiguredSettings, configured_settings
 from impala.envs.vector import GymVecEnv
 from impala.evaluation import PolicyCheckpoint, read_policy_checkpoint
+from impala.run.checkpoint import CheckpointError
+from impala.run.cpus import available_cpus
 from learner.evaluator import checkpoint_agent
 
 TWIN_OVERRIDES: dict[str, Any] = {"frameskip": (2, 5), "repeat_action_probability": 0.25}

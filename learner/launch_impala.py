@@ -24,30 +24,32 @@ import signal
 import sys
 
 import learner.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
+
+# isort: split
 import torch
 
-from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
+from impala.envs import EnvSpec
+from impala.envs.atari import human_normalized_score
+from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from impala.options import ConfigError, FlagParser, add_flags, apply_preset, fail, from_flags, load_preset
+from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
     IMPALA_BRIEF,
     RUN_BRIEF,
     ImpalaConfig,
     RunConfig,
     apply_saved,
+    resolve_device,
     resume_changes,
     resume_folder,
-    resolve_device,
     resume_record,
     saved_settings,
 )
-from impala.envs import EnvSpec
-from impala.envs.atari import human_normalized_score
-from impala.transport.messages import task_shares
-from impala.envs.probe import EnvInfo, probe_env, probe_tasks
-from learner import hosts
-from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
 from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
+from impala.transport.messages import task_shares
+from learner import hosts
+from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
 from learner.runtime import (
     START_ERRORS,
     LaunchError,

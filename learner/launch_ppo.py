@@ -73,7 +73,9 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
+from impala.envs import EnvSpec, unity
+from impala.envs.probe import EnvInfo, probe_env, probe_unity
+from impala.envs.unity import UnityEnvError
 from impala.options import (
     ConfigError,
     FlagParser,
@@ -87,19 +89,17 @@ from impala.options import (
     need,
     option,
 )
+from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
+    RUN_BRIEF,
     RUN_ID,
     RunConfig,
-    RUN_BRIEF,
+    apply_saved,
     resume_changes,
     resume_record,
     saved_settings,
-    apply_saved,
 )
-from impala.envs import EnvSpec
-from impala.envs.probe import EnvInfo, probe_env, probe_unity
-from impala.envs import unity
-from impala.envs.unity import UnityEnvError
+from impala.run.metrics import LOG_FORMAT
 from impala.run.ppo_config import (
     MAX_UNROLL,
     MLAGENTS_UNROLL,
@@ -113,7 +113,6 @@ from impala.run.ppo_config import (
     read_mlagents_yaml,
 )
 from learner.ppo_modes import MLAgentsPPOTrainer
-from impala.run.metrics import LOG_FORMAT
 from learner.runtime import START_ERRORS, LaunchError, Outcome, RunFinished, RunPlan, RunResult, run
 
 log = logging.getLogger("launch_ppo")

@@ -29,8 +29,8 @@ import os
 import signal
 import threading
 import uuid
-from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
@@ -41,8 +41,8 @@ from actors.pool import ActorPool, ThreadActors
 from impala.envs import UnknownEnvError
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import EnvInfo
-from impala.run.checkpoint import CheckpointError
 from impala.options import ConfigError
+from impala.run.checkpoint import CheckpointError
 from impala.run.config import RunConfig, resolve_device
 from impala.run.cpus import CpuClaim, available_cpus, pin_process, split_cpus
 from impala.run.metrics import MetricsLogger

@@ -39,8 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from impala.run.checkpoint import FINISHED_MARKER  # noqa: E402
 from impala.options import ConfigError  # noqa: E402
+from impala.run.checkpoint import FINISHED_MARKER  # noqa: E402
 from learner import launch_impala  # noqa: E402
 
 LAUNCH_IMPALA = [sys.executable, "-m", "learner.launch_impala"]

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from impala.algos import impala_losses, popart
-from impala.options import ConfigError
-from impala.run.config import ImpalaConfig, RunConfig
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo
 from impala.nets.impala_net import build_model
+from impala.options import ConfigError
+from impala.run.config import ImpalaConfig, RunConfig
 from learner.vtrace_learner import VTraceLearner
-
 
 # CartPole's spaces, as probe_env reports them (built here without stepping an env).
 CARTPOLE = EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num_actions=2)

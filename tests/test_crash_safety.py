@@ -18,9 +18,9 @@ T, B = 5, 4
 
 
 def _learner():
-    from impala.run.config import RunConfig
     from impala.envs import EnvSpec
     from impala.envs.probe import EnvInfo
+    from impala.run.config import RunConfig
     from learner.vtrace_learner import ImpalaTrainer
 
     config = ImpalaConfig(batch_size=B, minibatches=1, epochs=1)

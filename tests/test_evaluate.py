@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from impala.run.checkpoint import CheckpointError
-from impala.options import ConfigError
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.protocols import FRAME_CAP, NetworkActions, ProtocolError, action_index_map, eval_protocol
 from impala.evaluation import RESULT_SCHEMA, EvalConfig, read_policy_checkpoint
+from impala.options import ConfigError
+from impala.run.checkpoint import CheckpointError
 from learner.eval_cli import main
 from learner.evaluator import EvalJob, checkpoint_agent, evaluate_params, run_episodes
 from procs import run

@@ -166,9 +166,9 @@ def test_actor_that_builds_its_env_in_init_is_flagged_and_the_real_actor_is_not(
 
 # 4 -------------------------------------------------------------------------
 def test_runtime_refuses_to_train_when_one_actor_fingerprint_differs(tmp_path):
-    from impala.run.config import ImpalaConfig, RunConfig
     from impala.envs.fingerprint import FingerprintMismatchError
     from impala.envs.probe import probe_env
+    from impala.run.config import ImpalaConfig, RunConfig
     from learner.runtime import RunPlan, run
     from learner.vtrace_learner import ImpalaTrainer
 

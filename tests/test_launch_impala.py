@@ -9,8 +9,8 @@ import signal
 import time
 
 import pytest
-import yaml
 import torch
+import yaml
 
 from procs import actor_pids, alive, cmdline, descendants, free_port_pair, kill_group, run, start, wait_for
 
@@ -366,10 +366,10 @@ def test_help_documents_every_option():
 
 
 def test_env_kwargs_override_is_applied_and_validated(tmp_path):
-    from impala.options import ConfigError
-    from impala.run.config import RunConfig
     from impala.envs import EnvSpec
     from impala.envs.probe import probe_env
+    from impala.options import ConfigError
+    from impala.run.config import RunConfig
 
     cfg = RunConfig(env="PongNoFrameskip-v4", env_kwargs='{"frameskip": 4}', logdir=str(tmp_path))
     fp = probe_env(EnvSpec(cfg.env, cfg.env_overrides)).fingerprint

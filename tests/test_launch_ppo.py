@@ -28,18 +28,16 @@ pytest.importorskip("mlagents_envs")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fake_unity import write_fake_build  # noqa: E402
-
 from actors.ppo_agent import PPOAgent  # noqa: E402
-from impala.transport import wire  # noqa: E402
-from impala.options import ConfigError  # noqa: E402
-from impala.run.config import RunConfig  # noqa: E402
+from fake_unity import write_fake_build  # noqa: E402
 from impala.envs import EnvSpec  # noqa: E402
 from impala.envs.probe import EnvInfo  # noqa: E402
 from impala.envs.vector import StepResult  # noqa: E402
+from impala.options import ConfigError  # noqa: E402
+from impala.run.config import RunConfig  # noqa: E402
+from impala.run.ppo_config import PPOConfig, choose_unroll_length  # noqa: E402
+from impala.transport import wire  # noqa: E402
 from impala.transport.messages import PPOAgentSpec, RunInfo  # noqa: E402
-from impala.run.ppo_config import PPOConfig  # noqa: E402
-from impala.run.ppo_config import choose_unroll_length  # noqa: E402
 from learner.ppo_learner import PPOLearner, PPOTrainer, TrajectoryPiece, piece_from_unroll, unrolls_per_update  # noqa: E402
 
 LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")

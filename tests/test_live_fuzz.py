@@ -8,9 +8,9 @@ import ast
 import csv
 import json
 import math
+import os
 import re
 import signal
-import os
 import time
 
 import numpy as np

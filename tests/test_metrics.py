@@ -170,12 +170,12 @@ def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
 
     import cv2
 
-    from impala.run.config import RunConfig
     from impala.envs import EnvSpec
-    from impala.transport.messages import ImpalaAgentSpec, RunInfo
     from impala.nets.impala_net import build_model
-    from impala.transport.params import state_dict_arrays
+    from impala.run.config import RunConfig
     from impala.run.tracking import WandbTracker
+    from impala.transport.messages import ImpalaAgentSpec, RunInfo
+    from impala.transport.params import state_dict_arrays
     from learner.periodic_eval import PeriodicEval
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -240,8 +240,8 @@ def _impala_step(popart: bool) -> dict:
 
 
 def test_both_launchers_log_one_set_of_loss_names():
-    from learner.ppo_learner import METRIC_KEYS
     from impala.run.metrics import CONSOLE_KEYS
+    from learner.ppo_learner import METRIC_KEYS
 
     impala = _impala_step(popart=False)
     shared = {"losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/total", "losses/grad_norm"}

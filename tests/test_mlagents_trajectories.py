@@ -49,8 +49,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The use of `x.T` on tensors:UserWarning"),
 ]
 
-from mlagents.trainers.agent_processor import AgentManagerQueue, AgentProcessor  # noqa: E402
 from mlagents.trainers.action_info import ActionInfo  # noqa: E402
+from mlagents.trainers.agent_processor import AgentManagerQueue, AgentProcessor  # noqa: E402
 from mlagents.trainers.behavior_id_utils import BehaviorIdentifiers  # noqa: E402
 from mlagents.trainers.buffer import BufferKey, ObservationKeyPrefix, RewardSignalUtil  # noqa: E402
 from mlagents.trainers.ppo.trainer import PPOTrainer as MLAgentsPPOTrainer  # noqa: E402

@@ -18,13 +18,13 @@ import pytest
 import torch
 import zmq
 
-from impala.transport import wire
-from impala.run.config import ImpalaConfig
 from impala.envs import EnvSpec
 from impala.envs.atari import human_normalized_score
 from impala.envs.probe import probe_tasks
-from impala.transport.messages import ImpalaAgentSpec, RunInfo, deal_task, task_shares
 from impala.nets.impala_net import build_model
+from impala.run.config import ImpalaConfig
+from impala.transport import wire
+from impala.transport.messages import ImpalaAgentSpec, RunInfo, deal_task, task_shares
 from impala.transport.trajectory import impala_unroll_schema
 from learner import launch_impala, launch_ppo
 from learner.server import TrajectoryServer

@@ -532,8 +532,13 @@ def test_discrete_branches_and_masks_as_mlagents_own_export_writes_them(tmp_path
     from mlagents.trainers.settings import NetworkSettings
     from mlagents.trainers.torch.model_serialization import ModelSerializer
     from mlagents.trainers.torch.networks import SimpleActor
-    from mlagents_envs.base_env import ActionSpec, BehaviorSpec, DimensionProperty, ObservationSpec
-    from mlagents_envs.base_env import ObservationType
+    from mlagents_envs.base_env import (
+        ActionSpec,
+        BehaviorSpec,
+        DimensionProperty,
+        ObservationSpec,
+        ObservationType,
+    )
 
     specs = [
         ObservationSpec((n,), (DimensionProperty.NONE,), ObservationType.DEFAULT, f"vector{i}")

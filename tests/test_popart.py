@@ -5,9 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from impala.algos import impala_losses, popart
-
-from impala.algos import vtrace
+from impala.algos import impala_losses, popart, vtrace
 
 
 def test_normalize_unnormalize_identity():

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from impala.run.config import ImpalaConfig, RunConfig
 from impala.envs import EnvSpec
 from impala.envs.probe import probe_env
+from impala.run.config import ImpalaConfig, RunConfig
 from learner.runtime import RunPlan, run
 from learner.vtrace_learner import ImpalaTrainer
 

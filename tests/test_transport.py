@@ -1,9 +1,9 @@
 """The learner's receive path over real ZeroMQ sockets: bad messages are dropped and counted, never fatal."""
 
 import json
+import logging
 import subprocess
 import sys
-import logging
 import time
 from pathlib import Path
 
@@ -288,8 +288,8 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
 
     from actors.loop import ActorConfig, run_actor
     from impala.envs import EnvSpec
-    from impala.transport.messages import ImpalaAgentSpec
     from impala.nets.impala_net import build_model
+    from impala.transport.messages import ImpalaAgentSpec
     from impala.transport.params import state_dict_arrays
     from impala.transport.trajectory import impala_unroll_schema
 

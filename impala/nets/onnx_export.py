@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from impala.algos.normalizers import FrozenObsNormalizer, MLAgentsNormalizer, MLAGENTS_CLIP
+from impala.algos.normalizers import MLAGENTS_CLIP, FrozenObsNormalizer, MLAgentsNormalizer
 from impala.envs import EnvSpec
 from impala.nets.ppo_policy import ACTION_CLIPS, MLAGENTS_ACTION_LIMIT, ActorCritic
 
