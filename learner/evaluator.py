@@ -1,6 +1,6 @@
 """The evaluation engine: play a policy's episodes and judge them under a named protocol.
 
-Used by ``impala-eval`` (:mod:`learner.eval_cli`), by a training run's ``--eval-every`` and by
+Used by ``impala-eval`` (:mod:`learner.cli.eval_cli`), by a training run's ``--eval-every`` and by
 ``frameskip_check --plot``; it reads both learners' checkpoints
 (``impala.evaluation.read_policy_checkpoint``).
 The episodes are played in worker processes through the actors' own agent code

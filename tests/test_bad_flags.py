@@ -247,7 +247,7 @@ def test_help_is_a_page_and_help_all_has_every_option_in_full(prog):
 
 def test_the_two_launchers_speak_one_vocabulary():
     """The same idea has the same flag in both launchers; the other spelling (ML-Agents' key) is an alias."""
-    from learner import launch_impala, launch_ppo
+    from learner.cli import launch_impala, launch_ppo
 
     def flags(parser):
         return {o for a in parser._actions for o in a.option_strings}

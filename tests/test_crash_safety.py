@@ -230,7 +230,7 @@ def _launch_impala(argv: list[str], capsys, *, real_process: bool) -> tuple[int,
     if real_process:
         out = run(["launch_impala", *argv], timeout=120)
         return out.returncode, out.stderr
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     threads = torch.get_num_threads()
     try:

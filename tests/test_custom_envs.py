@@ -14,7 +14,7 @@ import torch
 
 from impala.envs import EnvPackageError, EnvSpec, make_env
 from impala.transport.messages import RunInfo
-from learner import launch_impala, launch_ppo
+from learner.cli import launch_impala, launch_ppo
 
 TINY_RUN = [
     "--workers",
@@ -266,7 +266,7 @@ def test_impala_eval_plays_a_custom_env_checkpoint_in_worker_processes(tmp_path,
     """The checkpoint records the package with the env: impala-eval's spawned workers import it themselves."""
     import json
 
-    from learner import eval_cli
+    from learner.cli import eval_cli
 
     assert (
         launch_impala.main(["--env", "custom_envs:Tiny-v0", *TINY_RUN, "--logdir", str(tmp_path / "run")])

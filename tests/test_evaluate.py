@@ -26,7 +26,7 @@ from impala.envs.protocols import FRAME_CAP, NetworkActions, ProtocolError, acti
 from impala.evaluation import RESULT_SCHEMA, EvalConfig, read_policy_checkpoint
 from impala.options import ConfigError
 from impala.run.checkpoint import CheckpointError
-from learner.eval_cli import main
+from learner.cli.eval_cli import main
 from learner.evaluator import EvalJob, checkpoint_agent, evaluate_params, run_episodes
 from procs import run
 
@@ -103,7 +103,7 @@ TINY_PPO = [
 def _train(cmd: list[str], logdir: Path) -> Path:
     """The launcher's main in this process (the runs are --in-process; impala-eval's own CLI runs as a real
     process below)."""
-    from learner import launch_impala, launch_ppo
+    from learner.cli import launch_impala, launch_ppo
 
     launcher = {"launch_impala": launch_impala.main, "launch_ppo": launch_ppo.main}[cmd[0]]
     threads = torch.get_num_threads()
@@ -716,7 +716,7 @@ def test_eval_config_rejects_what_cannot_work():
 
 
 def test_frameskip_plot_reads_checkpoints_through_the_same_loader(pong, ppo):
-    from learner.frameskip_plot import check_checkpoint
+    from learner.cli.frameskip_plot import check_checkpoint
 
     assert check_checkpoint(str(pong.parent), "PongDeterministic-v4") == "policy from checkpoint.pt"
     with pytest.raises(CheckpointError, match="this one is ppo's"):

@@ -20,7 +20,7 @@ import pytest
 from actors.actor import Actor
 from impala.envs import EnvSpec, make_env
 from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip
-from learner.frameskip_check import DEFAULT_ENV_IDS, _actor_configs
+from learner.cli.frameskip_check import DEFAULT_ENV_IDS, _actor_configs
 from legacy_env import LegacyActor, LegacyAtariEnv, SwapEnvActor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +32,7 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     # PYTHONPATH: the CLI (and the children it spawns) must import tests/legacy_env.py for --actor-class.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run(
-        [sys.executable, "-m", "learner.frameskip_check", *args],
+        [sys.executable, "-m", "learner.cli.frameskip_check", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -169,7 +169,7 @@ def test_runtime_refuses_to_train_when_one_actor_fingerprint_differs(tmp_path):
     from impala.envs.fingerprint import FingerprintMismatchError
     from impala.envs.probe import probe_env
     from impala.run.config import ImpalaConfig, RunConfig
-    from learner.runtime import RunPlan, run
+    from learner.run.runtime import RunPlan, run
     from learner.vtrace_learner import ImpalaTrainer
 
     config = RunConfig(
@@ -216,7 +216,7 @@ def test_bad_input_is_one_line_exit_2(args, expect, capsys):
     if args == ["PongDeterministc-v4"]:
         r = run_cli(*args, timeout=60)
     else:
-        from learner.frameskip_check import main
+        from learner.cli.frameskip_check import main
 
         rc = main(list(args))
         cap = capsys.readouterr()

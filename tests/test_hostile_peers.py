@@ -16,7 +16,7 @@ import zmq
 from impala.envs.vector import EpisodeTracker
 from impala.transport import wire
 from impala.transport.trajectory import impala_unroll_schema
-from learner.server import TrajectoryServer
+from learner.serve.server import TrajectoryServer
 
 T = 8
 SCHEMA = impala_unroll_schema(T, (3,), "float32", 2)
@@ -280,7 +280,7 @@ def test_an_id_on_one_connection_waits_for_its_share_and_loses_nothing():
 
 
 def test_the_queue_hands_unrolls_out_round_robin_across_ids():
-    from learner.server import FairQueue
+    from learner.serve.server import FairQueue
 
     q = FairQueue(8)
     for actor in (1, 1, 1, 2, 3, 1):
@@ -301,7 +301,7 @@ def test_a_full_queue_goes_over_its_size_only_for_an_id_held_under_its_equal_par
     an actor is blocked, so its equal part reads 8): it still waits for room. In a Pong run without this
     condition both actors went over the queue's size and then over their shares: 781 honest unrolls
     dropped in a minute."""
-    from learner.server import FairQueue
+    from learner.serve.server import FairQueue
 
     q = FairQueue(8)
     for actor in (1, 2, 1, 2, 1, 2, 1, 2):

@@ -75,7 +75,7 @@ def test_the_graph_reader_sees_known_edges():
     edges = _edges(_modules())
     # guards against a reader that finds nothing and so passes everything below
     assert ("actors.actor", "actors.loop") in edges
-    assert ("learner.runtime", "actors.actor") in edges
+    assert ("learner.run.runtime", "actors.actor") in edges
     assert ("impala.algos.vtrace", "impala.algos.vtrace") not in edges
     assert _cycles({("a", "b"), ("b", "c"), ("c", "a")}) == [["a", "b", "c", "a"]]
 
@@ -90,8 +90,9 @@ def test_imports_point_down_only():
 
 
 def _room(mod: str) -> str:
-    """The room of an ``impala`` module: its folder (``impala.envs.probe`` -> ``envs``) or, for a module at
-    the library's top (``impala.options``), the module itself."""
+    """The room of a module inside its package: its folder (``impala.envs.probe`` -> ``envs``,
+    ``learner.run.runtime`` -> ``run``) or, for a module at the package's top (``impala.options``), the
+    module itself."""
     return mod.split(".")[1] if mod.count(".") >= 1 else mod
 
 
@@ -103,3 +104,24 @@ def test_the_library_rooms_import_each_other_one_way():
     rooms = {(a, b) for a, b in rooms if a != b}
     assert ("nets", "envs") in rooms and ("envs", "options") in rooms  # the reader sees rooms at all
     assert _cycles(rooms) == []
+
+
+def test_the_learner_rooms_import_each_other_one_way():
+    # The same for learner/: the entry points (cli/), the run services (run/), the receiving side (serve/)
+    # and the learners at its top import each other one way.
+    edges = _edges(_modules())
+    rooms = {(_room(a), _room(b)) for a, b in edges if a.startswith("learner.") and b.startswith("learner.")}
+    rooms = {(a, b) for a, b in rooms if a != b}
+    assert ("cli", "run") in rooms and ("run", "serve") in rooms  # the reader sees rooms at all
+    assert _cycles(rooms) == []
+
+
+LEARNER_TOP_MAX = 8
+
+
+def test_the_learner_top_holds_a_few_modules():
+    # learner/ in rooms a reader can take in: a few modules at its top (the learners, the group, the
+    # evaluation engine, the Python API), the rest in its folders.
+    top = sorted(m for m in _modules() if m.startswith("learner.") and m.count(".") == 1)
+    top = [m for m in top if os.path.isfile(os.path.join(REPO, *m.split(".")) + ".py")]
+    assert len(top) + 1 <= LEARNER_TOP_MAX, top  # + learner/__init__.py

@@ -427,7 +427,7 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("argv,message", BAD_VALUES, ids=[a[0] for a, _ in BAD_VALUES])
 def test_bad_values_are_one_line_errors_before_anything_starts(argv, message, capsys, tmp_path, monkeypatch):
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     if argv[:2] == ["--device", "cuda:7"] and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
@@ -450,7 +450,7 @@ def test_bad_log_level_and_preset_from_the_real_cli(tmp_path):
 
 
 def test_preset_values_are_defaults_that_flags_override(tmp_path):
-    from learner.launch_impala import parse_args
+    from learner.cli.launch_impala import parse_args
 
     preset = tmp_path / "p.yaml"
     preset.write_text(
@@ -472,7 +472,7 @@ def test_preset_values_are_defaults_that_flags_override(tmp_path):
 
 def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
     """Unset keeps every unroll (V-trace corrects); 0 means on-policy only, as in launch_ppo."""
-    from learner.launch_impala import parse_args
+    from learner.cli.launch_impala import parse_args
 
     assert parse_args([]).max_policy_lag is None
     assert parse_args(["--max-policy-lag", "0"]).max_policy_lag == 0
@@ -629,7 +629,7 @@ BUT_FOR = {
 def test_shipped_presets_load_and_validate(name):
     """Every preset in configs/ names only real options with valid values, and says where its numbers come
     from."""
-    from learner.launch_impala import parse_args, resolve
+    from learner.cli.launch_impala import parse_args, resolve
 
     path = os.path.join(os.path.dirname(__file__), "..", "configs", name)
     with open(path) as f:
@@ -675,7 +675,7 @@ def test_runs_get_their_own_folders_and_a_used_one_is_never_overwritten(tmp_path
     """The same command twice: the second is refused (one line, exit 2) and the first run's files are
     untouched;
     --force starts over; --resume of the finished run exits 0 at once; config.yaml says what ran."""
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     tiny = [
         "--env",

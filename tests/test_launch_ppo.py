@@ -267,7 +267,7 @@ def launch_here(capsys, *args: str) -> subprocess.CompletedProcess:
     """launch_ppo's main in this process, as a CompletedProcess (for errors raised before any process starts;
     test_build_that_never_answers and test_bad_log_level_is_an_argparse_error_not_a_traceback run the real
     command)."""
-    from learner.launch_ppo import main
+    from learner.cli.launch_ppo import main
 
     threads = torch.get_num_threads()
     try:
@@ -514,7 +514,7 @@ def test_readme_pendulum_example_drops_nothing(tmp_path, capsys, caplog):
     unrolls and the other half arrived stale: 36 of 46 unrolls in 20k steps)."""
     import logging
 
-    from learner import launch_ppo
+    from learner.cli import launch_ppo
 
     caplog.set_level(logging.INFO)  # the launcher's plan line names T
     threads = torch.get_num_threads()
@@ -691,7 +691,7 @@ RUN_BAD_VALUES = [
 
 @pytest.mark.parametrize("argv,message", RUN_BAD_VALUES, ids=[a[0] for a, _ in RUN_BAD_VALUES])
 def test_bad_run_values_are_one_line_errors(argv, message, capsys, tmp_path):
-    from learner.launch_ppo import main
+    from learner.cli.launch_ppo import main
 
     assert (
         main(["--env", "Pendulum-v1", "--workers", "1", "--in-process", "--logdir", str(tmp_path), *argv])
@@ -703,7 +703,7 @@ def test_bad_run_values_are_one_line_errors(argv, message, capsys, tmp_path):
 
 @pytest.mark.parametrize("flag", [["--publish-delay", "1"], ["--overlap-updates"]])
 def test_launch_impalas_own_options_are_not_offered(flag, capsys, tmp_path):
-    from learner.launch_ppo import main
+    from learner.cli.launch_ppo import main
 
     with pytest.raises(SystemExit) as e:
         main(["--env", "Pendulum-v1", "--logdir", str(tmp_path), *flag])
@@ -713,7 +713,7 @@ def test_launch_impalas_own_options_are_not_offered(flag, capsys, tmp_path):
 
 def test_bad_log_level_is_an_argparse_error_not_a_traceback():
     out = subprocess.run(
-        [sys.executable, "-m", "learner.launch_ppo", "--log-level", "BOGUS"],
+        [sys.executable, "-m", "learner.cli.launch_ppo", "--log-level", "BOGUS"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -730,7 +730,7 @@ def test_config_preset_sets_run_launch_and_ppo_options_and_flags_win(tmp_path):
     import yaml as _yaml
 
     from impala.run.ppo_config import config_from_args
-    from learner.launch_ppo import parse_args
+    from learner.cli.launch_ppo import parse_args
 
     path = os.path.join(os.path.dirname(__file__), "..", "configs", "pendulum_sb3.yaml")
     args = parse_args(["--config", path])
@@ -793,7 +793,7 @@ def test_a_ppo_resume_keeps_the_runs_own_settings(tmp_path, capsys, caplog):
     not the preset's or the defaults'; a network change is one line, exit 2."""
     import yaml
 
-    from learner.launch_ppo import main
+    from learner.cli.launch_ppo import main
 
     base = ["--runs-dir", str(tmp_path), "--run-id", "p", "--no-progress", "--in-process", "--workers", "1"]
     assert (

@@ -256,7 +256,7 @@ def test_an_honest_cartpole_run_learns_to_195_with_the_attacks_mixed_in(tmp_path
     third of the batches, not half, so the run needs fewer frames (it still trains on the flood)."""
     import threading
 
-    from learner.eval_cli import main as impala_eval
+    from learner.cli.eval_cli import main as impala_eval
 
     port = free_port_pair()
     learner = start(

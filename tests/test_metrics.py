@@ -68,7 +68,7 @@ def test_track_logs_rows_config_and_commit_to_wandb_offline(tmp_path, monkeypatc
     """--track (Weights & Biases) in offline mode: the same scalars as metrics.csv, the resolved config
     and the git commit end up in the local run, with no network."""
     pytest.importorskip("wandb")
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -176,7 +176,7 @@ def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
     from impala.run.tracking import WandbTracker
     from impala.transport.messages import ImpalaAgentSpec, RunInfo
     from impala.transport.params import state_dict_arrays
-    from learner.periodic_eval import PeriodicEval
+    from learner.run.periodic_eval import PeriodicEval
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from impala.options import ConfigError  # noqa: E402
 from impala.run.ppo_config import from_mlagents_yaml, ppo_config_from_file, read_mlagents_yaml  # noqa: E402
-from learner import launch_ppo  # noqa: E402
+from learner.cli import launch_ppo  # noqa: E402
 from test_launch_ppo import free_base_port, recording_build, wait_records  # noqa: E402
 
 LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")

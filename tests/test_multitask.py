@@ -26,8 +26,8 @@ from impala.run.config import ImpalaConfig
 from impala.transport import wire
 from impala.transport.messages import ImpalaAgentSpec, RunInfo, deal_task, task_shares
 from impala.transport.trajectory import impala_unroll_schema
-from learner import launch_impala, launch_ppo
-from learner.server import TrajectoryServer
+from learner.cli import launch_impala, launch_ppo
+from learner.serve.server import TrajectoryServer
 from learner.vtrace_learner import VTraceLearner
 from procs import run
 
@@ -398,7 +398,7 @@ def test_human_normalized_scores_use_the_standard_references():
     assert human_normalized_score("ALE/Breakout-v5", 1.7) == pytest.approx(0.0)
     assert human_normalized_score("CartPole-v1", 100.0) is None
     # median/mean over tasks, as the runtime logs them
-    from learner.log_rows import task_rows
+    from learner.run.log_rows import task_rows
 
     names = (
         "PongDeterministic-v4",

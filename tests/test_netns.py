@@ -9,7 +9,7 @@ Creating namespaces needs CAP_NET_ADMIN. CI (.ci/run, run as root) has it; where
 process lacks it, these tests skip and say so. Namespaces, links and every process in them
 are removed by the ``make_net`` fixtures' finalizers, whatever the outcome.
 
-What the IMPALA scenario observes: the learner runs as ``learner.launch_impala.main`` with
+What the IMPALA scenario observes: the learner runs as ``learner.cli.launch_impala.main`` with
 one addition, a hook (``INGEST_HOOK``) that writes one JSON line per unroll the trainer
 ingests: actor id, the policy version it was collected with, the learner's version then, the
 run id it carries, and a SHA-1 of its arrays. ZeroMQ unrolls carry no sequence number, so
@@ -263,7 +263,8 @@ def metrics_rows(logdir: Path) -> list[dict[str, float]]:
 INGEST_HOOK = r"""
 import hashlib, json, os, sys, time
 import numpy as np
-from learner import launch_impala, launch_ppo, ppo_learner, vtrace_learner
+from learner.cli import launch_impala, launch_ppo
+from learner import ppo_learner, vtrace_learner
 
 out = open(os.environ["INGEST_LOG"], "a", buffering=1)
 for cls in (vtrace_learner.ImpalaTrainer, ppo_learner.PPOTrainer):

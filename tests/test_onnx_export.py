@@ -33,7 +33,7 @@ from impala.nets.ppo_policy import ActorCritic, env_action, make_policy  # noqa:
 from impala.run.config import RunConfig  # noqa: E402
 from impala.run.ppo_config import PPOConfig  # noqa: E402
 from impala.transport.params import load_state_arrays  # noqa: E402
-from learner.export_cli import main as export_main  # noqa: E402
+from learner.cli.export_cli import main as export_main  # noqa: E402
 
 ATOL = 1e-5
 OBS_SIZES = (5, 3)  # two observations (sensors), as a Unity agent with two vector sensors
@@ -357,7 +357,7 @@ TINY_PPO = [
 
 
 def _train_ppo(logdir: Path, semantics: str) -> Path:
-    from learner import launch_ppo
+    from learner.cli import launch_ppo
 
     threads = torch.get_num_threads()
     try:
@@ -394,7 +394,7 @@ def test_cli_exports_a_real_ppo_checkpoint(tmp_path, capsys, semantics):
 
 
 def test_cli_exports_a_real_impala_checkpoint(tmp_path, capsys):
-    from learner import launch_impala
+    from learner.cli import launch_impala
 
     threads = torch.get_num_threads()
     try:
@@ -467,7 +467,7 @@ def test_cli_bad_input_in_process(tmp_path, capsys, monkeypatch):
 
 def test_cli_bad_input_as_a_real_process(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "learner.export_cli", str(tmp_path / "nothing-here")],
+        [sys.executable, "-m", "learner.cli.export_cli", str(tmp_path / "nothing-here")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -422,7 +422,7 @@ def test_launch_ppo_learns_cartpole_to_475(semantics, tmp_path, capsys):
     episodes reaches 475 within the file's 100k steps. Both runs repeat themselves given the seed (one actor:
     it waits exactly where the learner updates): seed 1 stops at 58,112 (sb3) and 55,104 (mlagents) steps,
     30-50 s here. Other seeds do not always make it in 100k (sb3 file: 3 of 16 seeds ended at 320-426)."""
-    from learner import launch_ppo
+    from learner.cli import launch_ppo
 
     config = os.path.join(os.path.dirname(__file__), "..", "configs", f"cartpole_ppo_{semantics}.yaml")
     argv = ["--config", config, "--stop-at-return", "475", "--no-progress", "--device", "cpu", "--seed", "1"]

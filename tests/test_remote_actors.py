@@ -17,7 +17,7 @@ from impala.transport.curve import (
     start_authenticator,
 )
 from impala.transport.trajectory import impala_unroll_schema
-from learner.server import TrajectoryServer
+from learner.serve.server import TrajectoryServer
 from procs import free_port_pair, kill_group, run, start, wait_for
 
 # 2 unrolls a minibatch (--minibatches 4): FRAMES was set with these updates

@@ -28,11 +28,11 @@ from impala.run.checkpoint import (
 )
 from impala.run.config import RunConfig
 from impala.transport.messages import ImpalaAgentSpec, RunInfo
-from learner import checkpointer as ckpt_module
-from learner.budget import Budget
-from learner.checkpointer import FINISHED_MARKER, Checkpointer, Progress, RunFinished, resume
-from learner.guard import FingerprintGuard
-from learner.log_rows import LogRows
+from learner.run import checkpointer as ckpt_module
+from learner.run.budget import Budget
+from learner.run.checkpointer import FINISHED_MARKER, Checkpointer, Progress, RunFinished, resume
+from learner.run.guard import FingerprintGuard
+from learner.run.log_rows import LogRows
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@
 :func:`run` is shared by both learners. A *trainer* (``vtrace_learner.ImpalaTrainer``,
 ``ppo_learner.PPOTrainer``) is the learner-specific part: its trajectory schema, the agent spec actors
 run, how it ingests a validated unroll, when it is ready to update, and the update itself. The rest
-is built from named parts, each testable alone: the transport (``learner.server``), the actors
+is built from named parts, each testable alone: the transport (``learner.serve.server``), the actors
 (``actors.pool``, configured by ``actors.loop.actor_configs``), the fingerprint guard
-(``learner.guard``), the budget (``learner.budget``), counters, resume and checkpoints
-(``learner.checkpointer``), log rows (``learner.log_rows``) and periodic evaluation
-(``learner.periodic_eval``).
+(``learner.run.guard``), the budget (``learner.run.budget``), counters, resume and checkpoints
+(``learner.run.checkpointer``), log rows (``learner.run.log_rows``) and periodic evaluation
+(``learner.run.periodic_eval``).
 
 The run's types, and which is which:
 
@@ -17,7 +17,7 @@ The run's types, and which is which:
 - ``RunInfo`` (``impala.transport.messages``): what actors must know to join (env, agent, unroll
   length), sent with every weights message.
 - ``ActorConfig`` (``actors.loop``): one actor's settings, made from a ``RunInfo``.
-- ``Progress`` (``learner.checkpointer``): what the run has done (frames, steps, version).
+- ``Progress`` (``learner.run.checkpointer``): what the run has done (frames, steps, version).
 - :class:`RunResult`: the summary :func:`run` returns.
 """
 
@@ -51,12 +51,12 @@ from impala.transport import wire
 from impala.transport.curve import prepare_server
 from impala.transport.messages import AgentSpec, RunInfo
 from impala.transport.trajectory import TrajectorySchema
-from learner.budget import Budget
-from learner.checkpointer import Checkpointer, Progress, RunFinished, resume
-from learner.guard import FingerprintGuard
-from learner.log_rows import LogRows
-from learner.periodic_eval import PeriodicEval
-from learner.server import PortInUseError, TrajectoryServer
+from learner.run.budget import Budget
+from learner.run.checkpointer import Checkpointer, Progress, RunFinished, resume
+from learner.run.guard import FingerprintGuard
+from learner.run.log_rows import LogRows
+from learner.run.periodic_eval import PeriodicEval
+from learner.serve.server import PortInUseError, TrajectoryServer
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ method it:
 One table row per (env id x start method); exit status 1 on any mismatch, 2 on
 bad input. ``--plot`` additionally runs episodes under the configured settings
 and under a deliberately mis-specified twin (frameskip 2-4, sticky 0.25) and
-plots steps per episode and episode return side by side (``learner.frameskip_plot``).
+plots steps per episode and episode return side by side (``learner.cli.frameskip_plot``).
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ from impala.options import ConfigError, FlagParser, add_flags, check_fields, fai
 from impala.run.checkpoint import CheckpointError
 from impala.transport.messages import ImpalaAgentSpec, RunInfo
 from impala.transport.trajectory import impala_unroll_schema
-from learner.frameskip_plot import check_checkpoint, plot_episodes, run_episodes, summary_lines
-from learner.server import TrajectoryServer
+from learner.cli.frameskip_plot import check_checkpoint, plot_episodes, run_episodes, summary_lines
+from learner.serve.server import TrajectoryServer
 
 DEFAULT_ENV_IDS = ("PongDeterministic-v4", "PongNoFrameskip-v4", "Pong-v4", "ALE/Pong-v5")
 START_METHODS = ("fork", "spawn", "forkserver")

@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 
-import learner.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
+import learner.cli.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
 
 # isort: split
 import torch
@@ -48,9 +48,9 @@ from impala.run.config import (
 from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
 from impala.transport.messages import task_shares
-from learner import hosts
+from learner.cli import hosts
 from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
-from learner.runtime import (
+from learner.run.runtime import (
     START_ERRORS,
     LaunchError,
     Outcome,
@@ -427,7 +427,7 @@ def host_rank(argv: list[str]) -> Membership | None:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch_impala``: :func:`launch`, or this host's rank of a learner group across hosts
-    (:func:`learner.hosts.run_rank`); bad input is one line, exit 2."""
+    (:func:`learner.cli.hosts.run_rank`); bad input is one line, exit 2."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         member = host_rank(argv)
