@@ -2,7 +2,8 @@
 
 ``impala/`` (pure library) imports neither ``actors`` nor ``learner``; ``actors/`` does not
 import ``learner``; and no module takes part in an import circle. Function-level imports
-count as edges too, so a circle cannot hide inside a function.
+count as edges too, so a circle cannot hide inside a function. The same reading holds the
+functions of the three packages to a screen each (:data:`FUNCTION_MAX_LINES`).
 """
 
 from __future__ import annotations
@@ -125,3 +126,47 @@ def test_the_learner_top_holds_a_few_modules():
     top = sorted(m for m in _modules() if m.startswith("learner.") and m.count(".") == 1)
     top = [m for m in top if os.path.isfile(os.path.join(REPO, *m.split(".")) + ".py")]
     assert len(top) + 1 <= LEARNER_TOP_MAX, top  # + learner/__init__.py
+
+
+# A function longer than this reads as several steps in one body: split it into named ones.
+FUNCTION_MAX_LINES = 80
+
+
+def _long_functions(path: str, limit: int) -> list[tuple[str, int]]:
+    """(qualified name, lines) of each function in ``path`` longer than ``limit``, from ``def`` to its
+    last line (decorators and docstring included), nested functions and methods each on their own."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                lines = child.end_lineno - min([child.lineno] + [d.lineno for d in child.decorator_list]) + 1
+                if not isinstance(child, ast.ClassDef) and lines > limit:
+                    found.append((name, lines))
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return found
+
+
+def test_the_function_reader_sees_long_functions(tmp_path):
+    # guards against a reader that finds nothing and so passes everything below
+    path = tmp_path / "m.py"
+    lines = ["class C:", "    @staticmethod", "    def f():", *(f"        x{i} = {i}" for i in range(5))]
+    path.write_text("\n".join(lines) + "\n")
+    assert _long_functions(str(path), 6) == [("C.f", 7)]  # from the decorator to the last line
+    assert _long_functions(str(path), 7) == []
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = {
+        f"{mod}.{name}": lines
+        for mod, path in sorted(_modules().items())
+        for name, lines in _long_functions(path, FUNCTION_MAX_LINES)
+    }
+    assert long == {}, f"over {FUNCTION_MAX_LINES} lines: {long}"
