@@ -33,71 +33,18 @@ from procs import run
 BIN = Path(sys.executable).parent
 ALE_NOISE = ("A.L.E:", "[Powered by Stella]")
 
-TINY_CARTPOLE = [
-    "launch_impala",
-    "--env",
-    "CartPole-v1",
-    "--workers",
-    "1",
-    "--in-process",
-    "--total-frames",
-    "2000",
-    "--unroll-length",
-    "8",
-    "--batch-size",
-    "4",
-    "--minibatches",
-    "1",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
-TINY_PONG = [
-    "launch_impala",
-    "--env",
-    "PongDeterministic-v4",
-    "--workers",
-    "1",
-    "--in-process",
-    "--envs-per-worker",
-    "1",
-    "--unroll-length",
-    "8",
-    "--batch-size",
-    "2",
-    "--minibatches",
-    "1",
-    "--total-frames",
-    "400",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
-TINY_PPO = [
-    "launch_ppo",
-    "--env",
-    "Pendulum-v1",
-    "--semantics",
-    "sb3",
-    "--workers",
-    "1",
-    "--in-process",
-    "--total-steps",
-    "600",
-    "--buffer-size",
-    "64",
-    "--batch-size",
-    "32",
-    "--hidden-units",
-    "8",
-    "--num-layers",
-    "1",
-    "--time-horizon",
-    "32",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
+TINY_CARTPOLE = (
+    "launch_impala --env CartPole-v1 --workers 1 --in-process --total-frames 2000 --unroll-length 8 "
+    "--batch-size 4 --minibatches 1 --no-progress --device cpu"
+).split()
+TINY_PONG = (
+    "launch_impala --env PongDeterministic-v4 --workers 1 --in-process --envs-per-worker 1 --unroll-length "
+    "8 --batch-size 2 --minibatches 1 --total-frames 400 --no-progress --device cpu"
+).split()
+TINY_PPO = (
+    "launch_ppo --env Pendulum-v1 --semantics sb3 --workers 1 --in-process --total-steps 600 --buffer-size "
+    "64 --batch-size 32 --hidden-units 8 --num-layers 1 --time-horizon 32 --no-progress --device cpu"
+).split()
 
 
 def _train(cmd: list[str], logdir: Path) -> Path:
@@ -648,19 +595,7 @@ def test_cartpole_video_is_h264_in_the_run_folder(cartpole, capsys):
     (the render extra scripts/setup.sh installs) and the MP4 is H.264 in yuv420p, what browsers play
     inline; a relative --video name lands in the run folder, not wherever the command was typed."""
     video, result = cartpole.parent / "episode.mp4", cartpole.parent / "eval-train-greedy-2.json"
-    rc = main(
-        [
-            str(cartpole.parent),
-            "--episodes",
-            "2",
-            "--workers",
-            "0",
-            "--policy",
-            "greedy",
-            "--video",
-            "episode.mp4",
-        ]
-    )
+    rc = main([str(cartpole.parent), *"--episodes 2 --workers 0 --policy greedy --video episode.mp4".split()])
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     stream = video_stream(video)

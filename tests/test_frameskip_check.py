@@ -28,6 +28,13 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 METHODS = [m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()]
 
 
+def run_spawned_actor(env_id: str, actor_class: str) -> subprocess.CompletedProcess:
+    """frameskip_check with one worker of ``actor_class`` (from tests/legacy_env.py), started by spawn."""
+    return run_cli(
+        env_id, "--start-method", "spawn", "--workers", "1", "--actor-class", f"legacy_env:{actor_class}"
+    )
+
+
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     # PYTHONPATH: the CLI (and the children it spawns) must import tests/legacy_env.py for --actor-class.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)}
@@ -90,15 +97,7 @@ def test_cli_passes_on_default_ids_under_every_start_method():
 def test_legacy_env_built_in_init_and_pickled_into_a_spawned_worker_is_caught():
     # PongDeterministic-v0: frameskip 4, sticky 0.25. The legacy actor's env is pickled into the
     # spawned child and comes back with gym <= 0.10.5's defaults: frameskip (2, 5), sticky 0.
-    r = run_cli(
-        "PongDeterministic-v0",
-        "--start-method",
-        "spawn",
-        "--workers",
-        "1",
-        "--actor-class",
-        "legacy_env:LegacyActor",
-    )
+    r = run_spawned_actor("PongDeterministic-v0", "LegacyActor")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     frameskip = [l for l in r.stderr.splitlines() if "worker 0: frameskip: configured 4, measured 2..4" in l]
@@ -111,15 +110,7 @@ def test_legacy_env_built_in_init_and_pickled_into_a_spawned_worker_is_caught():
 
 
 def test_actor_with_an_unpicklable_env_from_init_is_a_finding_under_spawn_not_a_traceback():
-    r = run_cli(
-        "PongDeterministic-v4",
-        "--start-method",
-        "spawn",
-        "--workers",
-        "1",
-        "--actor-class",
-        "legacy_env:UnpicklableEnvActor",
-    )
+    r = run_spawned_actor("PongDeterministic-v4", "UnpicklableEnvActor")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert "could not be sent to a spawn worker" in r.stderr and "pickle" in r.stderr, r.stderr

@@ -97,12 +97,18 @@ def _room(mod: str) -> str:
     return mod.split(".")[1] if mod.count(".") >= 1 else mod
 
 
+def _room_edges(package: str) -> set[tuple[str, str]]:
+    """Which room of ``package`` imports which other room of it."""
+    inside = [
+        (a, b) for a, b in _edges(_modules()) if a.startswith(package + ".") and b.startswith(package + ".")
+    ]
+    return {(_room(a), _room(b)) for a, b in inside if _room(a) != _room(b)}
+
+
 def test_the_library_rooms_import_each_other_one_way():
     # A file-level check misses a circle between folders (nets -> envs while envs -> nets, through
     # different files); it makes the rooms one block a reader cannot take apart, so it is checked here.
-    edges = _edges(_modules())
-    rooms = {(_room(a), _room(b)) for a, b in edges if a.startswith("impala.") and b.startswith("impala.")}
-    rooms = {(a, b) for a, b in rooms if a != b}
+    rooms = _room_edges("impala")
     assert ("nets", "envs") in rooms and ("envs", "options") in rooms  # the reader sees rooms at all
     assert _cycles(rooms) == []
 
@@ -110,9 +116,7 @@ def test_the_library_rooms_import_each_other_one_way():
 def test_the_learner_rooms_import_each_other_one_way():
     # The same for learner/: the entry points (cli/), the run services (run/), the receiving side (serve/)
     # and the learners at its top import each other one way.
-    edges = _edges(_modules())
-    rooms = {(_room(a), _room(b)) for a, b in edges if a.startswith("learner.") and b.startswith("learner.")}
-    rooms = {(a, b) for a, b in rooms if a != b}
+    rooms = _room_edges("learner")
     assert ("cli", "run") in rooms and ("run", "serve") in rooms  # the reader sees rooms at all
     assert _cycles(rooms) == []
 

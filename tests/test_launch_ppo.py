@@ -46,15 +46,7 @@ LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
 def tiny(time_horizon: int = 32) -> list[str]:
     """Crawler.yaml shrunk to a few seconds per update on 2 loaded cores."""
     return [
-        "--buffer-size",
-        "256",
-        "--batch-size",
-        "64",
-        "--hidden-units",
-        "32",
-        "--num-layers",
-        "1",
-        "--time-horizon",
+        *"--buffer-size 256 --batch-size 64 --hidden-units 32 --num-layers 1 --time-horizon".split(),
         str(time_horizon),
         "--log-interval",
         "0",
@@ -327,9 +319,12 @@ def test_unknown_yaml_key(tmp_path, capsys):
 # ------------------------------------------------------------------------- units
 
 
-def _unroll(T: int, D: int, A: int, rng) -> dict[str, np.ndarray]:
-    arrays = {
-        "obs": rng.normal(size=(T + 1, D)).astype(np.float32),
+def _unroll_arrays(obs: np.ndarray, A: int, rng) -> dict[str, np.ndarray]:
+    """A PPO unroll's arrays around ``obs`` ([T + 1, D]): random actions, log-probs and rewards (drawn in
+    that order), no episode end."""
+    T, D = obs.shape[0] - 1, obs.shape[1]
+    return {
+        "obs": obs,
         "actions": rng.normal(size=(T, A)).astype(np.float32),
         "log_probs": (rng.normal(size=(T, A)) - 1).astype(np.float32),
         "rewards": rng.normal(size=T).astype(np.float32),
@@ -337,6 +332,10 @@ def _unroll(T: int, D: int, A: int, rng) -> dict[str, np.ndarray]:
         "truncated": np.zeros(T, bool),
         "final_obs": np.zeros((T, D), np.float32),
     }
+
+
+def _unroll(T: int, D: int, A: int, rng) -> dict[str, np.ndarray]:
+    arrays = _unroll_arrays(rng.normal(size=(T + 1, D)).astype(np.float32), A, rng)
     arrays["terminated"][1] = True
     arrays["truncated"][4] = True
     arrays["final_obs"][[1, 4]] = rng.normal(size=(2, D)).astype(np.float32)
@@ -408,15 +407,7 @@ def _stream_unrolls(n: int, T: int, D: int, A: int, rng, ends: dict[int, str]) -
     out = []
     for k in range(n):
         a, b = k * T, (k + 1) * T
-        u = {
-            "obs": obs[a : b + 1].copy(),
-            "actions": rng.normal(size=(T, A)).astype(np.float32),
-            "log_probs": (rng.normal(size=(T, A)) - 1).astype(np.float32),
-            "rewards": rng.normal(size=T).astype(np.float32),
-            "terminated": np.zeros(T, bool),
-            "truncated": np.zeros(T, bool),
-            "final_obs": np.zeros((T, D), np.float32),
-        }
+        u = _unroll_arrays(obs[a : b + 1].copy(), A, rng)
         for t, how in ends.items():
             if a <= t < b:
                 u[how][t - a] = True
@@ -521,19 +512,10 @@ def test_readme_pendulum_example_drops_nothing(tmp_path, capsys, caplog):
     try:
         rc = launch_ppo.main(
             [
-                "--env",
-                "Pendulum-v1",
-                "--semantics",
-                "sb3",
-                "--workers",
-                "1",
-                "--in-process",
-                "--total-steps",
-                "8192",
-                "--no-progress",
-                "--device",
-                "cpu",
-                "--logdir",
+                *(
+                    "--env Pendulum-v1 --semantics sb3 --workers 1 --in-process --total-steps 8192 "
+                    "--no-progress --device cpu --logdir"
+                ).split(),
                 str(tmp_path / "run"),
             ]
         )

@@ -76,28 +76,11 @@ def test_track_logs_rows_config_and_commit_to_wandb_offline(tmp_path, monkeypatc
     assert (
         main(
             [
-                "--env",
-                "CartPole-v1",
-                "--workers",
-                "1",
-                "--in-process",
-                "--total-frames",
-                "640",
-                "--unroll-length",
-                "8",
-                "--batch-size",
-                "4",
-                "--minibatches",
-                "1",
-                "--log-interval",
-                "0",
-                "--no-progress",
-                "--device",
-                "cpu",
-                "--track",
-                "--track-project",
-                "test-project",
-                "--logdir",
+                *(
+                    "--env CartPole-v1 --workers 1 --in-process --total-frames 640 --unroll-length 8 "
+                    "--batch-size 4 --minibatches 1 --log-interval 0 --no-progress --device cpu --track "
+                    "--track-project test-project --logdir"
+                ).split(),
                 str(logdir),
             ]
         )
@@ -302,18 +285,7 @@ def test_progress_display_has_total_and_eta_and_fits_80_columns(record, unit, to
 
         labels = [unit, "ETA", "fps", "return", "episodes", "lag", "queue", "dropped", "entropy", "grad"]
         assert header.split() == labels
-        assert cells == [
-            total,
-            duration(left),
-            "123k",
-            "-12.3k",
-            "1.2M",
-            "12.5",
-            "1.0k",
-            "100k",
-            "-12.8",
-            "12.3k",
-        ], cells
+        assert cells == [total, duration(left), *"123k -12.3k 1.2M 12.5 1.0k 100k -12.8 12.3k".split()], cells
     finally:
         m.close()
 

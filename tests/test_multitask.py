@@ -43,19 +43,10 @@ RECIPE = [
     "2",
     "--env",
     TASKS,
-    "--unroll-length",
-    "20",
-    "--batch-size",
-    "8",
+    *"--unroll-length 20 --batch-size 8".split(),
     "--minibatches",  # 2 unrolls a minibatch, as when the figures above were measured
     "4",
-    "--learning-rate",
-    "2e-3",
-    "--no-progress",
-    "--log-interval",
-    "2",
-    "--seed",
-    "1",
+    *"--learning-rate 2e-3 --no-progress --log-interval 2 --seed 1".split(),
 ]
 SOLVED = 195.0  # CartPole's classic "solved" mean return over 100 episodes (CartPole-v0's reward_threshold)
 
@@ -119,13 +110,7 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
     # another task list cannot resume it: one line, exit 2
     bad = run(
         [
-            "launch_impala",
-            "--workers",
-            "1",
-            "--env",
-            "CartPoleX1000-v1,CartPole-v1",
-            "--resume",
-            "--logdir",
+            *"launch_impala --workers 1 --env CartPoleX1000-v1,CartPole-v1 --resume --logdir".split(),
             str(logdir),
         ],
         timeout=120,
@@ -145,10 +130,7 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
             "--resume",
             "--logdir",
             str(logdir),
-            "--eval-every",
-            "2000",
-            "--eval-episodes",
-            "1",
+            *"--eval-every 2000 --eval-episodes 1".split(),
         ],
         timeout=180,
     )
@@ -178,13 +160,7 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
         [
             "impala-eval",
             str(logdir),
-            "--episodes",
-            "2",
-            "--workers",
-            "0",
-            "--task",
-            "CartPoleX1000-v1",
-            "--out",
+            *"--episodes 2 --workers 0 --task CartPoleX1000-v1 --out".split(),
             str(tmp_path / "x.json"),
         ],
         timeout=120,

@@ -70,22 +70,10 @@ if os.environ.get("PROBE_OUT") and os.environ.get("RANK"):
 """
 
 RUN = [
-    "--env",
-    "CartPole-v1",
-    "--workers",
-    "0",
-    "--unroll-length",
-    "20",
-    "--batch-size",
-    "8",
+    *"--env CartPole-v1 --workers 0 --unroll-length 20 --batch-size 8".split(),
     "--minibatches",  # one: each rank's share is one minibatch, so the group's update equals one learner's
     "1",  # (with more, each rank shuffles its own share into minibatches: equal only in expectation)
-    "--torch-threads",
-    "1",
-    "--no-progress",
-    "--log-interval",
-    "1",
-    "--port",
+    *"--torch-threads 1 --no-progress --log-interval 1 --port".split(),
     str(PORT),
     "--insecure-bind",  # the namespaces' links are this test's own
 ]

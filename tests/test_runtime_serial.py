@@ -76,24 +76,10 @@ def test_same_seed_same_first_updates_in_process(tmp_path):
         assert (
             main(
                 [
-                    "--env",
-                    "CartPole-v1",
-                    "--workers",
-                    "1",
-                    "--in-process",
-                    "--envs-per-worker",
-                    "2",
-                    "--unroll-length",
-                    "8",
-                    "--batch-size",
-                    "4",
-                    "--minibatches",
-                    "2",
-                    "--epochs",
-                    "2",
-                    "--total-frames",
-                    "32",
-                    "--seed",
+                    *(
+                        "--env CartPole-v1 --workers 1 --in-process --envs-per-worker 2 --unroll-length "
+                        "8 --batch-size 4 --minibatches 2 --epochs 2 --total-frames 32 --seed"
+                    ).split(),
                     str(seed),
                     "--logdir",
                     str(logdir),
@@ -123,26 +109,14 @@ def test_eval_every_logs_eval_rows_while_training_goes_on(tmp_path):
     assert (
         main(
             [
-                "--env",
-                "CartPole-v1",
-                "--workers",
-                "1",
-                "--unroll-length",
-                "20",
-                "--batch-size",
-                "8",
-                "--learning-rate",
-                "2e-3",
-                "--total-frames",
+                *(
+                    "--env CartPole-v1 --workers 1 --unroll-length 20 --batch-size 8 --learning-rate "
+                    "2e-3 --total-frames"
+                ).split(),
                 str(total),
                 "--eval-every",
                 str(every),
-                "--eval-episodes",
-                "2",
-                "--log-interval",
-                "1",
-                "--no-progress",
-                "--logdir",
+                *"--eval-episodes 2 --log-interval 1 --no-progress --logdir".split(),
                 str(tmp_path),
                 "--device",
                 "cpu",

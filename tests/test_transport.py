@@ -286,10 +286,8 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
     unroll is dropped as unknown, the weights message names it, and it says hello again."""
     import threading
 
-    from actors.loop import ActorConfig, run_actor
-    from impala.envs import EnvSpec
+    from actor_threads import cartpole_actor
     from impala.nets.impala_net import build_model
-    from impala.transport.messages import ImpalaAgentSpec
     from impala.transport.params import state_dict_arrays
     from impala.transport.trajectory import impala_unroll_schema
 
@@ -297,17 +295,7 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
     srv = TrajectoryServer(schema, queue_size=64)
     srv.start()
     stop = threading.Event()
-    config = ActorConfig(
-        actor_id=3,
-        env=EnvSpec("CartPole-v1"),
-        num_envs=1,
-        unroll_length=4,
-        trajectory_endpoint=srv.trajectory_endpoint,
-        params_endpoint=srv.params_endpoint,
-        agent=ImpalaAgentSpec("mlp"),
-        learner_timeout_s=30,
-    )
-    actor = threading.Thread(target=run_actor, args=(config,), kwargs={"stop_event": stop}, daemon=True)
+    actor = cartpole_actor(srv, num_envs=1, unroll_length=4, stop_event=stop)
     try:
         params = state_dict_arrays(build_model("mlp", (4,), 2))
         actor.start()
