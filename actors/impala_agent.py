@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from impala.envs.vector import StepResult
-from impala.transport.messages import ImpalaAgentSpec
 from impala.nets.impala_net import build_model
+from impala.transport.messages import ImpalaAgentSpec
 from impala.transport.params import load_state_arrays, state_dict_schema
 from impala.transport.trajectory import impala_unroll_schema
 

@@ -20,14 +20,14 @@ import numpy as np
 import zmq
 
 from actors.agents import make_agent
-from impala.transport import wire
-from impala.transport.curve import make_client_socket
 from impala.envs import EnvSpec
 from impala.envs.probe import measure_env_fingerprint
 from impala.envs.vector import EpisodeTracker, GymVecEnv
-from impala.transport.messages import AgentSpec, RunInfo
 from impala.run.metrics import log_this_one
 from impala.run.orphans import exit_if_orphaned
+from impala.transport import wire
+from impala.transport.curve import make_client_socket
+from impala.transport.messages import AgentSpec, RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -247,162 +247,36 @@ def run_actor(
     "max_unrolls", "stopped", "no_weights", "learner_gone" or "refused".
     """
     stop_event = stop_event or threading.Event()
-    # Measured here, on a probe env built from the same spec (Unity builds have none); a multi-task actor
-    # measures each game it plays.
-    fingerprints = (
-        []
-        if config.env.is_unity
-        else [
-            [task, measure_env_fingerprint(spec, seed=config.seed, steps=config.fingerprint_steps).to_dict()]
-            for task, spec in config.distinct_tasks()
-        ]
-    )
+    fingerprints = _measure_fingerprints(config)
     envs = build_vec_env(config)
     link: ActorLink | None = None
     try:
-        K, T = envs.num_envs, config.unroll_length
         obs = envs.reset()
-        agent = make_agent(config.agent, envs=envs, first_obs=obs, unroll_length=T, seed=config.seed)
+        agent = make_agent(
+            config.agent, envs=envs, first_obs=obs, unroll_length=config.unroll_length, seed=config.seed
+        )
         link = ActorLink(config, parent_pid, stop_event, message_bytes=agent.schema.nbytes)
         # The nonce tells this actor's own hellos apart from anyone else's in its name: when the learner
         # reports a refused hello for our id with our nonce, the refusal is ours.
         nonce = secrets.token_hex(8)
-        hello_info = {
-            "fingerprint": fingerprints[0][1] if fingerprints else None,
-            "pid": os.getpid(),
-            "num_envs": K,
-            "nonce": nonce,
-        }
-        if config.tasks:
-            hello_info["task_fingerprints"] = fingerprints
-        if config.local_token:
-            hello_info["local_token"] = config.local_token
-        hello = wire.encode("hello", actor=config.actor_id, version=-1, info=hello_info)
-        # Said mid-run (the learner forgot us or restarted): our envs are mid-episode, and the learner
-        # must not count the rest of those episodes as whole ones.
-        rehello = wire.encode(
-            "hello", actor=config.actor_id, version=-1, info={**hello_info, "resumed": True}
-        )
+        hello, rehello = _hellos(config, fingerprints, envs.num_envs, nonce)
         link.send(hello)
-
-        params = None
-        deadline = time.monotonic() + config.params_timeout_s
-        while params is None:
-            link._alive()
-            if stop_event.is_set():
-                return "stopped"
-            if time.monotonic() > deadline:
-                log.error(
-                    "actor %d: no parameters from %s after %.0fs; exiting",
-                    config.actor_id,
-                    config.params_endpoint,
-                    config.params_timeout_s,
-                )
-                return "no_weights"
-            params = link.latest_params(agent.params_schema, timeout_ms=200)
+        params = _first_params(config, link, agent, stop_event)
+        if isinstance(params, str):
+            return params
         agent.load_params(params.arrays)
-        version = params.version
-        run_id = _run_id(params)
-
-        masked = getattr(agent, "masked", False) and hasattr(envs, "action_masks")
-        first = np.ones(K, dtype=bool)
-        episodes = EpisodeTracker(K)
+        weights = _Weights(version=params.version, run_id=_run_id(params), nonce=nonce, rehello=rehello)
+        stream = _Stream(config, agent, envs, obs)
         unrolls = 0
-        sent_with_version = 0  # unrolls sent with the current weights
-        last_rehello = 0.0
         while (max_unrolls is None or unrolls < max_unrolls) and not stop_event.is_set():
-            # Fresh buffers each unroll: ZeroMQ sends them zero-copy and may still hold the last ones.
-            buf = {a.name: np.empty((K, *a.shape), dtype=a.dtype) for a in agent.schema.arrays}
-            for name, value in agent.unroll_start(obs).items():
-                buf[name][:] = value
-            if "task" in buf:
-                buf["task"][:] = np.asarray(config.tasks or (0,) * K).reshape(K, *buf["task"].shape[1:])
-            for t in range(T):
-                for name, value in agent.observation(obs, first).items():
-                    buf[name][:, t] = value
-                if masked:  # the env's allowed discrete actions for this decision (Unity)
-                    agent.set_action_mask(envs.action_masks())
-                env_actions, recorded = agent.act(obs, first)
-                result = envs.step(env_actions)
-                for name, value in {**recorded, **agent.transition(result)}.items():
-                    buf[name][:, t] = value
-                obs = result.obs
-                first = result.terminated | result.truncated
-                episodes.record(result.reward, first)
-            for name, value in agent.observation(obs, first).items():
-                buf[name][:, T] = value
-            returns, lengths = episodes.pop()
-            for k in range(K):
-                # The actor's own episode count rides on the first env's message, for logs and checks
-                # only: the learner sums its statistics from the rewards and ends of what it accepted.
-                info = wire.episode_info(returns, lengths) if k == 0 else {}
-                info["env"] = k  # which env stream this unroll continues (PPO's per-env reward normalization)
-                info["run_id"] = run_id  # the learner process whose weights made it; another one drops it
-                if config.local_token:
-                    info["local_token"] = config.local_token
-                if not link.send(
-                    wire.encode(
-                        "unroll",
-                        actor=config.actor_id,
-                        version=version,
-                        arrays={n: buf[n][k] for n in buf},
-                        info=info,
-                    )
-                ):
-                    return "stopped"
+            buf = stream.unroll()
+            if not _send_unroll(config, link, buf, stream.K, stream.episodes.pop(), weights):
+                return "stopped"
             unrolls += 1
-            sent_with_version += 1
-            newest = link.latest_params(agent.params_schema)
-            link._alive()
-            # On-policy adapters (PPO) may ask to wait for newer weights once they sent their share
-            # of an update: an unroll collected meanwhile with the old weights would be dropped as stale.
-            wait_s = agent.params_wait_s(sent_with_version)
-            wait_until = time.monotonic() + wait_s
-            while (
-                (newest is None or newest.version <= version)
-                and time.monotonic() < wait_until
-                and not stop_event.is_set()
-            ):
-                link._alive()
-                newest = link.latest_params(agent.params_schema, timeout_ms=100)
-            refusals = _refusals(newest, config.actor_id) if newest is not None else []
-            mine = [reason for theirs, reason in refusals if theirs == nonce]
-            if mine:
-                log.error("actor %d: the learner refused this actor: %s; exiting", config.actor_id, mine[0])
+            weights.sent_with_version += 1
+            newest = _newest_params(link, agent, weights, stop_event)
+            if newest is not None and _follow_the_learner(config, link, agent, newest, weights) == "refused":
                 return "refused"
-            if refusals and time.monotonic() - last_rehello > 5.0:
-                # Someone else's hello in our name was refused, and the learner dropped us with it.
-                log.warning(
-                    "actor %d: a hello in this actor's name from elsewhere was refused (%s); "
-                    "saying hello again",
-                    config.actor_id,
-                    refusals[0][1],
-                )
-                link.send(rehello)
-                last_rehello = time.monotonic()
-            elif (
-                newest is not None
-                and config.actor_id in _unknown_actors(newest)
-                and time.monotonic() - last_rehello > 5.0
-            ):
-                # The learner dropped our unrolls as unknown (it forgot us, or never got our hello).
-                log.warning(
-                    "actor %d: the learner does not know this actor (its unrolls were dropped); saying hello "
-                    "again",
-                    config.actor_id,
-                )
-                link.send(rehello)
-                last_rehello = time.monotonic()
-            if newest is not None and _run_id(newest) != run_id:
-                # A new learner process (say, resumed after a crash) knows nothing of us: say hello
-                # again and take its weights, whatever their version number.
-                log.warning("actor %d: the learner restarted; saying hello again", config.actor_id)
-                link.send(rehello)
-                run_id, version = _run_id(newest), -1
-            if newest is not None and newest.version > version:
-                agent.load_params(newest.arrays)
-                version = newest.version
-                sent_with_version = 0
         return "stopped" if stop_event.is_set() else "max_unrolls"
     except LearnerGone as e:
         log.warning("actor %d: %s; exiting", config.actor_id, e)
@@ -411,3 +285,196 @@ def run_actor(
         envs.close()
         if link is not None:
             link.close()
+
+
+def _measure_fingerprints(config: ActorConfig) -> list:
+    """[task, fingerprint] of each game this actor plays, measured on a probe env built from the same spec
+    (Unity builds have none)."""
+    if config.env.is_unity:
+        return []
+    return [
+        [task, measure_env_fingerprint(spec, seed=config.seed, steps=config.fingerprint_steps).to_dict()]
+        for task, spec in config.distinct_tasks()
+    ]
+
+
+def _hellos(config: ActorConfig, fingerprints: list, num_envs: int, nonce: str) -> tuple[list, list]:
+    """The hello this actor says first, and the one it says again mid-run."""
+    hello_info = {
+        "fingerprint": fingerprints[0][1] if fingerprints else None,
+        "pid": os.getpid(),
+        "num_envs": num_envs,
+        "nonce": nonce,
+    }
+    if config.tasks:
+        hello_info["task_fingerprints"] = fingerprints
+    if config.local_token:
+        hello_info["local_token"] = config.local_token
+    hello = wire.encode("hello", actor=config.actor_id, version=-1, info=hello_info)
+    # Said mid-run (the learner forgot us or restarted): our envs are mid-episode, and the learner
+    # must not count the rest of those episodes as whole ones.
+    rehello = wire.encode("hello", actor=config.actor_id, version=-1, info={**hello_info, "resumed": True})
+    return hello, rehello
+
+
+def _first_params(
+    config: ActorConfig, link: ActorLink, agent: Any, stop_event: threading.Event
+) -> wire.Message | str:
+    """The learner's first weights, or why none came ("stopped", "no_weights")."""
+    params = None
+    deadline = time.monotonic() + config.params_timeout_s
+    while params is None:
+        link._alive()
+        if stop_event.is_set():
+            return "stopped"
+        if time.monotonic() > deadline:
+            log.error(
+                "actor %d: no parameters from %s after %.0fs; exiting",
+                config.actor_id,
+                config.params_endpoint,
+                config.params_timeout_s,
+            )
+            return "no_weights"
+        params = link.latest_params(agent.params_schema, timeout_ms=200)
+    return params
+
+
+@dataclass
+class _Weights:
+    """The weights this actor acts with (their version and the learner process that made them), how many
+    unrolls it sent with them, and its hellos: what it needs to follow the learner."""
+
+    version: int
+    run_id: Any
+    nonce: str
+    rehello: list
+    sent_with_version: int = 0  # unrolls sent with the current weights
+    last_rehello: float = 0.0
+
+
+class _Stream:
+    """K envs stepped with one batched forward pass: each :meth:`unroll` fills one unroll's buffers."""
+
+    def __init__(self, config: ActorConfig, agent: Any, envs: Any, obs: Any):
+        self.config, self.agent, self.envs, self.obs = config, agent, envs, obs
+        self.K, self.T = envs.num_envs, config.unroll_length
+        self.masked = getattr(agent, "masked", False) and hasattr(envs, "action_masks")
+        self.first = np.ones(self.K, dtype=bool)
+        self.episodes = EpisodeTracker(self.K)
+
+    def unroll(self) -> dict[str, np.ndarray]:
+        """Step the envs for one unroll; its arrays, [K, T(+1), ...] each."""
+        agent, envs, K, T = self.agent, self.envs, self.K, self.T
+        obs, first, episodes = self.obs, self.first, self.episodes
+        # Fresh buffers each unroll: ZeroMQ sends them zero-copy and may still hold the last ones.
+        buf = {a.name: np.empty((K, *a.shape), dtype=a.dtype) for a in agent.schema.arrays}
+        for name, value in agent.unroll_start(obs).items():
+            buf[name][:] = value
+        if "task" in buf:
+            buf["task"][:] = np.asarray(self.config.tasks or (0,) * K).reshape(K, *buf["task"].shape[1:])
+        for t in range(T):
+            for name, value in agent.observation(obs, first).items():
+                buf[name][:, t] = value
+            if self.masked:  # the env's allowed discrete actions for this decision (Unity)
+                agent.set_action_mask(envs.action_masks())
+            env_actions, recorded = agent.act(obs, first)
+            result = envs.step(env_actions)
+            for name, value in {**recorded, **agent.transition(result)}.items():
+                buf[name][:, t] = value
+            obs = result.obs
+            first = result.terminated | result.truncated
+            episodes.record(result.reward, first)
+        for name, value in agent.observation(obs, first).items():
+            buf[name][:, T] = value
+        self.obs, self.first = obs, first
+        return buf
+
+
+def _send_unroll(
+    config: ActorConfig,
+    link: ActorLink,
+    buf: dict[str, np.ndarray],
+    K: int,
+    episodes: tuple,
+    weights: _Weights,
+) -> bool:
+    """Send the unroll as one message per env stream (of K); False when the actor was stopped meanwhile."""
+    returns, lengths = episodes
+    for k in range(K):
+        # The actor's own episode count rides on the first env's message, for logs and checks
+        # only: the learner sums its statistics from the rewards and ends of what it accepted.
+        info = wire.episode_info(returns, lengths) if k == 0 else {}
+        info["env"] = k  # which env stream this unroll continues (PPO's per-env reward normalization)
+        info["run_id"] = weights.run_id  # the learner process whose weights made it; another one drops it
+        if config.local_token:
+            info["local_token"] = config.local_token
+        message = wire.encode(
+            "unroll",
+            actor=config.actor_id,
+            version=weights.version,
+            arrays={n: buf[n][k] for n in buf},
+            info=info,
+        )
+        if not link.send(message):
+            return False
+    return True
+
+
+def _newest_params(
+    link: ActorLink, agent: Any, weights: _Weights, stop_event: threading.Event
+) -> wire.Message | None:
+    """The newest weights message after an unroll, if any came."""
+    newest = link.latest_params(agent.params_schema)
+    link._alive()
+    # On-policy adapters (PPO) may ask to wait for newer weights once they sent their share
+    # of an update: an unroll collected meanwhile with the old weights would be dropped as stale.
+    wait_s = agent.params_wait_s(weights.sent_with_version)
+    wait_until = time.monotonic() + wait_s
+    while (
+        (newest is None or newest.version <= weights.version)
+        and time.monotonic() < wait_until
+        and not stop_event.is_set()
+    ):
+        link._alive()
+        newest = link.latest_params(agent.params_schema, timeout_ms=100)
+    return newest
+
+
+def _follow_the_learner(
+    config: ActorConfig, link: ActorLink, agent: Any, newest: wire.Message, weights: _Weights
+) -> str | None:
+    """Answer what a weights message says about this actor (refused, unknown, a new learner) and take its
+    weights when they are newer; "refused" when the learner refused this actor's own hello."""
+    refusals = _refusals(newest, config.actor_id)
+    mine = [reason for theirs, reason in refusals if theirs == weights.nonce]
+    if mine:
+        log.error("actor %d: the learner refused this actor: %s; exiting", config.actor_id, mine[0])
+        return "refused"
+    if refusals and time.monotonic() - weights.last_rehello > 5.0:
+        # Someone else's hello in our name was refused, and the learner dropped us with it.
+        log.warning(
+            "actor %d: a hello in this actor's name from elsewhere was refused (%s); saying hello again",
+            config.actor_id,
+            refusals[0][1],
+        )
+        link.send(weights.rehello)
+        weights.last_rehello = time.monotonic()
+    elif config.actor_id in _unknown_actors(newest) and time.monotonic() - weights.last_rehello > 5.0:
+        # The learner dropped our unrolls as unknown (it forgot us, or never got our hello).
+        log.warning(
+            "actor %d: the learner does not know this actor (its unrolls were dropped); saying hello again",
+            config.actor_id,
+        )
+        link.send(weights.rehello)
+        weights.last_rehello = time.monotonic()
+    if _run_id(newest) != weights.run_id:
+        # A new learner process (say, resumed after a crash) knows nothing of us: say hello
+        # again and take its weights, whatever their version number.
+        log.warning("actor %d: the learner restarted; saying hello again", config.actor_id)
+        link.send(weights.rehello)
+        weights.run_id, weights.version = _run_id(newest), -1
+    if newest.version > weights.version:
+        agent.load_params(newest.arrays)
+        weights.version = newest.version
+        weights.sent_with_version = 0
+    return None

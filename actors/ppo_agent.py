@@ -27,9 +27,9 @@ import torch
 
 from impala.envs.probe import flat_obs_dim
 from impala.envs.vector import StepResult
+from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.messages import PPOAgentSpec
 from impala.transport.params import load_state_arrays, state_dict_schema
-from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
 
 

@@ -24,8 +24,6 @@ import zmq
 from actors.loop import actor_configs
 from actors.pool import ActorPool
 from impala.envs import EnvPackageError
-from impala.transport import wire
-from impala.run.cpus import available_cpus
 from impala.options import (
     ConfigError,
     FlagParser,
@@ -38,9 +36,11 @@ from impala.options import (
     option,
 )
 from impala.run.config import LOOPBACK, RunConfig
+from impala.run.cpus import available_cpus
+from impala.run.metrics import LOG_FORMAT, log_this_one
+from impala.transport import wire
 from impala.transport.curve import client_keys, make_client_keys, make_client_socket
 from impala.transport.messages import RunInfo
-from impala.run.metrics import LOG_FORMAT, log_this_one
 
 log = logging.getLogger("impala-actors")
 

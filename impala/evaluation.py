@@ -25,11 +25,11 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 
-from impala.run.checkpoint import CheckpointError, load_checkpoint
-from impala.options import ConfigError, check_fields, need, option
-from impala.run.cpus import available_cpus
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.protocols import ProtocolName
+from impala.options import ConfigError, check_fields, need, option
+from impala.run.checkpoint import CheckpointError, load_checkpoint
+from impala.run.cpus import available_cpus
 from impala.transport.messages import AgentSpec, ImpalaAgentSpec, agent_spec_from_dict
 
 RESULT_SCHEMA = "impala-eval/1"

@@ -33,11 +33,11 @@ import numpy as np
 from actors.agents import make_agent
 from impala.envs import make_env
 from impala.evaluation import EvalResult, PolicyCheckpoint, read_policy_checkpoint
-from impala.run.checkpoint import FINISHED_MARKER, CheckpointError
 from impala.options import ConfigError
-from learner import launch_impala, launch_ppo
+from impala.run.checkpoint import FINISHED_MARKER, CheckpointError
+from learner.cli import launch_impala, launch_ppo
 from learner.evaluator import evaluate_params
-from learner.runtime import LaunchError, Outcome
+from learner.run.runtime import LaunchError, Outcome
 
 
 class ImpalaError(Exception):

@@ -1,6 +1,6 @@
 """The evaluation engine: play a policy's episodes and judge them under a named protocol.
 
-Used by ``impala-eval`` (:mod:`learner.eval_cli`), by a training run's ``--eval-every`` and by
+Used by ``impala-eval`` (:mod:`learner.cli.eval_cli`), by a training run's ``--eval-every`` and by
 ``frameskip_check --plot``; it reads both learners' checkpoints
 (``impala.evaluation.read_policy_checkpoint``).
 The episodes are played in worker processes through the actors' own agent code
@@ -31,7 +31,6 @@ import gymnasium as gym
 import numpy as np
 
 from actors.agents import Agent, make_agent
-from impala.options import ConfigError
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import build_env
@@ -43,6 +42,7 @@ from impala.envs.protocols import (
     network_action_map,
 )
 from impala.evaluation import EpisodeRecord, EvalConfig, EvalResult, PolicyCheckpoint
+from impala.options import ConfigError
 from impala.transport.messages import AgentSpec
 
 PROG = "impala-eval"

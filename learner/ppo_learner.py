@@ -31,18 +31,17 @@ import numpy as np
 import torch
 
 from impala.algos import ppo
-
-from impala.transport import wire
+from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
+from impala.envs.obs_layout import ObsLayout
+from impala.envs.probe import EnvInfo
+from impala.nets.onnx_export import export_ppo_onnx, onnx_file_name
+from impala.nets.ppo_policy import env_action, make_policy
 from impala.run.checkpoint import CheckpointError
 from impala.run.config import RunConfig, resolve_device
-from impala.envs.probe import EnvInfo
-from impala.transport.messages import PPOAgentSpec
-from impala.algos.normalizers import RewardNormalizer, RunningMeanStd
 from impala.run.ppo_config import PPOConfig, actors_wait
+from impala.transport import wire
+from impala.transport.messages import PPOAgentSpec
 from impala.transport.params import state_dict_arrays
-from impala.nets.onnx_export import export_ppo_onnx, onnx_file_name
-from impala.envs.obs_layout import ObsLayout
-from impala.nets.ppo_policy import env_action, make_policy
 from impala.transport.trajectory import ppo_unroll_schema
 
 

@@ -19,13 +19,6 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from impala.transport import wire
-from impala.options import ConfigError
-from impala.run.config import ImpalaConfig, RunConfig, resolve_device
-from impala.envs.probe import EnvInfo
-from impala.transport.messages import ImpalaAgentSpec
-from impala.nets.impala_net import ImpalaNet, build_model
-from impala.transport.params import state_dict_arrays
 from impala.algos.impala_losses import (
     BatchTargets,
     entropy_per_step,
@@ -34,13 +27,20 @@ from impala.algos.impala_losses import (
     vtrace_targets,
 )
 from impala.algos.popart import unnormalize
+from impala.envs.probe import EnvInfo
+from impala.nets.impala_net import ImpalaNet, build_model
+from impala.options import ConfigError
+from impala.run.config import ImpalaConfig, RunConfig, resolve_device
+from impala.run.orphans import exit_when_orphaned
+from impala.transport import wire
+from impala.transport.messages import ImpalaAgentSpec
+from impala.transport.params import state_dict_arrays
 from impala.transport.trajectory import (
     TrajectorySchema,
     impala_unroll_schema,
     rebuild_frame_stacks,
     stack_time_major,
 )
-from impala.run.orphans import exit_when_orphaned
 from learner.group import (
     STOP,
     SYNC,

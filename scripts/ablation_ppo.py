@@ -556,7 +556,7 @@ def dry_run(variants: list[Variant], args: argparse.Namespace) -> int:
     an
     invalid combination fails here, not hours into the ablation."""
     from impala.run.ppo_config import config_from_args
-    from learner.launch_ppo import build_parser
+    from learner.cli.launch_ppo import build_parser
 
     for v in variants:
         cmd = command(v, args.seeds[0], args, Path(args.runs_dir) / "dry")

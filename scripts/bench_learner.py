@@ -30,9 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from impala.nets import impala_net  # noqa: E402
-
 from impala.algos import impala_losses  # noqa: E402
+from impala.nets import impala_net  # noqa: E402
 
 OBS_SHAPE = (4, 84, 84)
 NUM_ACTIONS = 6  # Pong

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_netns import Net  # noqa: E402  - the namespace set-up the multi-host tests use
-
 from impala.transport.trajectory import impala_unroll_schema  # noqa: E402
+from test_netns import Net  # noqa: E402  - the namespace set-up the multi-host tests use
 
 
 def one_run(dedup: bool, seconds: float, port: int, workers: int) -> float:

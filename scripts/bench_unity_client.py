@@ -65,6 +65,8 @@ EXCHANGE = "/communicator_objects.UnityToExternalProto/Exchange"
 def _pb():
     """The communicator message classes (through impala's protobuf path when it exists)."""
     import impala.envs.unity  # noqa: F401  (serves mlagents' messages from the current protobuf)
+
+    # isort: split
     from mlagents_envs.communicator_objects import unity_message_pb2, unity_output_pb2
 
     return unity_message_pb2, unity_output_pb2
@@ -181,6 +183,7 @@ def free_port() -> int:
 def measure(mode: str, seconds: float, profile: bool, fast: bool) -> dict:
     from impala.envs.unity import UnityVecEnv  # first: it installs the protobuf path
 
+    # isort: split
     from google.protobuf.internal import api_implementation
     from mlagents_envs.environment import UnityEnvironment
 

@@ -83,7 +83,7 @@ def build(args: argparse.Namespace):
     """The run's configs, env info and trainer exactly as launch_impala resolves them."""
     from impala.envs import EnvSpec
     from impala.envs.probe import probe_env
-    from learner import launch_impala
+    from learner.cli import launch_impala
     from learner.vtrace_learner import ImpalaTrainer
 
     flags = [

@@ -39,9 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     from bench_learner import NUM_ACTIONS, OBS_SHAPE, make_batch
+    from torch.profiler import ProfilerActivity, profile
 
     from impala.nets.impala_net import build_model
     from impala.run.config import ImpalaConfig

@@ -39,11 +39,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from impala.run.checkpoint import FINISHED_MARKER  # noqa: E402
 from impala.options import ConfigError  # noqa: E402
-from learner import launch_impala  # noqa: E402
+from impala.run.checkpoint import FINISHED_MARKER  # noqa: E402
+from learner.cli import launch_impala  # noqa: E402
 
-LAUNCH_IMPALA = [sys.executable, "-m", "learner.launch_impala"]
+LAUNCH_IMPALA = [sys.executable, "-m", "learner.cli.launch_impala"]
 # Options a sweep sets itself (or that would break its bookkeeping): not levers.
 RESERVED = {"env", "total_frames", "total_steps", "seed", "logdir", "runs_dir", "run_id", "force", "resume"}
 CURVE_POINTS = 120

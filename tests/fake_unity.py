@@ -111,17 +111,12 @@ from impala.envs.mlagents_proto import install as _install_mlagents_proto
 
 _install_mlagents_proto()
 from mlagents_envs.communicator_objects.agent_info_pb2 import AgentInfoProto  # noqa: E402
-from mlagents_envs.communicator_objects.brain_parameters_pb2 import (  # noqa: E402
-    ActionSpecProto,
-    BrainParametersProto,
-)
+from mlagents_envs.communicator_objects.brain_parameters_pb2 import ActionSpecProto, BrainParametersProto  # noqa: E402
 from mlagents_envs.communicator_objects.capabilities_pb2 import UnityRLCapabilitiesProto  # noqa: E402
 from mlagents_envs.communicator_objects.command_pb2 import QUIT, RESET  # noqa: E402
 from mlagents_envs.communicator_objects.observation_pb2 import ObservationProto  # noqa: E402
 from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto  # noqa: E402
-from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import (  # noqa: E402
-    UnityToExternalProtoStub,
-)
+from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import UnityToExternalProtoStub  # noqa: E402
 
 COMMUNICATION_VERSION = "1.5.0"
 PACKAGE_VERSION = "2.2.1-exp.1"  # the C# package released with mlagents-envs 0.28

@@ -114,8 +114,8 @@ class LegacyActor(Actor):
     def run(self) -> None:  # runs in the child, on the unpickled (spawn/forkserver) or copied (fork) env
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         from actors.loop import ActorLink
-        from impala.transport import wire
         from impala.envs.fingerprint import measure_fingerprint
+        from impala.transport import wire
 
         cfg = self.config
         link = ActorLink(cfg, parent_pid=os.getppid())

@@ -166,3 +166,19 @@ def require_mlagents() -> None:
             pytest.fail(why, pytrace=False)
         pytest.skip(why, allow_module_level=True)
     install()
+
+
+def vector_observation_specs(sizes: list[int] | tuple[int, ...]) -> list:
+    """ML-Agents' ``ObservationSpec`` of each vector observation a behaviour with these sizes declares
+    (``vector0``, ``vector1``, ...), as its players send them. Call it after :func:`require_mlagents`."""
+    from mlagents_envs.base_env import DimensionProperty, ObservationSpec, ObservationType
+
+    return [
+        ObservationSpec(
+            shape=(n,),
+            dimension_property=(DimensionProperty.NONE,),
+            observation_type=ObservationType.DEFAULT,
+            name=f"vector{i}",
+        )
+        for i, n in enumerate(sizes)
+    ]

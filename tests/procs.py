@@ -13,6 +13,26 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 
 
+def signal_and_wait(proc: subprocess.Popen, sig: int, timeout: float = 60) -> str:
+    """Signal a process :func:`start` started and wait for it to end; what it printed."""
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=timeout)
+    return out
+
+
+def push_socket(port: int, sndhwm: int | None = None):
+    """A ZeroMQ PUSH socket connected to the learner at ``port`` on this machine, as an actor (or an
+    attacker) holds one: it drops what it could not send when closed, and queues ``sndhwm`` messages."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    if sndhwm is not None:
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
 def free_port_pair() -> int:
     """A port p such that p and p+1 were both free a moment ago."""
     for _ in range(50):

@@ -37,3 +37,20 @@ def assert_same_step(learner, model, mapping: dict[str, str], metrics: dict[str,
     logged = model.logger.name_to_value
     assert metrics["policy_loss"] == pytest.approx(logged["train/policy_gradient_loss"], abs=1e-5)
     assert -metrics["entropy"] == pytest.approx(logged["train/entropy_loss"], abs=1e-5)
+
+
+def fill_rollout_buffer(
+    buf, obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, starts: np.ndarray, out
+):
+    """SB3's rollout buffer (one env) emptied and refilled step by step with our policy's output ``out``
+    (its values and per-dimension log-probs) for ``obs`` and ``actions``, as SB3's own rollouts add them."""
+    buf.reset()
+    for t in range(len(obs)):
+        buf.add(
+            obs[t : t + 1],
+            actions[t : t + 1],
+            rewards[t : t + 1],
+            starts[t : t + 1],
+            out.value[t : t + 1],
+            out.log_prob[t : t + 1].sum(-1),
+        )

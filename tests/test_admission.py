@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import learner.admission as admission_rules
-from learner.admission import (
+import learner.serve.admission as admission_rules
+from learner.serve.admission import (
     ACTIVE_S,
     ACTOR_IDLE_S,
     CONNECTIONS_S,

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from impala.algos import impala_losses, popart
-from impala.options import ConfigError
-from impala.run.config import ImpalaConfig, RunConfig
 from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo
 from impala.nets.impala_net import build_model
+from impala.options import ConfigError
+from impala.run.config import ImpalaConfig, RunConfig
 from learner.vtrace_learner import VTraceLearner
-
 
 # CartPole's spaces, as probe_env reports them (built here without stepping an env).
 CARTPOLE = EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num_actions=2)
@@ -76,40 +75,19 @@ def test_surrogate_uses_advantages_without_the_rho_factor():
 
 
 def test_popart_surrogate_advantages_are_divided_by_sigma():
-    behaviour, target, actions, discounts, rewards, values, bootstrap = _loss_inputs(seed=1)
+    inputs = _loss_inputs(seed=1)
+    behaviour, target, actions, discounts, rewards, values, bootstrap = inputs
     state = popart.PopArtState(
         mu=torch.tensor([0.5], dtype=torch.float64),
         nu=torch.tensor([4.25], dtype=torch.float64),
         sigma=torch.tensor([2.0], dtype=torch.float64),
     )
-    out = impala_losses.popart_impala_loss(
-        behaviour,
-        target,
-        actions,
-        discounts,
-        rewards,
-        values,
-        bootstrap,
-        state,
-        pg_clip=0.2,
-        normalize_advantages=False,
-    )
+    out = impala_losses.popart_impala_loss(*inputs, state, pg_clip=0.2, normalize_advantages=False)
     v = values.detach() * 2.0 + 0.5
     boot = bootstrap * 2.0 + 0.5
     vs_tp1 = torch.cat([out.vtrace.vs[1:], boot[None]])
     torch.testing.assert_close(out.pg_advantages, (rewards + discounts * vs_tp1 - v) / 2.0)
-    normed = impala_losses.popart_impala_loss(
-        behaviour,
-        target,
-        actions,
-        discounts,
-        rewards,
-        values,
-        bootstrap,
-        state,
-        pg_clip=0.2,
-        normalize_advantages=True,
-    )
+    normed = impala_losses.popart_impala_loss(*inputs, state, pg_clip=0.2, normalize_advantages=True)
     torch.testing.assert_close(normed.pg_advantages, impala_losses.normalized(out.pg_advantages))
 
 

@@ -24,59 +24,18 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
 # Base arguments per script: valid, and a short run if nothing else stops it.
-TINY_IMPALA = [
-    "--env",
-    "CartPole-v1",
-    "--workers",
-    "1",
-    "--in-process",
-    "--total-frames",
-    "64",
-    "--unroll-length",
-    "8",
-    "--batch-size",
-    "2",
-    "--minibatches",
-    "1",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
-TINY_PPO = [
-    "--env",
-    "Pendulum-v1",
-    "--workers",
-    "1",
-    "--in-process",
-    "--total-steps",
-    "64",
-    "--buffer-size",
-    "64",
-    "--batch-size",
-    "32",
-    "--hidden-units",
-    "8",
-    "--num-layers",
-    "1",
-    "--time-horizon",
-    "32",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
+TINY_IMPALA = (
+    "--env CartPole-v1 --workers 1 --in-process --total-frames 64 --unroll-length 8 --batch-size 2 "
+    "--minibatches 1 --no-progress --device cpu"
+).split()
+TINY_PPO = (
+    "--env Pendulum-v1 --workers 1 --in-process --total-steps 64 --buffer-size 64 --batch-size 32 "
+    "--hidden-units 8 --num-layers 1 --time-horizon 32 --no-progress --device cpu"
+).split()
 BASE = {
     "launch_impala": TINY_IMPALA,
     "launch_ppo": TINY_PPO,
-    "frameskip_check": [
-        "--env",
-        "CartPole-v1",
-        "--workers",
-        "1",
-        "--start-method",
-        "fork",
-        "--fingerprint-steps",
-        "20",
-    ],
+    "frameskip_check": "--env CartPole-v1 --workers 1 --start-method fork --fingerprint-steps 20".split(),
     "impala-actors": ["--learner", "tcp://127.0.0.1:9", "--timeout", "0.5", "--workers", "1"],
     # No such file: every flag is checked before the checkpoint is read, so a bad value that slipped
     # through would fail on the file instead, with a message naming neither the flag nor the value.
@@ -247,7 +206,7 @@ def test_help_is_a_page_and_help_all_has_every_option_in_full(prog):
 
 def test_the_two_launchers_speak_one_vocabulary():
     """The same idea has the same flag in both launchers; the other spelling (ML-Agents' key) is an alias."""
-    from learner import launch_impala, launch_ppo
+    from learner.cli import launch_impala, launch_ppo
 
     def flags(parser):
         return {o for a in parser._actions for o in a.option_strings}

@@ -12,7 +12,7 @@ from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo
 from impala.run.config import RunConfig
 from impala.run.cpus import CpuClaim
-from learner.runtime import claim_cpus
+from learner.run.runtime import claim_cpus
 from procs import actor_pids, kill_group, start, wait_for
 
 CPUS = tuple(sorted(os.sched_getaffinity(0)))

@@ -18,9 +18,9 @@ T, B = 5, 4
 
 
 def _learner():
-    from impala.run.config import RunConfig
     from impala.envs import EnvSpec
     from impala.envs.probe import EnvInfo
+    from impala.run.config import RunConfig
     from learner.vtrace_learner import ImpalaTrainer
 
     config = ImpalaConfig(batch_size=B, minibatches=1, epochs=1)
@@ -192,12 +192,7 @@ def test_without_proc_a_checkpoint_is_still_written_once_and_whole(tmp_path):
     path = tmp_path / "checkpoint.pt"
     out = subprocess.run(
         [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
+            *"unshare --mount --propagation private sh -c".split(),
             'mount -t tmpfs none /proc && exec "$0" -c "$1" "$2"',
             sys.executable,
             code,
@@ -230,7 +225,7 @@ def _launch_impala(argv: list[str], capsys, *, real_process: bool) -> tuple[int,
     if real_process:
         out = run(["launch_impala", *argv], timeout=120)
         return out.returncode, out.stderr
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     threads = torch.get_num_threads()
     try:
@@ -266,20 +261,10 @@ def test_resume_from_another_networks_checkpoint_is_one_line_and_exit_2(tmp_path
     logdir = tmp_path / "run"
     rc, err = _launch_impala(
         [
-            "--env",
-            "CartPole-v1",
-            "--workers",
-            "1",
-            "--in-process",
-            "--unroll-length",
-            "8",
-            "--batch-size",
-            "4",
-            "--minibatches",
-            "2",
-            "--total-frames",
-            "2000",
-            "--logdir",
+            *(
+                "--env CartPole-v1 --workers 1 --in-process --unroll-length 8 --batch-size 4 "
+                "--minibatches 2 --total-frames 2000 --logdir"
+            ).split(),
             str(logdir),
             "--no-progress",
             "--device",
@@ -330,27 +315,15 @@ def test_sigkill_and_resume_ten_times(tmp_path):
     for round_ in range(10):
         proc = start(
             [
-                "launch_impala",
-                "--env",
-                "CartPole-v1",
-                "--workers",
-                "1",
-                "--unroll-length",
-                "20",
-                "--batch-size",
-                "4",
-                "--minibatches",
-                "2",
-                "--port",
+                *(
+                    "launch_impala --env CartPole-v1 --workers 1 --unroll-length 20 --batch-size 4 "
+                    "--minibatches 2 --port"
+                ).split(),
                 str(port),
-                "--total-frames",
-                "10000000",
-                "--checkpoint-minutes",
-                "0.01",
-                "--no-progress",
-                "--log-interval",
-                "0.5",
-                "--logdir",
+                *(
+                    "--total-frames 10000000 --checkpoint-minutes 0.01 --no-progress --log-interval 0.5 "
+                    "--logdir"
+                ).split(),
                 str(tmp_path),
             ]
             + (["--resume"] if round_ else [])

@@ -14,28 +14,12 @@ import torch
 
 from impala.envs import EnvPackageError, EnvSpec, make_env
 from impala.transport.messages import RunInfo
-from learner import launch_impala, launch_ppo
+from learner.cli import launch_impala, launch_ppo
 
-TINY_RUN = [
-    "--workers",
-    "1",
-    "--in-process",
-    "--envs-per-worker",
-    "2",
-    "--unroll-length",
-    "8",
-    "--batch-size",
-    "4",
-    "--minibatches",
-    "1",
-    "--total-frames",
-    "400",
-    "--no-progress",
-    "--device",
-    "cpu",
-    "--log-interval",
-    "0",
-]
+TINY_RUN = (
+    "--workers 1 --in-process --envs-per-worker 2 --unroll-length 8 --batch-size 4 --minibatches 1 "
+    "--total-frames 400 --no-progress --device cpu --log-interval 0"
+).split()
 NO_SUCH = "env package 'no_such_env_package_here' does not import (ModuleNotFoundError"
 
 
@@ -156,17 +140,7 @@ def test_launch_ppo_trains_discrete_actions_and_refuses_other_spaces_in_one_line
     which neither launcher trains, is one line and exit 2."""
     import torch
 
-    run = [
-        "--workers",
-        "1",
-        "--in-process",
-        "--total-steps",
-        "128",
-        "--buffer-size",
-        "32",
-        "--batch-size",
-        "16",
-    ]
+    run = "--workers 1 --in-process --total-steps 128 --buffer-size 32 --batch-size 16".split()
     run += ["--no-progress", "--device", "cpu"]
     rc = launch_ppo.main(["--env", "custom_envs:Tiny-v0", *run, "--logdir", str(tmp_path / "run")])
     assert rc == 0, capsys.readouterr().err[-2000:]
@@ -209,28 +183,12 @@ def test_remote_actors_import_the_runs_package_or_say_they_cannot(tmp_path):
     learner = subprocess.Popen(
         _script("launch_impala", [])
         + [
-            "--workers",
-            "0",
-            "--env-package",
-            "custom_envs",
-            "--env",
-            "Tiny-v0",
-            "--unroll-length",
-            "8",
-            "--batch-size",
-            "4",
-            "--minibatches",
-            "1",
-            "--total-frames",
-            "800",
-            "--port",
+            *(
+                "--workers 0 --env-package custom_envs --env Tiny-v0 --unroll-length 8 --batch-size 4 "
+                "--minibatches 1 --total-frames 800 --port"
+            ).split(),
             str(port),
-            "--no-progress",
-            "--torch-threads",
-            "1",
-            "--max-seconds",
-            "120",
-            "--logdir",
+            *"--no-progress --torch-threads 1 --max-seconds 120 --logdir".split(),
             str(tmp_path / "run"),
         ],
         stdout=subprocess.PIPE,
@@ -266,7 +224,7 @@ def test_impala_eval_plays_a_custom_env_checkpoint_in_worker_processes(tmp_path,
     """The checkpoint records the package with the env: impala-eval's spawned workers import it themselves."""
     import json
 
-    from learner import eval_cli
+    from learner.cli import eval_cli
 
     assert (
         launch_impala.main(["--env", "custom_envs:Tiny-v0", *TINY_RUN, "--logdir", str(tmp_path / "run")])

@@ -243,7 +243,7 @@ def check_command(name: str, argv: list[str]) -> str | None:
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             if name == "launch_impala":
-                from learner import hosts, launch_impala
+                from learner.cli import hosts, launch_impala
 
                 args = launch_impala.parse_args(argv)
                 # a learner group's flags (--learners, --node-rank, --rdzv-endpoint) against each other; its
@@ -252,7 +252,7 @@ def check_command(name: str, argv: list[str]) -> str | None:
                 launch_impala.resolve(args)
             elif name == "launch_ppo":
                 from impala.run.ppo_config import config_from_args
-                from learner import launch_ppo
+                from learner.cli import launch_ppo
 
                 args = launch_ppo.build_parser().parse_args(argv)
                 config = from_flags(RunConfig, args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from learner.episode_stats import EpisodeStats
+from learner.serve.episode_stats import EpisodeStats
 
 
 def _unroll(rewards, ends, first=None):

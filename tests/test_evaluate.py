@@ -20,90 +20,37 @@ import numpy as np
 import pytest
 import torch
 
-from impala.run.checkpoint import CheckpointError
-from impala.options import ConfigError
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.protocols import FRAME_CAP, NetworkActions, ProtocolError, action_index_map, eval_protocol
 from impala.evaluation import RESULT_SCHEMA, EvalConfig, read_policy_checkpoint
-from learner.eval_cli import main
+from impala.options import ConfigError
+from impala.run.checkpoint import CheckpointError
+from learner.cli.eval_cli import main
 from learner.evaluator import EvalJob, checkpoint_agent, evaluate_params, run_episodes
 from procs import run
 
 BIN = Path(sys.executable).parent
 ALE_NOISE = ("A.L.E:", "[Powered by Stella]")
 
-TINY_CARTPOLE = [
-    "launch_impala",
-    "--env",
-    "CartPole-v1",
-    "--workers",
-    "1",
-    "--in-process",
-    "--total-frames",
-    "2000",
-    "--unroll-length",
-    "8",
-    "--batch-size",
-    "4",
-    "--minibatches",
-    "1",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
-TINY_PONG = [
-    "launch_impala",
-    "--env",
-    "PongDeterministic-v4",
-    "--workers",
-    "1",
-    "--in-process",
-    "--envs-per-worker",
-    "1",
-    "--unroll-length",
-    "8",
-    "--batch-size",
-    "2",
-    "--minibatches",
-    "1",
-    "--total-frames",
-    "400",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
-TINY_PPO = [
-    "launch_ppo",
-    "--env",
-    "Pendulum-v1",
-    "--semantics",
-    "sb3",
-    "--workers",
-    "1",
-    "--in-process",
-    "--total-steps",
-    "600",
-    "--buffer-size",
-    "64",
-    "--batch-size",
-    "32",
-    "--hidden-units",
-    "8",
-    "--num-layers",
-    "1",
-    "--time-horizon",
-    "32",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
+TINY_CARTPOLE = (
+    "launch_impala --env CartPole-v1 --workers 1 --in-process --total-frames 2000 --unroll-length 8 "
+    "--batch-size 4 --minibatches 1 --no-progress --device cpu"
+).split()
+TINY_PONG = (
+    "launch_impala --env PongDeterministic-v4 --workers 1 --in-process --envs-per-worker 1 --unroll-length "
+    "8 --batch-size 2 --minibatches 1 --total-frames 400 --no-progress --device cpu"
+).split()
+TINY_PPO = (
+    "launch_ppo --env Pendulum-v1 --semantics sb3 --workers 1 --in-process --total-steps 600 --buffer-size "
+    "64 --batch-size 32 --hidden-units 8 --num-layers 1 --time-horizon 32 --no-progress --device cpu"
+).split()
 
 
 def _train(cmd: list[str], logdir: Path) -> Path:
     """The launcher's main in this process (the runs are --in-process; impala-eval's own CLI runs as a real
     process below)."""
-    from learner import launch_impala, launch_ppo
+    from learner.cli import launch_impala, launch_ppo
 
     launcher = {"launch_impala": launch_impala.main, "launch_ppo": launch_ppo.main}[cmd[0]]
     threads = torch.get_num_threads()
@@ -648,19 +595,7 @@ def test_cartpole_video_is_h264_in_the_run_folder(cartpole, capsys):
     (the render extra scripts/setup.sh installs) and the MP4 is H.264 in yuv420p, what browsers play
     inline; a relative --video name lands in the run folder, not wherever the command was typed."""
     video, result = cartpole.parent / "episode.mp4", cartpole.parent / "eval-train-greedy-2.json"
-    rc = main(
-        [
-            str(cartpole.parent),
-            "--episodes",
-            "2",
-            "--workers",
-            "0",
-            "--policy",
-            "greedy",
-            "--video",
-            "episode.mp4",
-        ]
-    )
+    rc = main([str(cartpole.parent), *"--episodes 2 --workers 0 --policy greedy --video episode.mp4".split()])
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     stream = video_stream(video)
@@ -716,7 +651,7 @@ def test_eval_config_rejects_what_cannot_work():
 
 
 def test_frameskip_plot_reads_checkpoints_through_the_same_loader(pong, ppo):
-    from learner.frameskip_plot import check_checkpoint
+    from learner.cli.frameskip_plot import check_checkpoint
 
     assert check_checkpoint(str(pong.parent), "PongDeterministic-v4") == "policy from checkpoint.pt"
     with pytest.raises(CheckpointError, match="this one is ppo's"):

@@ -20,7 +20,7 @@ import pytest
 from actors.actor import Actor
 from impala.envs import EnvSpec, make_env
 from impala.envs.audit import ENV_IN_INIT, check_actor_builds_no_env, check_pickle_roundtrip
-from learner.frameskip_check import DEFAULT_ENV_IDS, _actor_configs
+from learner.cli.frameskip_check import DEFAULT_ENV_IDS, _actor_configs
 from legacy_env import LegacyActor, LegacyAtariEnv, SwapEnvActor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,11 +28,18 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 METHODS = [m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()]
 
 
+def run_spawned_actor(env_id: str, actor_class: str) -> subprocess.CompletedProcess:
+    """frameskip_check with one worker of ``actor_class`` (from tests/legacy_env.py), started by spawn."""
+    return run_cli(
+        env_id, "--start-method", "spawn", "--workers", "1", "--actor-class", f"legacy_env:{actor_class}"
+    )
+
+
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     # PYTHONPATH: the CLI (and the children it spawns) must import tests/legacy_env.py for --actor-class.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run(
-        [sys.executable, "-m", "learner.frameskip_check", *args],
+        [sys.executable, "-m", "learner.cli.frameskip_check", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -90,15 +97,7 @@ def test_cli_passes_on_default_ids_under_every_start_method():
 def test_legacy_env_built_in_init_and_pickled_into_a_spawned_worker_is_caught():
     # PongDeterministic-v0: frameskip 4, sticky 0.25. The legacy actor's env is pickled into the
     # spawned child and comes back with gym <= 0.10.5's defaults: frameskip (2, 5), sticky 0.
-    r = run_cli(
-        "PongDeterministic-v0",
-        "--start-method",
-        "spawn",
-        "--workers",
-        "1",
-        "--actor-class",
-        "legacy_env:LegacyActor",
-    )
+    r = run_spawned_actor("PongDeterministic-v0", "LegacyActor")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     frameskip = [l for l in r.stderr.splitlines() if "worker 0: frameskip: configured 4, measured 2..4" in l]
@@ -111,15 +110,7 @@ def test_legacy_env_built_in_init_and_pickled_into_a_spawned_worker_is_caught():
 
 
 def test_actor_with_an_unpicklable_env_from_init_is_a_finding_under_spawn_not_a_traceback():
-    r = run_cli(
-        "PongDeterministic-v4",
-        "--start-method",
-        "spawn",
-        "--workers",
-        "1",
-        "--actor-class",
-        "legacy_env:UnpicklableEnvActor",
-    )
+    r = run_spawned_actor("PongDeterministic-v4", "UnpicklableEnvActor")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert "could not be sent to a spawn worker" in r.stderr and "pickle" in r.stderr, r.stderr
@@ -166,10 +157,10 @@ def test_actor_that_builds_its_env_in_init_is_flagged_and_the_real_actor_is_not(
 
 # 4 -------------------------------------------------------------------------
 def test_runtime_refuses_to_train_when_one_actor_fingerprint_differs(tmp_path):
-    from impala.run.config import ImpalaConfig, RunConfig
     from impala.envs.fingerprint import FingerprintMismatchError
     from impala.envs.probe import probe_env
-    from learner.runtime import RunPlan, run
+    from impala.run.config import ImpalaConfig, RunConfig
+    from learner.run.runtime import RunPlan, run
     from learner.vtrace_learner import ImpalaTrainer
 
     config = RunConfig(
@@ -216,7 +207,7 @@ def test_bad_input_is_one_line_exit_2(args, expect, capsys):
     if args == ["PongDeterministc-v4"]:
         r = run_cli(*args, timeout=60)
     else:
-        from learner.frameskip_check import main
+        from learner.cli.frameskip_check import main
 
         rc = main(list(args))
         cap = capsys.readouterr()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -16,7 +15,7 @@ import zmq
 from impala.envs.vector import EpisodeTracker
 from impala.transport import wire
 from impala.transport.trajectory import impala_unroll_schema
-from learner.server import TrajectoryServer
+from learner.serve.server import TrajectoryServer
 
 T = 8
 SCHEMA = impala_unroll_schema(T, (3,), "float32", 2)
@@ -173,26 +172,14 @@ def test_partly_seen_episodes_are_not_counted(link):
 def test_an_honest_actor_reports_the_same_returns_as_before():
     """A real actor loop (CartPole, 4 envs, in a thread): the episodes the server sums from the data
     are the ones the actor counted itself and still sends along (what the learner reported before)."""
-    from actors.loop import ActorConfig, run_actor
-    from impala.envs import EnvSpec
+    from actor_threads import cartpole_actor
     from impala.nets.impala_net import build_model
-    from impala.transport.messages import ImpalaAgentSpec
     from impala.transport.params import state_dict_arrays
 
     schema = impala_unroll_schema(16, (4,), "float32", 2)
     srv = TrajectoryServer(schema, queue_size=64)
     srv.start()
-    config = ActorConfig(
-        actor_id=3,
-        env=EnvSpec("CartPole-v1"),
-        num_envs=4,
-        unroll_length=16,
-        trajectory_endpoint=srv.trajectory_endpoint,
-        params_endpoint=srv.params_endpoint,
-        agent=ImpalaAgentSpec("mlp"),
-        learner_timeout_s=30,
-    )
-    actor = threading.Thread(target=run_actor, args=(config,), kwargs={"max_unrolls": 30}, daemon=True)
+    actor = cartpole_actor(srv, num_envs=4, unroll_length=16, max_unrolls=30)
     claimed: list[tuple[float, int]] = []
     try:
         actor.start()
@@ -280,7 +267,7 @@ def test_an_id_on_one_connection_waits_for_its_share_and_loses_nothing():
 
 
 def test_the_queue_hands_unrolls_out_round_robin_across_ids():
-    from learner.server import FairQueue
+    from learner.serve.server import FairQueue
 
     q = FairQueue(8)
     for actor in (1, 1, 1, 2, 3, 1):
@@ -301,7 +288,7 @@ def test_a_full_queue_goes_over_its_size_only_for_an_id_held_under_its_equal_par
     an actor is blocked, so its equal part reads 8): it still waits for room. In a Pong run without this
     condition both actors went over the queue's size and then over their shares: 781 honest unrolls
     dropped in a minute."""
-    from learner.server import FairQueue
+    from learner.serve.server import FairQueue
 
     q = FairQueue(8)
     for actor in (1, 2, 1, 2, 1, 2, 1, 2):
@@ -446,15 +433,7 @@ def _honest_run(tmp_path, name: str, flood_rate: float) -> tuple[float, float, s
     port = free_port_pair()
     learner = start(
         [
-            "launch_impala",
-            "--env",
-            "CartPole-v1",
-            "--workers",
-            "0",
-            "--unroll-length",
-            "20",
-            "--batch-size",
-            "32",
+            *"launch_impala --env CartPole-v1 --workers 0 --unroll-length 20 --batch-size 32".split(),
             "--minibatches",  # the update this test was sized with: the learner keeps up with 2 honest actors
             "4",
             "--envs-per-worker",
@@ -465,10 +444,7 @@ def _honest_run(tmp_path, name: str, flood_rate: float) -> tuple[float, float, s
             "100000000",
             "--max-seconds",
             str(RUN_S),
-            "--no-progress",
-            "--log-interval",
-            "5",
-            "--logdir",
+            *"--no-progress --log-interval 5 --logdir".split(),
             str(tmp_path / name),
         ],
         preexec_fn=lambda: os.sched_setaffinity(0, {LEARNER_CPU}),
@@ -478,14 +454,7 @@ def _honest_run(tmp_path, name: str, flood_rate: float) -> tuple[float, float, s
             "impala-actors",
             "--learner",
             f"tcp://127.0.0.1:{port}",
-            "--workers",
-            "1",
-            "--first-id",
-            "2000",
-            "--learner-timeout",
-            "5",
-            "--max-seconds",
-            "60",
+            *"--workers 1 --first-id 2000 --learner-timeout 5 --max-seconds 60".split(),
         ],
         preexec_fn=_own_cpu,
     )
@@ -670,27 +639,13 @@ def _cartpole_learner(tmp_path, seconds: int, extra=()):
     port = free_port_pair()
     learner = start(
         [
-            "launch_impala",
-            "--env",
-            "CartPole-v1",
-            "--workers",
-            "0",
-            "--unroll-length",
-            "20",
-            "--batch-size",
-            "8",
-            "--port",
+            *"launch_impala --env CartPole-v1 --workers 0 --unroll-length 20 --batch-size 8 --port".split(),
             str(port),
             "--total-frames",
             "100000000",
             "--max-seconds",
             str(seconds),
-            "--torch-threads",
-            "1",
-            "--no-progress",
-            "--log-interval",
-            "2",
-            "--logdir",
+            *"--torch-threads 1 --no-progress --log-interval 2 --logdir".split(),
             str(tmp_path / "run"),
             *extra,
         ]
@@ -714,7 +669,7 @@ def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
     """Without CURVE, a forged hello {actor: 1000, fingerprint: junk} while impala-actors --first-id 1000
     trains is refused and evicts id 1000; the weights message reports the refusal with another nonce
     than the actor's, so the actor says hello again and keeps training."""
-    from procs import kill_group, start, wait_for
+    from procs import kill_group, signal_and_wait, start, wait_for
 
     # 60 s only bound the run: it is stopped once the actor has trained 20k frames past the forgery. With 30,
     # one fresh-clone run on a slow host spent most of them starting impala-actors (18,240 frames by then).
@@ -724,12 +679,7 @@ def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
             "impala-actors",
             "--learner",
             f"tcp://127.0.0.1:{port}",
-            "--workers",
-            "1",
-            "--first-id",
-            "1000",
-            "--learner-timeout",
-            "5",
+            *"--workers 1 --first-id 1000 --learner-timeout 5".split(),
         ]
     )
     frames = lambda: _frames_so_far(tmp_path)  # noqa: E731
@@ -743,8 +693,7 @@ def test_a_forged_hello_does_not_lock_a_remote_actor_out(tmp_path):
         # training goes on past the forgery (the only actor: locked out, the frames would stop here);
         # then the run is stopped as a user stops one (its 60 s are only a bound)
         wait_for(lambda: frames() > at_forgery + 20000, 50)
-        learner.send_signal(signal.SIGINT)
-        out, _ = learner.communicate(timeout=90)
+        out = signal_and_wait(learner, signal.SIGINT, timeout=90)
         actors_out, _ = actors.communicate(timeout=30)
     finally:
         push.close()
@@ -798,12 +747,7 @@ def test_an_actor_refused_for_good_exits_with_one_line(tmp_path):
             "impala-actors",
             "--learner",
             f"tcp://127.0.0.1:{port}",
-            "--workers",
-            "1",
-            "--first-id",
-            "1000",
-            "--learner-timeout",
-            "5",
+            *"--workers 1 --first-id 1000 --learner-timeout 5".split(),
         ]
         first = start([*cmd, "--curve", dirs[0]])
         assert wait_for(lambda: _frames_so_far(tmp_path) > 0, 60)  # the first one's unrolls: it owns 1000

@@ -27,21 +27,12 @@ def test_pixel_catch_learns_with_the_default_settings(tmp_path):
     t0 = time.monotonic()
     out = run(
         [
-            "launch_impala",
-            "--env",
-            "PixelCatch-v0",
-            "--workers",
-            "2",
-            "--total-frames",
-            "250000",
-            "--max-seconds",
-            "170",
-            "--stop-at-return",
+            *(
+                "launch_impala --env PixelCatch-v0 --workers 2 --total-frames 250000 --max-seconds 170 "
+                "--stop-at-return"
+            ).split(),
             str(THRESHOLD),
-            "--no-progress",
-            "--log-interval",
-            "5",
-            "--logdir",
+            *"--no-progress --log-interval 5 --logdir".split(),
             str(tmp_path),
         ],
         timeout=260,

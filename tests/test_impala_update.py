@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from impala.nets.impala_net import build_model
 from impala.options import load_preset
 from impala.run.config import ImpalaConfig, RunConfig
-from impala.nets.impala_net import build_model
 from learner.vtrace_learner import VTraceLearner
 
 T, B, A = 80, 32, 6

@@ -9,22 +9,24 @@ import signal
 import time
 
 import pytest
-import yaml
 import torch
+import yaml
 
-from procs import actor_pids, alive, cmdline, descendants, free_port_pair, kill_group, run, start, wait_for
+from procs import (
+    actor_pids,
+    alive,
+    cmdline,
+    descendants,
+    free_port_pair,
+    kill_group,
+    push_socket,
+    run,
+    signal_and_wait,
+    start,
+    wait_for,
+)
 
-CARTPOLE = [
-    "--env",
-    "CartPole-v1",
-    "--unroll-length",
-    "20",
-    "--batch-size",
-    "8",
-    "--no-progress",
-    "--log-interval",
-    "2",
-]
+CARTPOLE = "--env CartPole-v1 --unroll-length 20 --batch-size 8 --no-progress --log-interval 2".split()
 
 
 def _done_line(out: str) -> str:
@@ -51,15 +53,9 @@ def test_cartpole_learns_to_195_within_3_minutes(tmp_path):
             "--workers",
             "2",
             *CARTPOLE,
-            "--learning-rate",
-            "2e-3",
-            "--total-frames",
-            "400000",
-            "--max-seconds",
-            "170",
-            "--stop-at-return",
-            "195",
-            "--logdir",
+            *(
+                "--learning-rate 2e-3 --total-frames 400000 --max-seconds 170 --stop-at-return 195 --logdir"
+            ).split(),
             str(tmp_path),
             "--log-interval",
             "5",
@@ -80,22 +76,10 @@ def test_cartpole_learns_to_195_within_3_minutes(tmp_path):
 def test_pong_smoke_actor_kill_checkpoint_and_resume(tmp_path):
     port = free_port_pair()
     args = [
-        "--env",
-        "PongDeterministic-v4",
-        "--workers",
-        "2",
-        "--envs-per-worker",
-        "2",
-        "--unroll-length",
-        "20",
-        "--batch-size",
-        "4",
-        "--minibatches",
-        "2",
-        "--no-progress",
-        "--log-interval",
-        "1",
-        "--logdir",
+        *(
+            "--env PongDeterministic-v4 --workers 2 --envs-per-worker 2 --unroll-length 20 --batch-size "
+            "4 --minibatches 2 --no-progress --log-interval 1 --logdir"
+        ).split(),
         str(tmp_path),
         "--port",
         str(port),
@@ -142,11 +126,7 @@ def test_learner_sigkill_then_resume_continues_from_checkpoint(tmp_path):
             "--workers",
             "2",
             *CARTPOLE,
-            "--total-frames",
-            "10000000",
-            "--checkpoint-minutes",
-            "0.02",
-            "--logdir",
+            *"--total-frames 10000000 --checkpoint-minutes 0.02 --logdir".split(),
             str(tmp_path),
         ]
     )
@@ -366,10 +346,10 @@ def test_help_documents_every_option():
 
 
 def test_env_kwargs_override_is_applied_and_validated(tmp_path):
-    from impala.options import ConfigError
-    from impala.run.config import RunConfig
     from impala.envs import EnvSpec
     from impala.envs.probe import probe_env
+    from impala.options import ConfigError
+    from impala.run.config import RunConfig
 
     cfg = RunConfig(env="PongNoFrameskip-v4", env_kwargs='{"frameskip": 4}', logdir=str(tmp_path))
     fp = probe_env(EnvSpec(cfg.env, cfg.env_overrides)).fingerprint
@@ -427,7 +407,7 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("argv,message", BAD_VALUES, ids=[a[0] for a, _ in BAD_VALUES])
 def test_bad_values_are_one_line_errors_before_anything_starts(argv, message, capsys, tmp_path, monkeypatch):
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     if argv[:2] == ["--device", "cuda:7"] and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
@@ -450,7 +430,7 @@ def test_bad_log_level_and_preset_from_the_real_cli(tmp_path):
 
 
 def test_preset_values_are_defaults_that_flags_override(tmp_path):
-    from learner.launch_impala import parse_args
+    from learner.cli.launch_impala import parse_args
 
     preset = tmp_path / "p.yaml"
     preset.write_text(
@@ -472,7 +452,7 @@ def test_preset_values_are_defaults_that_flags_override(tmp_path):
 
 def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
     """Unset keeps every unroll (V-trace corrects); 0 means on-policy only, as in launch_ppo."""
-    from learner.launch_impala import parse_args
+    from learner.cli.launch_impala import parse_args
 
     assert parse_args([]).max_policy_lag is None
     assert parse_args(["--max-policy-lag", "0"]).max_policy_lag == 0
@@ -488,13 +468,7 @@ def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
             "--workers",
             "2",
             *CARTPOLE,
-            "--max-policy-lag",
-            "0",
-            "--total-frames",
-            "6000",
-            "--log-interval",
-            "0",
-            "--logdir",
+            *"--max-policy-lag 0 --total-frames 6000 --log-interval 0 --logdir".split(),
             str(tmp_path / "run"),
         ],
         timeout=120,
@@ -547,8 +521,6 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
     so the test does not depend on how fast this machine is), and the run ends cleanly."""
     import signal
 
-    import zmq
-
     from impala.transport import wire
 
     port = free_port_pair()
@@ -560,17 +532,11 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
             *CARTPOLE,
             "--port",
             str(port),
-            "--total-frames",
-            "100000000",
-            "--max-seconds",
-            "600",
-            "--logdir",
+            *"--total-frames 100000000 --max-seconds 600 --logdir".split(),
             str(tmp_path),
         ]
     )
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock = push_socket(port)
 
     def frames_logged() -> list[int]:
         rows = _csv_rows(tmp_path) if (tmp_path / "metrics.csv").exists() else []
@@ -595,8 +561,7 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
             at_forgery,
             frames_logged()[-3:],
         )
-        learner.send_signal(signal.SIGTERM)
-        out, _ = learner.communicate(timeout=60)
+        out = signal_and_wait(learner, signal.SIGTERM)
     finally:
         sock.close()
         kill_group(learner)
@@ -617,19 +582,15 @@ BUT_FOR = {
 
 @pytest.mark.parametrize(
     "name",
-    [
-        "atari.yaml",
-        "atari_deep.yaml",
-        "pong_small_cpu.yaml",
-        "pong_fast_cpu.yaml",
-        "pong_per_step_cpu.yaml",
-        "cartpole.yaml",
-    ],
+    (
+        "atari.yaml atari_deep.yaml pong_small_cpu.yaml pong_fast_cpu.yaml pong_per_step_cpu.yaml "
+        "cartpole.yaml"
+    ).split(),
 )
 def test_shipped_presets_load_and_validate(name):
     """Every preset in configs/ names only real options with valid values, and says where its numbers come
     from."""
-    from learner.launch_impala import parse_args, resolve
+    from learner.cli.launch_impala import parse_args, resolve
 
     path = os.path.join(os.path.dirname(__file__), "..", "configs", name)
     with open(path) as f:
@@ -675,26 +636,13 @@ def test_runs_get_their_own_folders_and_a_used_one_is_never_overwritten(tmp_path
     """The same command twice: the second is refused (one line, exit 2) and the first run's files are
     untouched;
     --force starts over; --resume of the finished run exits 0 at once; config.yaml says what ran."""
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     tiny = [
-        "--env",
-        "CartPole-v1",
-        "--workers",
-        "1",
-        "--in-process",
-        "--unroll-length",
-        "8",
-        "--batch-size",
-        "2",
-        "--minibatches",
-        "1",
-        "--total-frames",
-        "64",
-        "--no-progress",
-        "--device",
-        "cpu",
-        "--runs-dir",
+        *(
+            "--env CartPole-v1 --workers 1 --in-process --unroll-length 8 --batch-size 2 --minibatches "
+            "1 --total-frames 64 --no-progress --device cpu --runs-dir"
+        ).split(),
         str(tmp_path),
         "--log-interval",
         "0",

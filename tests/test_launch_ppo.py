@@ -28,18 +28,16 @@ pytest.importorskip("mlagents_envs")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fake_unity import write_fake_build  # noqa: E402
-
 from actors.ppo_agent import PPOAgent  # noqa: E402
-from impala.transport import wire  # noqa: E402
-from impala.options import ConfigError  # noqa: E402
-from impala.run.config import RunConfig  # noqa: E402
+from fake_unity import write_fake_build  # noqa: E402
 from impala.envs import EnvSpec  # noqa: E402
 from impala.envs.probe import EnvInfo  # noqa: E402
 from impala.envs.vector import StepResult  # noqa: E402
+from impala.options import ConfigError  # noqa: E402
+from impala.run.config import RunConfig  # noqa: E402
+from impala.run.ppo_config import PPOConfig, choose_unroll_length  # noqa: E402
+from impala.transport import wire  # noqa: E402
 from impala.transport.messages import PPOAgentSpec, RunInfo  # noqa: E402
-from impala.run.ppo_config import PPOConfig  # noqa: E402
-from impala.run.ppo_config import choose_unroll_length  # noqa: E402
 from learner.ppo_learner import PPOLearner, PPOTrainer, TrajectoryPiece, piece_from_unroll, unrolls_per_update  # noqa: E402
 
 LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
@@ -48,15 +46,7 @@ LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
 def tiny(time_horizon: int = 32) -> list[str]:
     """Crawler.yaml shrunk to a few seconds per update on 2 loaded cores."""
     return [
-        "--buffer-size",
-        "256",
-        "--batch-size",
-        "64",
-        "--hidden-units",
-        "32",
-        "--num-layers",
-        "1",
-        "--time-horizon",
+        *"--buffer-size 256 --batch-size 64 --hidden-units 32 --num-layers 1 --time-horizon".split(),
         str(time_horizon),
         "--log-interval",
         "0",
@@ -269,7 +259,7 @@ def launch_here(capsys, *args: str) -> subprocess.CompletedProcess:
     """launch_ppo's main in this process, as a CompletedProcess (for errors raised before any process starts;
     test_build_that_never_answers and test_bad_log_level_is_an_argparse_error_not_a_traceback run the real
     command)."""
-    from learner.launch_ppo import main
+    from learner.cli.launch_ppo import main
 
     threads = torch.get_num_threads()
     try:
@@ -329,9 +319,12 @@ def test_unknown_yaml_key(tmp_path, capsys):
 # ------------------------------------------------------------------------- units
 
 
-def _unroll(T: int, D: int, A: int, rng) -> dict[str, np.ndarray]:
-    arrays = {
-        "obs": rng.normal(size=(T + 1, D)).astype(np.float32),
+def _unroll_arrays(obs: np.ndarray, A: int, rng) -> dict[str, np.ndarray]:
+    """A PPO unroll's arrays around ``obs`` ([T + 1, D]): random actions, log-probs and rewards (drawn in
+    that order), no episode end."""
+    T, D = obs.shape[0] - 1, obs.shape[1]
+    return {
+        "obs": obs,
         "actions": rng.normal(size=(T, A)).astype(np.float32),
         "log_probs": (rng.normal(size=(T, A)) - 1).astype(np.float32),
         "rewards": rng.normal(size=T).astype(np.float32),
@@ -339,6 +332,10 @@ def _unroll(T: int, D: int, A: int, rng) -> dict[str, np.ndarray]:
         "truncated": np.zeros(T, bool),
         "final_obs": np.zeros((T, D), np.float32),
     }
+
+
+def _unroll(T: int, D: int, A: int, rng) -> dict[str, np.ndarray]:
+    arrays = _unroll_arrays(rng.normal(size=(T + 1, D)).astype(np.float32), A, rng)
     arrays["terminated"][1] = True
     arrays["truncated"][4] = True
     arrays["final_obs"][[1, 4]] = rng.normal(size=(2, D)).astype(np.float32)
@@ -410,15 +407,7 @@ def _stream_unrolls(n: int, T: int, D: int, A: int, rng, ends: dict[int, str]) -
     out = []
     for k in range(n):
         a, b = k * T, (k + 1) * T
-        u = {
-            "obs": obs[a : b + 1].copy(),
-            "actions": rng.normal(size=(T, A)).astype(np.float32),
-            "log_probs": (rng.normal(size=(T, A)) - 1).astype(np.float32),
-            "rewards": rng.normal(size=T).astype(np.float32),
-            "terminated": np.zeros(T, bool),
-            "truncated": np.zeros(T, bool),
-            "final_obs": np.zeros((T, D), np.float32),
-        }
+        u = _unroll_arrays(obs[a : b + 1].copy(), A, rng)
         for t, how in ends.items():
             if a <= t < b:
                 u[how][t - a] = True
@@ -516,26 +505,17 @@ def test_readme_pendulum_example_drops_nothing(tmp_path, capsys, caplog):
     unrolls and the other half arrived stale: 36 of 46 unrolls in 20k steps)."""
     import logging
 
-    from learner import launch_ppo
+    from learner.cli import launch_ppo
 
     caplog.set_level(logging.INFO)  # the launcher's plan line names T
     threads = torch.get_num_threads()
     try:
         rc = launch_ppo.main(
             [
-                "--env",
-                "Pendulum-v1",
-                "--semantics",
-                "sb3",
-                "--workers",
-                "1",
-                "--in-process",
-                "--total-steps",
-                "8192",
-                "--no-progress",
-                "--device",
-                "cpu",
-                "--logdir",
+                *(
+                    "--env Pendulum-v1 --semantics sb3 --workers 1 --in-process --total-steps 8192 "
+                    "--no-progress --device cpu --logdir"
+                ).split(),
                 str(tmp_path / "run"),
             ]
         )
@@ -693,7 +673,7 @@ RUN_BAD_VALUES = [
 
 @pytest.mark.parametrize("argv,message", RUN_BAD_VALUES, ids=[a[0] for a, _ in RUN_BAD_VALUES])
 def test_bad_run_values_are_one_line_errors(argv, message, capsys, tmp_path):
-    from learner.launch_ppo import main
+    from learner.cli.launch_ppo import main
 
     assert (
         main(["--env", "Pendulum-v1", "--workers", "1", "--in-process", "--logdir", str(tmp_path), *argv])
@@ -705,7 +685,7 @@ def test_bad_run_values_are_one_line_errors(argv, message, capsys, tmp_path):
 
 @pytest.mark.parametrize("flag", [["--publish-delay", "1"], ["--overlap-updates"]])
 def test_launch_impalas_own_options_are_not_offered(flag, capsys, tmp_path):
-    from learner.launch_ppo import main
+    from learner.cli.launch_ppo import main
 
     with pytest.raises(SystemExit) as e:
         main(["--env", "Pendulum-v1", "--logdir", str(tmp_path), *flag])
@@ -715,7 +695,7 @@ def test_launch_impalas_own_options_are_not_offered(flag, capsys, tmp_path):
 
 def test_bad_log_level_is_an_argparse_error_not_a_traceback():
     out = subprocess.run(
-        [sys.executable, "-m", "learner.launch_ppo", "--log-level", "BOGUS"],
+        [sys.executable, "-m", "learner.cli.launch_ppo", "--log-level", "BOGUS"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -732,7 +712,7 @@ def test_config_preset_sets_run_launch_and_ppo_options_and_flags_win(tmp_path):
     import yaml as _yaml
 
     from impala.run.ppo_config import config_from_args
-    from learner.launch_ppo import parse_args
+    from learner.cli.launch_ppo import parse_args
 
     path = os.path.join(os.path.dirname(__file__), "..", "configs", "pendulum_sb3.yaml")
     args = parse_args(["--config", path])
@@ -795,7 +775,7 @@ def test_a_ppo_resume_keeps_the_runs_own_settings(tmp_path, capsys, caplog):
     not the preset's or the defaults'; a network change is one line, exit 2."""
     import yaml
 
-    from learner.launch_ppo import main
+    from learner.cli.launch_ppo import main
 
     base = ["--runs-dir", str(tmp_path), "--run-id", "p", "--no-progress", "--in-process", "--workers", "1"]
     assert (

@@ -145,25 +145,10 @@ def test_launch_impala_with_two_learner_ranks_learns_resumes_and_leaves_nothing(
     from procs import alive, cmdline, descendants, kill_group, run, start, wait_for
 
     common = [
-        "launch_impala",
-        "--env",
-        "CartPole-v1",
-        "--learners",
-        "2",
-        "--workers",
-        "2",
-        "--unroll-length",
-        "20",
-        "--batch-size",
-        "8",
+        *"launch_impala --env CartPole-v1 --learners 2 --workers 2 --unroll-length 20 --batch-size 8".split(),
         "--minibatches",  # a rank's share is 4 unrolls: the default 8 minibatches cannot split it
         "4",
-        "--learning-rate",
-        "2e-3",
-        "--no-progress",
-        "--log-interval",
-        "5",
-        "--logdir",
+        *"--learning-rate 2e-3 --no-progress --log-interval 5 --logdir".split(),
         str(tmp_path),
     ]
     out = run(
@@ -215,25 +200,12 @@ def test_a_lost_follower_ends_the_run_with_one_line_and_a_checkpoint(tmp_path):
 
     proc = start(
         [
-            "launch_impala",
-            "--env",
-            "CartPole-v1",
-            "--learners",
-            "2",
-            "--workers",
-            "1",
-            "--unroll-length",
-            "20",
-            "--batch-size",
-            "8",
+            *(
+                "launch_impala --env CartPole-v1 --learners 2 --workers 1 --unroll-length 20 --batch-size 8"
+            ).split(),
             "--minibatches",  # a rank's share is 4 unrolls: the default 8 minibatches cannot split it
             "4",
-            "--no-progress",
-            "--log-interval",
-            "1",
-            "--total-frames",
-            "10000000",
-            "--logdir",
+            *"--no-progress --log-interval 1 --total-frames 10000000 --logdir".split(),
             str(tmp_path),
         ]
     )

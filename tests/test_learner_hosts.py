@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from learner import launch_impala
+from learner.cli import launch_impala
 from learner.group import _layout, _rebuild
 
 TINY = ["--env", "CartPole-v1", "--workers", "1", "--total-frames", "64", "--unroll-length", "8"]
@@ -104,7 +104,7 @@ def test_bad_group_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypa
 def test_a_group_across_hosts_is_refused_from_python(tmp_path, monkeypatch):
     """``impala.train`` runs ``launch`` in its caller's process, which cannot become torchrun's agent:
     the group flags are refused there rather than ignored (a lone learner that thinks it is rank 0)."""
-    from learner.runtime import LaunchError
+    from learner.run.runtime import LaunchError
 
     for name in TORCHRUN_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from impala.run.config import ImpalaConfig
 from impala.nets.impala_net import build_model, initialize
+from impala.run.config import ImpalaConfig
 from learner.vtrace_learner import VTraceLearner, logit_spread, step_fraction
 
 

@@ -8,9 +8,9 @@ import ast
 import csv
 import json
 import math
+import os
 import re
 import signal
-import os
 import time
 
 import numpy as np
@@ -19,7 +19,7 @@ import zmq
 from actors.remote import fetch_run_info
 from impala.transport import wire
 from impala.transport.trajectory import impala_unroll_schema
-from procs import free_port_pair, kill_group, start, wait_for
+from procs import free_port_pair, kill_group, push_socket, signal_and_wait, start, wait_for
 
 T = 20
 HONEST_FRAMES = 10000  # the honest actor's frames past the flood before the run is stopped (500 unrolls)
@@ -81,32 +81,17 @@ def test_live_fuzz_against_a_running_learner(tmp_path):
     port = free_port_pair()
     learner = start(
         [
-            "launch_impala",
-            "--env",
-            "CartPole-v1",
-            "--workers",
-            "1",
-            "--unroll-length",
+            *"launch_impala --env CartPole-v1 --workers 1 --unroll-length".split(),
             str(T),
             "--batch-size",
             "8",
             "--port",
             str(port),
-            "--total-frames",
-            "10000000",
-            "--max-seconds",
-            "170",
-            "--no-progress",
-            "--log-interval",
-            "2",
-            "--logdir",
+            *"--total-frames 10000000 --max-seconds 170 --no-progress --log-interval 2 --logdir".split(),
             str(tmp_path),
         ]
     )
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 100000)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock = push_socket(port, sndhwm=100000)
     n = 3000
     try:
         metrics = tmp_path / "metrics.csv"
@@ -127,8 +112,7 @@ def test_live_fuzz_against_a_running_learner(tmp_path):
         # ... and the honest actor keeps training through and after it
         assert wait_for(lambda: _last(metrics, "charts/env_frames") >= frames_at_flood + HONEST_FRAMES, 60)
         rss_after = _rss_kib(learner.pid)
-        learner.send_signal(signal.SIGINT)
-        out, _ = learner.communicate(timeout=60)
+        out = signal_and_wait(learner, signal.SIGINT)
     finally:
         sock.close()
         kill_group(learner)
@@ -192,10 +176,7 @@ def _attacks(port: int, stop, counts: dict) -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
     run_id = fetch_run_info(f"tcp://127.0.0.1:{port + 1}", 60).run_id
     real = measure_env_fingerprint(EnvSpec("CartPole-v1"), seed=7).to_dict()  # anyone can measure it
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 2000)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock = push_socket(port, sndhwm=2000)
 
     def send(kind, actor, arrays=None, info=None, version=0):
         try:
@@ -256,7 +237,7 @@ def test_an_honest_cartpole_run_learns_to_195_with_the_attacks_mixed_in(tmp_path
     third of the batches, not half, so the run needs fewer frames (it still trains on the flood)."""
     import threading
 
-    from learner.eval_cli import main as impala_eval
+    from learner.cli.eval_cli import main as impala_eval
 
     port = free_port_pair()
     learner = start(

@@ -8,10 +8,10 @@ import copy
 import numpy as np
 import pytest
 
-from impala.transport import wire
 from impala.envs import EnvSpec, UnknownEnvError
-from impala.transport.messages import ImpalaAgentSpec, PPOAgentSpec, RunInfo, agent_spec_from_dict
 from impala.run.ppo_config import PPOConfig
+from impala.transport import wire
+from impala.transport.messages import ImpalaAgentSpec, PPOAgentSpec, RunInfo, agent_spec_from_dict
 
 
 def _through_the_wire(info: dict) -> dict:

@@ -68,7 +68,7 @@ def test_track_logs_rows_config_and_commit_to_wandb_offline(tmp_path, monkeypatc
     """--track (Weights & Biases) in offline mode: the same scalars as metrics.csv, the resolved config
     and the git commit end up in the local run, with no network."""
     pytest.importorskip("wandb")
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -76,28 +76,11 @@ def test_track_logs_rows_config_and_commit_to_wandb_offline(tmp_path, monkeypatc
     assert (
         main(
             [
-                "--env",
-                "CartPole-v1",
-                "--workers",
-                "1",
-                "--in-process",
-                "--total-frames",
-                "640",
-                "--unroll-length",
-                "8",
-                "--batch-size",
-                "4",
-                "--minibatches",
-                "1",
-                "--log-interval",
-                "0",
-                "--no-progress",
-                "--device",
-                "cpu",
-                "--track",
-                "--track-project",
-                "test-project",
-                "--logdir",
+                *(
+                    "--env CartPole-v1 --workers 1 --in-process --total-frames 640 --unroll-length 8 "
+                    "--batch-size 4 --minibatches 1 --log-interval 0 --no-progress --device cpu --track "
+                    "--track-project test-project --logdir"
+                ).split(),
                 str(logdir),
             ]
         )
@@ -170,13 +153,13 @@ def test_eval_video_is_recorded_and_tracked_offline(tmp_path, monkeypatch):
 
     import cv2
 
-    from impala.run.config import RunConfig
     from impala.envs import EnvSpec
-    from impala.transport.messages import ImpalaAgentSpec, RunInfo
     from impala.nets.impala_net import build_model
-    from impala.transport.params import state_dict_arrays
+    from impala.run.config import RunConfig
     from impala.run.tracking import WandbTracker
-    from learner.periodic_eval import PeriodicEval
+    from impala.transport.messages import ImpalaAgentSpec, RunInfo
+    from impala.transport.params import state_dict_arrays
+    from learner.run.periodic_eval import PeriodicEval
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -240,8 +223,8 @@ def _impala_step(popart: bool) -> dict:
 
 
 def test_both_launchers_log_one_set_of_loss_names():
-    from learner.ppo_learner import METRIC_KEYS
     from impala.run.metrics import CONSOLE_KEYS
+    from learner.ppo_learner import METRIC_KEYS
 
     impala = _impala_step(popart=False)
     shared = {"losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/total", "losses/grad_norm"}
@@ -302,18 +285,7 @@ def test_progress_display_has_total_and_eta_and_fits_80_columns(record, unit, to
 
         labels = [unit, "ETA", "fps", "return", "episodes", "lag", "queue", "dropped", "entropy", "grad"]
         assert header.split() == labels
-        assert cells == [
-            total,
-            duration(left),
-            "123k",
-            "-12.3k",
-            "1.2M",
-            "12.5",
-            "1.0k",
-            "100k",
-            "-12.8",
-            "12.3k",
-        ], cells
+        assert cells == [total, duration(left), *"123k -12.3k 1.2M 12.5 1.0k 100k -12.8 12.3k".split()], cells
     finally:
         m.close()
 

@@ -25,11 +25,10 @@ pytest.importorskip("mlagents_envs")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_launch_ppo import free_base_port, recording_build, wait_records  # noqa: E402
-
 from impala.options import ConfigError  # noqa: E402
 from impala.run.ppo_config import from_mlagents_yaml, ppo_config_from_file, read_mlagents_yaml  # noqa: E402
-from learner import launch_ppo  # noqa: E402
+from learner.cli import launch_ppo  # noqa: E402
+from test_launch_ppo import free_base_port, recording_build, wait_records  # noqa: E402
 
 LAUNCH_PPO = str(Path(sys.executable).parent / "launch_ppo")
 TINY_BEHAVIOUR = {
@@ -234,28 +233,17 @@ def test_flags_override_the_trainer_yaml_which_overrides_defaults(tmp_path):
             "torch_settings": {"device": "cpu"},
         },
     )
-    args = launch_ppo.parse_args([path])
-    got = {k: getattr(args, k) for k in ("unity_base_port", "workers", "seed", "time_scale", "width")}
-    assert got == {"unity_base_port": 6000, "workers": 3, "seed": 7, "time_scale": 5.0, "width": 100}
-    assert (args.graphics, args.run_id, args.runs_dir, args.force, args.device) == (
-        True,
-        "fromfile",
-        "res",
-        True,
-        "cpu",
-    )
+    names = ("unity_base_port", "workers", "seed", "time_scale", "width")
+    names += ("graphics", "run_id", "runs_dir", "force", "device")
+    settings = lambda argv: {k: getattr(launch_ppo.parse_args(argv), k) for k in names}
+    from_file = {"unity_base_port": 6000, "workers": 3, "seed": 7, "time_scale": 5.0, "width": 100}
+    from_file |= {"graphics": True, "run_id": "fromfile", "runs_dir": "res", "force": True, "device": "cpu"}
+    assert settings([path]) == from_file
     flags = ["--base-port", "7000", "--num-envs", "2", "--seed", "3", "--time-scale", "20", "--no-graphics"]
     flags += ["--run-id", "cli", "--results-dir", "out", "--torch-device", "auto", "--no-force"]
-    args = launch_ppo.parse_args([path, *flags])
-    got = {k: getattr(args, k) for k in ("unity_base_port", "workers", "seed", "time_scale", "width")}
-    assert got == {"unity_base_port": 7000, "workers": 2, "seed": 3, "time_scale": 20.0, "width": 100}
-    assert (args.graphics, args.run_id, args.runs_dir, args.force, args.device) == (
-        False,
-        "cli",
-        "out",
-        False,
-        "auto",
-    )
+    from_flags = {"unity_base_port": 7000, "workers": 2, "seed": 3, "time_scale": 20.0, "width": 100}
+    from_flags |= {"graphics": False, "run_id": "cli", "runs_dir": "out", "force": False, "device": "auto"}
+    assert settings([path, *flags]) == from_flags
     # --trainer-config reads the same file the same way (without mlagents-learn's defaults and layout)
     args = launch_ppo.parse_args(["--trainer-config", path, "--height", "60"])
     assert (args.height, args.width, args.workers, args.mlagents_form) == (60, 100, 3, False)

@@ -60,7 +60,7 @@ import pytest
 import torch
 import yaml
 
-from mlagents_shims import require_mlagents
+from mlagents_shims import require_mlagents, vector_observation_specs
 
 require_mlagents()
 
@@ -78,14 +78,7 @@ from mlagents.trainers.settings import TrainerSettings  # noqa: E402
 from mlagents.trainers.torch.action_log_probs import LogProbsTuple  # noqa: E402
 from mlagents.trainers.torch.utils import ModelUtils  # noqa: E402
 from mlagents.trainers.trajectory import AgentExperience, Trajectory  # noqa: E402
-from mlagents_envs.base_env import (  # noqa: E402
-    ActionSpec,
-    ActionTuple,
-    BehaviorSpec,
-    DimensionProperty,
-    ObservationSpec,
-    ObservationType,
-)
+from mlagents_envs.base_env import ActionSpec, ActionTuple, BehaviorSpec  # noqa: E402
 
 import impala.algos.ppo  # noqa: E402
 from impala.run.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
@@ -183,16 +176,7 @@ def our_config(**overrides: Any) -> PPOConfig:
 
 
 def behavior_spec(case: Case) -> BehaviorSpec:
-    obs = [
-        ObservationSpec(
-            shape=(n,),
-            dimension_property=(DimensionProperty.NONE,),
-            observation_type=ObservationType.DEFAULT,
-            name=f"vector{i}",
-        )
-        for i, n in enumerate(OBS_SIZES)
-    ]
-    return BehaviorSpec(obs, ActionSpec(case.continuous, case.branches))
+    return BehaviorSpec(vector_observation_specs(OBS_SIZES), ActionSpec(case.continuous, case.branches))
 
 
 # --------------------------------------------------------------------------- data

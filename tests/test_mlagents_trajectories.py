@@ -40,7 +40,7 @@ import pytest
 import torch
 import yaml
 
-from mlagents_shims import require_mlagents
+from mlagents_shims import require_mlagents, vector_observation_specs
 
 require_mlagents()
 
@@ -49,21 +49,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The use of `x.T` on tensors:UserWarning"),
 ]
 
-from mlagents.trainers.agent_processor import AgentManagerQueue, AgentProcessor  # noqa: E402
 from mlagents.trainers.action_info import ActionInfo  # noqa: E402
+from mlagents.trainers.agent_processor import AgentManagerQueue, AgentProcessor  # noqa: E402
 from mlagents.trainers.behavior_id_utils import BehaviorIdentifiers  # noqa: E402
 from mlagents.trainers.buffer import BufferKey, ObservationKeyPrefix, RewardSignalUtil  # noqa: E402
 from mlagents.trainers.ppo.trainer import PPOTrainer as MLAgentsPPOTrainer  # noqa: E402
 from mlagents.trainers.settings import TrainerSettings  # noqa: E402
-from mlagents_envs.base_env import (  # noqa: E402
-    ActionSpec,
-    BehaviorSpec,
-    DecisionSteps,
-    DimensionProperty,
-    ObservationSpec,
-    ObservationType,
-    TerminalSteps,
-)
+from mlagents_envs.base_env import ActionSpec, BehaviorSpec, DecisionSteps, TerminalSteps  # noqa: E402
 
 from impala.run.ppo_config import PPOConfig, from_mlagents_yaml  # noqa: E402
 from learner.ppo_learner import PPOLearner, TrajectoryPiece  # noqa: E402
@@ -262,18 +254,7 @@ def build_mlagents(tmp: Path) -> tuple[MLAgentsPPOTrainer, AgentProcessor]:
     trainer = MLAgentsPPOTrainer(BEHAVIOR, 100, settings, True, False, 0, str(tmp))
     name = f"{BEHAVIOR}?team=0"
     behavior_id = BehaviorIdentifiers.from_name_behavior_id(name)
-    spec = BehaviorSpec(
-        [
-            ObservationSpec(
-                shape=(n,),
-                dimension_property=(DimensionProperty.NONE,),
-                observation_type=ObservationType.DEFAULT,
-                name=f"vector{i}",
-            )
-            for i, n in enumerate(OBS_SIZES)
-        ],
-        ActionSpec.create_continuous(ACTIONS),
-    )
+    spec = BehaviorSpec(vector_observation_specs(OBS_SIZES), ActionSpec.create_continuous(ACTIONS))
     trainer.add_policy(behavior_id, trainer.create_policy(behavior_id, spec))
     # As TrainerController._create_trainer_and_manager: max_trajectory_length = time_horizon.
     processor = AgentProcessor(

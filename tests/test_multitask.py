@@ -18,16 +18,16 @@ import pytest
 import torch
 import zmq
 
-from impala.transport import wire
-from impala.run.config import ImpalaConfig
 from impala.envs import EnvSpec
 from impala.envs.atari import human_normalized_score
 from impala.envs.probe import probe_tasks
-from impala.transport.messages import ImpalaAgentSpec, RunInfo, deal_task, task_shares
 from impala.nets.impala_net import build_model
+from impala.run.config import ImpalaConfig
+from impala.transport import wire
+from impala.transport.messages import ImpalaAgentSpec, RunInfo, deal_task, task_shares
 from impala.transport.trajectory import impala_unroll_schema
-from learner import launch_impala, launch_ppo
-from learner.server import TrajectoryServer
+from learner.cli import launch_impala, launch_ppo
+from learner.serve.server import TrajectoryServer
 from learner.vtrace_learner import VTraceLearner
 from procs import run
 
@@ -43,19 +43,10 @@ RECIPE = [
     "2",
     "--env",
     TASKS,
-    "--unroll-length",
-    "20",
-    "--batch-size",
-    "8",
+    *"--unroll-length 20 --batch-size 8".split(),
     "--minibatches",  # 2 unrolls a minibatch, as when the figures above were measured
     "4",
-    "--learning-rate",
-    "2e-3",
-    "--no-progress",
-    "--log-interval",
-    "2",
-    "--seed",
-    "1",
+    *"--learning-rate 2e-3 --no-progress --log-interval 2 --seed 1".split(),
 ]
 SOLVED = 195.0  # CartPole's classic "solved" mean return over 100 episodes (CartPole-v0's reward_threshold)
 
@@ -119,13 +110,7 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
     # another task list cannot resume it: one line, exit 2
     bad = run(
         [
-            "launch_impala",
-            "--workers",
-            "1",
-            "--env",
-            "CartPoleX1000-v1,CartPole-v1",
-            "--resume",
-            "--logdir",
+            *"launch_impala --workers 1 --env CartPoleX1000-v1,CartPole-v1 --resume --logdir".split(),
             str(logdir),
         ],
         timeout=120,
@@ -145,10 +130,7 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
             "--resume",
             "--logdir",
             str(logdir),
-            "--eval-every",
-            "2000",
-            "--eval-episodes",
-            "1",
+            *"--eval-every 2000 --eval-episodes 1".split(),
         ],
         timeout=180,
     )
@@ -178,13 +160,7 @@ def test_resume_and_eval_carry_the_task_list(popart_run, tmp_path):
         [
             "impala-eval",
             str(logdir),
-            "--episodes",
-            "2",
-            "--workers",
-            "0",
-            "--task",
-            "CartPoleX1000-v1",
-            "--out",
+            *"--episodes 2 --workers 0 --task CartPoleX1000-v1 --out".split(),
             str(tmp_path / "x.json"),
         ],
         timeout=120,
@@ -398,7 +374,7 @@ def test_human_normalized_scores_use_the_standard_references():
     assert human_normalized_score("ALE/Breakout-v5", 1.7) == pytest.approx(0.0)
     assert human_normalized_score("CartPole-v1", 100.0) is None
     # median/mean over tasks, as the runtime logs them
-    from learner.log_rows import task_rows
+    from learner.run.log_rows import task_rows
 
     names = (
         "PongDeterministic-v4",

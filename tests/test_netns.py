@@ -9,7 +9,7 @@ Creating namespaces needs CAP_NET_ADMIN. CI (.ci/run, run as root) has it; where
 process lacks it, these tests skip and say so. Namespaces, links and every process in them
 are removed by the ``make_net`` fixtures' finalizers, whatever the outcome.
 
-What the IMPALA scenario observes: the learner runs as ``learner.launch_impala.main`` with
+What the IMPALA scenario observes: the learner runs as ``learner.cli.launch_impala.main`` with
 one addition, a hook (``INGEST_HOOK``) that writes one JSON line per unroll the trainer
 ingests: actor id, the policy version it was collected with, the learner's version then, the
 run id it carries, and a SHA-1 of its arrays. ZeroMQ unrolls carry no sequence number, so
@@ -263,7 +263,8 @@ def metrics_rows(logdir: Path) -> list[dict[str, float]]:
 INGEST_HOOK = r"""
 import hashlib, json, os, sys, time
 import numpy as np
-from learner import launch_impala, launch_ppo, ppo_learner, vtrace_learner
+from learner.cli import launch_impala, launch_ppo
+from learner import ppo_learner, vtrace_learner
 
 out = open(os.environ["INGEST_LOG"], "a", buffering=1)
 for cls in (vtrace_learner.ImpalaTrainer, ppo_learner.PPOTrainer):
@@ -292,24 +293,19 @@ def ingested(path: Path) -> list[dict]:
 # --------------------------------------------------------------------------- IMPALA: one run, three cases
 
 IMPALA_LEARNER = [
-    "--env",
-    "CartPole-v1",
-    "--workers",
-    "0",
-    "--unroll-length",
-    "20",
-    "--batch-size",
-    "8",
+    *"--env CartPole-v1 --workers 0 --unroll-length 20 --batch-size 8".split(),
     "--minibatches",  # 2 unrolls a minibatch: the phases' timing was set with these updates
     "4",
-    "--torch-threads",
-    "1",
-    "--total-frames",
-    "100000000",
-    "--no-progress",
-    "--log-interval",
-    "1",
+    *"--torch-threads 1 --total-frames 100000000 --no-progress --log-interval 1".split(),
 ]
+
+
+def learner_address(keys: Path, logdir: Path) -> list[str]:
+    """A learner's flags for serving the other namespaces: its address, port and CURVE keys, and its run
+    folder."""
+    return ["--bind", Net.LEARNER_IP, "--port", str(PORT), "--curve", str(keys), "--logdir", str(logdir)]
+
+
 IMPALA_SECONDS = (
     60  # the phases end ~28 s after the learner starts at load 3 on 2 cores, 42-50 s at load 5-7 (printed)
 )
@@ -335,14 +331,7 @@ def impala_run(make_net_module, tmp_path_factory):
             INGEST_HOOK,
             "impala",
             *IMPALA_LEARNER,
-            "--bind",
-            Net.LEARNER_IP,
-            "--port",
-            str(PORT),
-            "--curve",
-            str(learner_keys),
-            "--logdir",
-            str(logdir),
+            *learner_address(learner_keys, logdir),
             "--max-seconds",
             str(IMPALA_SECONDS),
         ],
@@ -536,38 +525,14 @@ def test_ppo_trains_with_actors_on_another_host_over_curve(make_net, tmp_path):
     learner = net.start(
         net.learner,
         [
-            "launch_ppo",
-            "--env",
-            "Pendulum-v1",
-            "--semantics",
-            "sb3",
-            "--workers",
-            "0",
-            "--envs-per-worker",
-            "2",
-            "--unroll-length",
-            "64",
-            "--buffer-size",
-            "256",
-            "--batch-size",
-            "64",
-            "--num-epoch",
-            "2",
-            "--bind",
-            Net.LEARNER_IP,
-            "--port",
-            str(PORT),
-            "--curve",
-            str(learner_keys),
-            "--logdir",
-            str(tmp_path / "run"),
+            *(
+                "launch_ppo --env Pendulum-v1 --semantics sb3 --workers 0 --envs-per-worker 2 "
+                "--unroll-length 64 --buffer-size 256 --batch-size 64 --num-epoch 2"
+            ).split(),
+            *learner_address(learner_keys, tmp_path / "run"),
             "--total-steps",
             str(PPO_STEPS),
-            "--max-seconds",
-            "120",
-            "--no-progress",
-            "--torch-threads",
-            "1",
+            *"--max-seconds 120 --no-progress --torch-threads 1".split(),
         ],
         tmp_path / "learner.log",
     )
@@ -580,10 +545,7 @@ def test_ppo_trains_with_actors_on_another_host_over_curve(make_net, tmp_path):
             f"tcp://{Net.LEARNER_IP}:{PORT}",
             "--curve",
             str(actor_keys),
-            "--workers",
-            "1",
-            "--learner-timeout",
-            "8",
+            *"--workers 1 --learner-timeout 8".split(),
         ],
         tmp_path / "host.log",
     )

@@ -3,7 +3,7 @@ rendezvous, an actor on a third (Linux network namespaces and veth pairs, as in 
 
 Host L runs torchrun's node 0 (its rendezvous store, rank 0: the learner the actors connect to), host
 H0 torchrun's node 1 (the follower rank), host H1 ``impala-actors``. Every rank runs
-``learner.launch_impala`` with a small probe loaded at start-up (:data:`RANK_PROBE`): it saves each rank's
+``learner.cli.launch_impala`` with a small probe loaded at start-up (:data:`RANK_PROBE`): it saves each rank's
 weights after the first update, and rank 0 saves the batch that update trained on, so the test can
 check the cross-host update against one learner's on the same whole batch (the one-host group equals
 that to float32 reordering: tests/test_learner_group.py).
@@ -41,7 +41,7 @@ import os
 if os.environ.get("PROBE_OUT") and os.environ.get("RANK"):
     import json
 
-    import learner.sleeping_threads  # before torch, as launch_impala imports it
+    import learner.cli.sleeping_threads  # before torch, as launch_impala imports it
     import numpy as np
     import torch
     from learner import vtrace_learner
@@ -70,22 +70,10 @@ if os.environ.get("PROBE_OUT") and os.environ.get("RANK"):
 """
 
 RUN = [
-    "--env",
-    "CartPole-v1",
-    "--workers",
-    "0",
-    "--unroll-length",
-    "20",
-    "--batch-size",
-    "8",
+    *"--env CartPole-v1 --workers 0 --unroll-length 20 --batch-size 8".split(),
     "--minibatches",  # one: each rank's share is one minibatch, so the group's update equals one learner's
     "1",  # (with more, each rank shuffles its own share into minibatches: equal only in expectation)
-    "--torch-threads",
-    "1",
-    "--no-progress",
-    "--log-interval",
-    "1",
-    "--port",
+    *"--torch-threads 1 --no-progress --log-interval 1 --port".split(),
     str(PORT),
     "--insecure-bind",  # the namespaces' links are this test's own
 ]
@@ -104,7 +92,7 @@ def torchrun_host(node_rank: int, bind: str, args: list[str]) -> list[str]:
     """The same rank started by torchrun itself (its static rendezvous), launch_impala as its module."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
             "--node-rank", str(node_rank), "--rdzv-endpoint", ENDPOINT, "--max-restarts", "0",
-            "-m", "learner.launch_impala", *RUN, "--bind", bind, *args]  # fmt: skip
+            "-m", "learner.cli.launch_impala", *RUN, "--bind", bind, *args]  # fmt: skip
 
 
 @pytest.fixture
@@ -119,14 +107,14 @@ def follower_pid(net: Net) -> int | None:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"learner.launch_impala" in cmd:  # the rank (its agent runs bin/launch_impala)
+        if b"learner.cli.launch_impala" in cmd:  # the rank (its agent runs bin/launch_impala)
             return pid
     return None
 
 
 def single_learner_update(probe_out: Path, logdir: Path, total_frames: int) -> dict[str, torch.Tensor]:
     """One learner (no group), from the same seed, on rank 0's whole first batch: its weights after."""
-    from learner.launch_impala import parse_args, probe_run_envs, resolve
+    from learner.cli.launch_impala import parse_args, probe_run_envs, resolve
     from learner.vtrace_learner import ImpalaTrainer
 
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ from impala.nets.ppo_policy import ActorCritic, env_action, make_policy  # noqa:
 from impala.run.config import RunConfig  # noqa: E402
 from impala.run.ppo_config import PPOConfig  # noqa: E402
 from impala.transport.params import load_state_arrays  # noqa: E402
-from learner.export_cli import main as export_main  # noqa: E402
+from learner.cli.export_cli import main as export_main  # noqa: E402
 
 ATOL = 1e-5
 OBS_SIZES = (5, 3)  # two observations (sensors), as a Unity agent with two vector sensors
@@ -100,29 +100,15 @@ def mlagents_actor_and_file(tmp_path: Path):
 
     Returns (actor, path of its .onnx or None, why its exporter could not run or None).
     """
-    from mlagents_shims import require_mlagents
+    from mlagents_shims import require_mlagents, vector_observation_specs
 
     require_mlagents()
     from mlagents.trainers.settings import NetworkSettings
     from mlagents.trainers.torch.model_serialization import ModelSerializer
     from mlagents.trainers.torch.networks import SimpleActor
-    from mlagents_envs.base_env import (
-        ActionSpec,
-        BehaviorSpec,
-        DimensionProperty,
-        ObservationSpec,
-        ObservationType,
-    )
+    from mlagents_envs.base_env import ActionSpec, BehaviorSpec
 
-    specs = [
-        ObservationSpec(
-            shape=(n,),
-            dimension_property=(DimensionProperty.NONE,),
-            observation_type=ObservationType.DEFAULT,
-            name=f"vector{i}",
-        )
-        for i, n in enumerate(OBS_SIZES)
-    ]
+    specs = vector_observation_specs(OBS_SIZES)
     behavior = BehaviorSpec(specs, ActionSpec.create_continuous(ACTIONS))
     torch.manual_seed(0)
     actor = SimpleActor(
@@ -332,32 +318,14 @@ def test_impala_logits_and_baseline_match_torch(tmp_path, kind, obs_shape, dtype
 
 # ------------------------------------------------------------------ impala-export and the trainer hook
 
-TINY_PPO = [
-    "--env",
-    "Pendulum-v1",
-    "--workers",
-    "1",
-    "--in-process",
-    "--total-steps",
-    "600",
-    "--buffer-size",
-    "64",
-    "--batch-size",
-    "32",
-    "--hidden-units",
-    "8",
-    "--num-layers",
-    "1",
-    "--time-horizon",
-    "32",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
+TINY_PPO = (
+    "--env Pendulum-v1 --workers 1 --in-process --total-steps 600 --buffer-size 64 --batch-size 32 "
+    "--hidden-units 8 --num-layers 1 --time-horizon 32 --no-progress --device cpu"
+).split()
 
 
 def _train_ppo(logdir: Path, semantics: str) -> Path:
-    from learner import launch_ppo
+    from learner.cli import launch_ppo
 
     threads = torch.get_num_threads()
     try:
@@ -394,30 +362,17 @@ def test_cli_exports_a_real_ppo_checkpoint(tmp_path, capsys, semantics):
 
 
 def test_cli_exports_a_real_impala_checkpoint(tmp_path, capsys):
-    from learner import launch_impala
+    from learner.cli import launch_impala
 
     threads = torch.get_num_threads()
     try:
         assert (
             launch_impala.main(
                 [
-                    "--env",
-                    "CartPole-v1",
-                    "--workers",
-                    "1",
-                    "--in-process",
-                    "--total-frames",
-                    "2000",
-                    "--unroll-length",
-                    "8",
-                    "--batch-size",
-                    "4",
-                    "--minibatches",
-                    "1",
-                    "--no-progress",
-                    "--device",
-                    "cpu",
-                    "--logdir",
+                    *(
+                        "--env CartPole-v1 --workers 1 --in-process --total-frames 2000 --unroll-length "
+                        "8 --batch-size 4 --minibatches 1 --no-progress --device cpu --logdir"
+                    ).split(),
                     str(tmp_path),
                 ]
             )
@@ -467,7 +422,7 @@ def test_cli_bad_input_in_process(tmp_path, capsys, monkeypatch):
 
 def test_cli_bad_input_as_a_real_process(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "learner.export_cli", str(tmp_path / "nothing-here")],
+        [sys.executable, "-m", "learner.cli.export_cli", str(tmp_path / "nothing-here")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -526,19 +481,15 @@ def test_discrete_branches_and_masks_as_mlagents_own_export_writes_them(tmp_path
     own ModelSerializer, and ours with its weights: the same interface (action_masks input, int64 action
     outputs, the [1, branches] shape constant) and, under masks, the same deterministic actions; sampled
     actions never take a blocked one."""
-    from mlagents_shims import require_mlagents
+    from mlagents_shims import require_mlagents, vector_observation_specs
 
     require_mlagents()
     from mlagents.trainers.settings import NetworkSettings
     from mlagents.trainers.torch.model_serialization import ModelSerializer
     from mlagents.trainers.torch.networks import SimpleActor
-    from mlagents_envs.base_env import ActionSpec, BehaviorSpec, DimensionProperty, ObservationSpec
-    from mlagents_envs.base_env import ObservationType
+    from mlagents_envs.base_env import ActionSpec, BehaviorSpec
 
-    specs = [
-        ObservationSpec((n,), (DimensionProperty.NONE,), ObservationType.DEFAULT, f"vector{i}")
-        for i, n in enumerate(OBS_SIZES)
-    ]
+    specs = vector_observation_specs(OBS_SIZES)
     action_spec = ActionSpec(continuous, BRANCHES)
     torch.manual_seed(0)
     actor = SimpleActor(

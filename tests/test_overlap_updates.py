@@ -13,7 +13,7 @@ from impala.envs import EnvSpec
 from impala.envs.probe import EnvInfo, probe_env
 from impala.run.checkpoint import load_checkpoint
 from impala.run.config import ImpalaConfig, RunConfig
-from learner.runtime import RunPlan, run
+from learner.run.runtime import RunPlan, run
 from learner.vtrace_learner import ImpalaTrainer
 
 T, B = 6, 4

@@ -5,9 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from impala.algos import impala_losses, popart
-
-from impala.algos import vtrace
+from impala.algos import impala_losses, popart, vtrace
 
 
 def test_normalize_unnormalize_identity():
@@ -173,18 +171,10 @@ def test_popart_loss_matches_paper_formulas():
 
 
 def test_identity_popart_loss_equals_plain_impala_loss():
-    behaviour, target, actions, discounts, rewards, n_values, n_boot = _loss_inputs(seed=4)
-    plain = impala_losses.impala_loss(behaviour, target, actions, discounts, rewards, n_values, n_boot)
-    pa = impala_losses.popart_impala_loss(
-        behaviour,
-        target,
-        actions,
-        discounts,
-        rewards,
-        n_values,
-        n_boot,
-        popart.init_state(1, dtype=torch.float32),
-    )
+    inputs = _loss_inputs(seed=4)
+    n_values = inputs[5]
+    plain = impala_losses.impala_loss(*inputs)
+    pa = impala_losses.popart_impala_loss(*inputs, popart.init_state(1, dtype=torch.float32))
     for name in ("total", "pg_loss", "baseline_loss", "entropy"):
         torch.testing.assert_close(getattr(pa, name), getattr(plain, name))
     # torchbeast-style terms, mean-reduced

@@ -336,19 +336,10 @@ def test_argparse_overrides():
     cfg = config_from_args(parser.parse_args([]))
     assert cfg == PPOConfig.preset("mlagents")
     args = parser.parse_args(
-        [
-            "--semantics",
-            "sb3",
-            "--ratio",
-            "per_dim",
-            "--max-grad-norm",
-            "none",
-            "--no-reward-norm",
-            "--batch-size",
-            "128",
-            "--target-kl",
-            "0.02",
-        ]
+        (
+            "--semantics sb3 --ratio per_dim --max-grad-norm none --no-reward-norm --batch-size 128 "
+            "--target-kl 0.02"
+        ).split()
     )
     cfg = config_from_args(args)
     assert (cfg.ratio, cfg.max_grad_norm, cfg.reward_norm, cfg.batch_size, cfg.target_kl) == (

@@ -16,7 +16,7 @@ import torch
 
 from impala.algos import ppo
 from impala.nets.ppo_policy import ActorCritic
-from sb3_reference import assert_same_step, sb3_layer_names, sb3_weights_for_us
+from sb3_reference import assert_same_step, fill_rollout_buffer, sb3_layer_names, sb3_weights_for_us
 
 RNG = np.random.default_rng(7)
 BRANCHES = (3, 2, 4)
@@ -263,19 +263,10 @@ def test_one_update_matches_sb3_train_step_on_cartpole():
         _, sb_logp, _ = model.policy.evaluate_actions(torch.as_tensor(obs), out.discrete_action[:, 0])
     np.testing.assert_allclose(out.log_prob[:, 0].numpy(), sb_logp.numpy(), atol=1e-5)
     buf = model.rollout_buffer
-    buf.reset()
     rewards = RNG.normal(size=N).astype(np.float32)
     starts = np.zeros(N, np.float32)
     starts[[0, 9]] = 1.0
-    for t in range(N):
-        buf.add(
-            obs[t : t + 1],
-            out.discrete_action[t : t + 1].numpy(),
-            rewards[t : t + 1],
-            starts[t : t + 1],
-            out.value[t : t + 1],
-            out.log_prob[t : t + 1].sum(-1),
-        )
+    fill_rollout_buffer(buf, obs, out.discrete_action.numpy(), rewards, starts, out)
     buf.compute_returns_and_advantage(torch.tensor([0.4]), np.array([False]))
     learner.buffer.add(
         obs=torch.as_tensor(obs),
@@ -422,7 +413,7 @@ def test_launch_ppo_learns_cartpole_to_475(semantics, tmp_path, capsys):
     episodes reaches 475 within the file's 100k steps. Both runs repeat themselves given the seed (one actor:
     it waits exactly where the learner updates): seed 1 stops at 58,112 (sb3) and 55,104 (mlagents) steps,
     30-50 s here. Other seeds do not always make it in 100k (sb3 file: 3 of 16 seeds ended at 320-426)."""
-    from learner import launch_ppo
+    from learner.cli import launch_ppo
 
     config = os.path.join(os.path.dirname(__file__), "..", "configs", f"cartpole_ppo_{semantics}.yaml")
     argv = ["--config", config, "--stop-at-return", "475", "--no-progress", "--device", "cpu", "--seed", "1"]

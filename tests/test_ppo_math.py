@@ -25,7 +25,7 @@ from impala.algos.normalizers import (
     vecnormalize_obs,
 )
 from impala.nets.ppo_policy import ActorCritic, env_action
-from sb3_reference import assert_same_step, sb3_layer_names, sb3_weights_for_us
+from sb3_reference import assert_same_step, fill_rollout_buffer, sb3_layer_names, sb3_weights_for_us
 
 TOL = 1e-6
 RNG = np.random.default_rng(1234)
@@ -621,16 +621,7 @@ def test_one_update_matches_sb3_train_step():
     starts[0] = 1.0
     starts[9] = 1.0
     buf = model.rollout_buffer
-    buf.reset()
-    for t in range(N):
-        buf.add(
-            obs[t : t + 1],
-            out.action[t : t + 1].numpy(),
-            rewards[t : t + 1],
-            starts[t : t + 1],
-            out.value[t : t + 1],
-            out.log_prob[t : t + 1].sum(-1),
-        )
+    fill_rollout_buffer(buf, obs, out.action.numpy(), rewards, starts, out)
     last_v = torch.tensor([0.4])
     buf.compute_returns_and_advantage(last_v, np.array([False]))
     # Feed our buffer the same processed data (one piece, T = N, B = 1).

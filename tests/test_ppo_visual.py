@@ -18,8 +18,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from impala.nets import visual  # noqa: E402
 from impala.envs.obs_layout import ObsLayout, image_layout  # noqa: E402
+from impala.nets import visual  # noqa: E402
 from impala.nets.ppo_policy import make_policy  # noqa: E402
 from impala.options import ConfigError  # noqa: E402
 from impala.run.ppo_config import PPOConfig  # noqa: E402

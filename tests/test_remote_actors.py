@@ -17,7 +17,7 @@ from impala.transport.curve import (
     start_authenticator,
 )
 from impala.transport.trajectory import impala_unroll_schema
-from learner.server import TrajectoryServer
+from learner.serve.server import TrajectoryServer
 from procs import free_port_pair, kill_group, run, start, wait_for
 
 # 2 unrolls a minibatch (--minibatches 4): FRAMES was set with these updates
@@ -46,10 +46,7 @@ def _learner_then_actors(tmp_path, learner_extra, actor_extra):
             str(port),
             "--logdir",
             str(tmp_path / "run"),
-            "--max-seconds",
-            "120",
-            "--torch-threads",
-            "1",
+            *"--max-seconds 120 --torch-threads 1".split(),
             *learner_extra,
         ]
     )
@@ -74,10 +71,7 @@ def _learner_then_actors(tmp_path, learner_extra, actor_extra):
                 "impala-actors",
                 "--learner",
                 f"tcp://127.0.0.1:{port}",
-                "--workers",
-                "2",
-                "--learner-timeout",
-                "8",
+                *"--workers 2 --learner-timeout 8".split(),
                 *actor_extra,
             ],
             timeout=180,
@@ -203,24 +197,13 @@ def test_ppo_learner_takes_remote_actors_over_curve(tmp_path):
     shutil.copy(public, os.path.join(keys, "authorized", "remote.key"))
     learner = start(
         [
-            "launch_ppo",
-            "--env",
-            "Pendulum-v1",
-            "--workers",
-            "1",
-            "--envs-per-worker",
-            "2",
-            "--curve",
+            *"launch_ppo --env Pendulum-v1 --workers 1 --envs-per-worker 2 --curve".split(),
             str(keys),
             "--port",
             str(port),
             "--logdir",
             str(tmp_path / "run"),
-            "--max-seconds",
-            "120",
-            "--no-progress",
-            "--torch-threads",
-            "1",
+            *"--max-seconds 120 --no-progress --torch-threads 1".split(),
         ]
     )
     lines: list[str] = []
@@ -285,12 +268,7 @@ def test_secret_keys_are_private_and_loose_ones_are_refused(tmp_path, capsys):
     os.chmod(keys / "server.key_secret", 0o644)
     out = run(
         [
-            "launch_impala",
-            "--env",
-            "CartPole-v1",
-            "--workers",
-            "1",
-            "--curve",
+            *"launch_impala --env CartPole-v1 --workers 1 --curve".split(),
             str(keys),
             "--logdir",
             str(tmp_path / "run"),

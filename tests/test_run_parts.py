@@ -17,6 +17,7 @@ from actors.loop import actor_configs
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import probe_env
+from impala.options import ConfigError, FlagParser, add_flags, apply_preset, capped, given_flags, read_yaml
 from impala.run.checkpoint import (
     LOCK_FILE,
     CheckpointError,
@@ -25,14 +26,13 @@ from impala.run.checkpoint import (
     prepare_run_folder,
     release_run_folders,
 )
-from impala.options import ConfigError, FlagParser, add_flags, apply_preset, capped, given_flags, read_yaml
 from impala.run.config import RunConfig
 from impala.transport.messages import ImpalaAgentSpec, RunInfo
-from learner import checkpointer as ckpt_module
-from learner.budget import Budget
-from learner.checkpointer import FINISHED_MARKER, Checkpointer, Progress, RunFinished, resume
-from learner.guard import FingerprintGuard
-from learner.log_rows import LogRows
+from learner.run import checkpointer as ckpt_module
+from learner.run.budget import Budget
+from learner.run.checkpointer import FINISHED_MARKER, Checkpointer, Progress, RunFinished, resume
+from learner.run.guard import FingerprintGuard
+from learner.run.log_rows import LogRows
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from impala.run.config import ImpalaConfig, RunConfig
 from impala.envs import EnvSpec
 from impala.envs.probe import probe_env
-from learner.runtime import RunPlan, run
+from impala.run.config import ImpalaConfig, RunConfig
+from learner.run.runtime import RunPlan, run
 from learner.vtrace_learner import ImpalaTrainer
 
 
@@ -67,7 +67,7 @@ def test_same_seed_same_first_updates_in_process(tmp_path):
     import torch
 
     from impala.run.checkpoint import load_checkpoint
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     def weights(seed: int, name: str) -> dict:
         logdir = tmp_path / name
@@ -76,24 +76,10 @@ def test_same_seed_same_first_updates_in_process(tmp_path):
         assert (
             main(
                 [
-                    "--env",
-                    "CartPole-v1",
-                    "--workers",
-                    "1",
-                    "--in-process",
-                    "--envs-per-worker",
-                    "2",
-                    "--unroll-length",
-                    "8",
-                    "--batch-size",
-                    "4",
-                    "--minibatches",
-                    "2",
-                    "--epochs",
-                    "2",
-                    "--total-frames",
-                    "32",
-                    "--seed",
+                    *(
+                        "--env CartPole-v1 --workers 1 --in-process --envs-per-worker 2 --unroll-length "
+                        "8 --batch-size 4 --minibatches 2 --epochs 2 --total-frames 32 --seed"
+                    ).split(),
                     str(seed),
                     "--logdir",
                     str(logdir),
@@ -117,32 +103,20 @@ def test_eval_every_logs_eval_rows_while_training_goes_on(tmp_path):
     metrics.csv as eval/ rows at the frame count of the snapshot, and training kept going meanwhile."""
     import csv
 
-    from learner.launch_impala import main
+    from learner.cli.launch_impala import main
 
     every, total = 5000, 20000
     assert (
         main(
             [
-                "--env",
-                "CartPole-v1",
-                "--workers",
-                "1",
-                "--unroll-length",
-                "20",
-                "--batch-size",
-                "8",
-                "--learning-rate",
-                "2e-3",
-                "--total-frames",
+                *(
+                    "--env CartPole-v1 --workers 1 --unroll-length 20 --batch-size 8 --learning-rate "
+                    "2e-3 --total-frames"
+                ).split(),
                 str(total),
                 "--eval-every",
                 str(every),
-                "--eval-episodes",
-                "2",
-                "--log-interval",
-                "1",
-                "--no-progress",
-                "--logdir",
+                *"--eval-episodes 2 --log-interval 1 --no-progress --logdir".split(),
                 str(tmp_path),
                 "--device",
                 "cpu",
@@ -185,7 +159,7 @@ def test_a_dead_evaluation_process_does_not_hold_the_launcher_at_exit(tmp_path):
         "from types import SimpleNamespace\n"
         "from impala.run.config import RunConfig\n"
         "from impala.envs import EnvSpec\n"
-        "from learner.periodic_eval import PeriodicEval\n"
+        "from learner.run.periodic_eval import PeriodicEval\n"
         "if __name__ == '__main__':\n"
         "    # an agent spec the evaluation process cannot read: it dies before taking the job\n"
         "    ev = PeriodicEval(RunConfig(env='CartPole-v1', eval_every=1, device='cpu'),\n"

@@ -1,9 +1,9 @@
 """The learner's receive path over real ZeroMQ sockets: bad messages are dropped and counted, never fatal."""
 
 import json
+import logging
 import subprocess
 import sys
-import logging
 import time
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import zmq
 
 from impala.transport import wire
 from impala.transport.trajectory import impala_unroll_schema
-from learner.server import PortInUseError, TrajectoryServer
+from learner.serve.server import PortInUseError, TrajectoryServer
 
 SCHEMA = impala_unroll_schema(4, (3,), "float32", 2)
 
@@ -66,7 +66,7 @@ def _wait(pred, timeout=5.0):
 
 
 def test_every_bad_message_is_dropped_and_counted(server, push, caplog):
-    caplog.set_level(logging.WARNING, logger="learner.server")
+    caplog.set_level(logging.WARNING, logger="learner.serve.server")
     good = wire.encode("unroll", actor=7, version=0, arrays=_episode(3.0))
 
     # An unroll before any hello: the actor is unknown.
@@ -108,7 +108,7 @@ def test_every_bad_message_is_dropped_and_counted(server, push, caplog):
 
 
 def test_unrolls_from_a_future_policy_version_are_dropped(server, push, caplog):
-    caplog.set_level(logging.WARNING, logger="learner.server")
+    caplog.set_level(logging.WARNING, logger="learner.serve.server")
     _send(push, wire.encode("hello", actor=5, version=-1, info={"fingerprint": {}}))
     assert _wait(lambda: 5 in server.accepted)
     server.publish(3, {})
@@ -152,7 +152,7 @@ def test_unrolls_from_another_run_or_unverified_local_ids_are_dropped(server, pu
 
 
 def test_refused_hellos_are_logged_with_a_throttle(server, push, caplog):
-    caplog.set_level(logging.ERROR, logger="learner.server")
+    caplog.set_level(logging.ERROR, logger="learner.serve.server")
     for i in range(300):
         _send(push, wire.encode("hello", actor=100 + i, version=-1, info={"ok": False}))
     assert _wait(lambda: server.refused_hellos == 300)
@@ -257,7 +257,7 @@ def test_hello_keeps_only_small_typed_fields(server, push):
 
 
 def test_refused_ids_take_no_slot_and_idle_actors_give_theirs_up(server, push, monkeypatch):
-    import learner.admission as admission_rules
+    import learner.serve.admission as admission_rules
 
     monkeypatch.setattr(admission_rules, "MAX_ACTORS", 4)
     monkeypatch.setattr(admission_rules, "MAX_REFUSED", 16)
@@ -286,9 +286,7 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
     unroll is dropped as unknown, the weights message names it, and it says hello again."""
     import threading
 
-    from actors.loop import ActorConfig, run_actor
-    from impala.envs import EnvSpec
-    from impala.transport.messages import ImpalaAgentSpec
+    from actor_threads import cartpole_actor
     from impala.nets.impala_net import build_model
     from impala.transport.params import state_dict_arrays
     from impala.transport.trajectory import impala_unroll_schema
@@ -297,17 +295,7 @@ def test_a_forgotten_actor_learns_it_from_the_weights_and_says_hello_again():
     srv = TrajectoryServer(schema, queue_size=64)
     srv.start()
     stop = threading.Event()
-    config = ActorConfig(
-        actor_id=3,
-        env=EnvSpec("CartPole-v1"),
-        num_envs=1,
-        unroll_length=4,
-        trajectory_endpoint=srv.trajectory_endpoint,
-        params_endpoint=srv.params_endpoint,
-        agent=ImpalaAgentSpec("mlp"),
-        learner_timeout_s=30,
-    )
-    actor = threading.Thread(target=run_actor, args=(config,), kwargs={"stop_event": stop}, daemon=True)
+    actor = cartpole_actor(srv, num_envs=1, unroll_length=4, stop_event=stop)
     try:
         params = state_dict_arrays(build_model("mlp", (4,), 2))
         actor.start()
@@ -336,10 +324,10 @@ def test_an_actor_that_goes_silent_is_said_to_have_left_and_back_when_it_returns
 ):
     """The learner's log says when a remote actor joins, when it has sent nothing for a while, and when it
     returns."""
-    import learner.admission as admission_rules
+    import learner.serve.admission as admission_rules
 
     monkeypatch.setattr(admission_rules, "SILENT_S", 0.5)
-    with caplog.at_level(logging.INFO, logger="learner.server"):
+    with caplog.at_level(logging.INFO, logger="learner.serve.server"):
         _send(push, wire.encode("hello", actor=42, version=-1, info={"fingerprint": {}, "num_envs": 2}))
         assert _wait(lambda: "actor 42 joined (2 envs" in caplog.text)
         assert _wait(lambda: "actor 42 left? nothing from it for" in caplog.text, timeout=5.0)

@@ -22,7 +22,6 @@ pytest.importorskip("mlagents_envs")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fake_unity as fu  # noqa: E402
 from fake_unity import AgentScript, FakeUnityConfig  # noqa: E402
-
 from impala.envs.unity import UnityEnvError, UnityVecEnv  # noqa: E402
 
 

@@ -29,6 +29,7 @@ pytest.importorskip("mlagents_envs")
 from impala.envs import mlagents_proto  # noqa: E402
 from impala.envs.unity import UnityVecEnv  # noqa: E402,F401  (installs the protobuf path)
 
+# isort: split
 from mlagents_envs import rpc_utils  # noqa: E402
 from mlagents_envs.base_env import (  # noqa: E402
     ActionSpec,
@@ -44,9 +45,7 @@ from mlagents_envs.communicator_objects.observation_pb2 import PNG, ObservationP
 from mlagents_envs.communicator_objects.unity_output_pb2 import UnityOutputProto  # noqa: E402
 from mlagents_envs.communicator_objects.unity_rl_output_pb2 import UnityRLOutputProto  # noqa: E402
 from mlagents_envs.environment import UnityEnvironment  # noqa: E402
-from mlagents_envs.side_channel.engine_configuration_channel import (  # noqa: E402
-    EngineConfigurationChannel,
-)
+from mlagents_envs.side_channel.engine_configuration_channel import EngineConfigurationChannel  # noqa: E402
 from mlagents_envs.side_channel.side_channel_manager import SideChannelManager  # noqa: E402
 
 from impala.envs.unity_client import FastUnityEnvironment, steps_from_proto  # noqa: E402

@@ -203,6 +203,17 @@ def test_action_log_probs_trailing_dims():
     )
 
 
+def _inputs(discount: float) -> dict[str, torch.Tensor]:
+    """Valid inputs of ``from_importance_weights`` for T=5, B=3: zeros, and ``discount`` everywhere."""
+    return dict(
+        log_rhos=torch.zeros(5, 3),
+        discounts=torch.full((5, 3), discount),
+        rewards=torch.zeros(5, 3),
+        values=torch.zeros(5, 3),
+        bootstrap_value=torch.zeros(3),
+    )
+
+
 @pytest.mark.parametrize(
     "arg,bad,message",
     [
@@ -214,13 +225,7 @@ def test_action_log_probs_trailing_dims():
     ],
 )
 def test_bad_shapes_name_the_argument(arg, bad, message):
-    kwargs = dict(
-        log_rhos=torch.zeros(5, 3),
-        discounts=torch.zeros(5, 3),
-        rewards=torch.zeros(5, 3),
-        values=torch.zeros(5, 3),
-        bootstrap_value=torch.zeros(3),
-    )
+    kwargs = _inputs(discount=0.0)
     kwargs[arg] = bad
     with pytest.raises(ValueError, match=arg) as e:
         vtrace.from_importance_weights(**kwargs)
@@ -230,13 +235,7 @@ def test_bad_shapes_name_the_argument(arg, bad, message):
 @pytest.mark.parametrize("arg", ["rewards", "values", "bootstrap_value", "discounts"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_inputs_name_the_argument(arg, bad):
-    kwargs = dict(
-        log_rhos=torch.zeros(5, 3),
-        discounts=torch.ones(5, 3),
-        rewards=torch.zeros(5, 3),
-        values=torch.zeros(5, 3),
-        bootstrap_value=torch.zeros(3),
-    )
+    kwargs = _inputs(discount=1.0)
     kwargs[arg] = kwargs[arg].clone()
     kwargs[arg].view(-1)[1] = bad
     with pytest.raises(ValueError, match=f"^{arg} contains NaN or inf"):

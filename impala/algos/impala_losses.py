@@ -340,6 +340,24 @@ def impala_loss(
     )
 
 
+def _return_units(
+    state: PopArtState,
+    normalized_values: torch.Tensor,
+    normalized_bootstrap_value: torch.Tensor,
+    task_ids: int | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's values and bootstrap value in return units (``V = sigma * n + mu``), for V-trace."""
+    if isinstance(task_ids, torch.Tensor):
+        boot_task = task_ids[-1]
+    else:
+        boot_task = task_ids
+    # The critic's output is detached inside V-trace; only the regression sees n(x_s).
+    return (
+        unnormalize(state, normalized_values.detach(), task_ids),
+        unnormalize(state, normalized_bootstrap_value.detach(), boot_task),
+    )
+
+
 def popart_impala_loss(
     behaviour_policy_logits: torch.Tensor,
     target_policy_logits: torch.Tensor,
@@ -391,11 +409,6 @@ def popart_impala_loss(
     Returns:
       :class:`ImpalaLoss`; ``vtrace.vs`` are unnormalized targets for the ART update.
     """
-    if isinstance(task_ids, torch.Tensor):
-        boot_task = task_ids[-1]
-    else:
-        boot_task = task_ids
-    # The critic's output is detached inside V-trace; only the regression sees n(x_s).
     if targets is None:
         targets = vtrace_targets(
             behaviour_policy_logits,
@@ -403,16 +416,14 @@ def popart_impala_loss(
             actions,
             discounts,
             rewards,
-            unnormalize(state, normalized_values.detach(), task_ids),
-            unnormalize(state, normalized_bootstrap_value.detach(), boot_task),
+            *_return_units(state, normalized_values, normalized_bootstrap_value, task_ids),
             clip_rho_threshold=clip_rho_threshold,
             clip_pg_rho_threshold=clip_pg_rho_threshold,
             pg_clip=pg_clip,
             lambda_=lambda_,
         )
     v = _fixed(behaviour_policy_logits, target_policy_logits, actions, targets)
-    raw = targets.pg_advantages
-    pg_advantages = raw / task_stat(state.sigma, task_ids, raw)
+    pg_advantages = targets.pg_advantages / task_stat(state.sigma, task_ids, targets.pg_advantages)
     value_targets = normalize(state, v.vs, task_ids)
     return _assemble(
         v,

@@ -38,7 +38,6 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-
 __all__ = [
     "PopArtState",
     "PopArtValueHead",

@@ -134,6 +134,71 @@ def from_importance_weights(
     )
 
 
+def _check_logits(
+    behaviour_policy_logits: torch.Tensor, target_policy_logits: torch.Tensor, actions: torch.Tensor
+) -> None:
+    """The logits' shapes and dtypes against the actions' (:func:`from_logits`)."""
+    for name, logits in (
+        ("behaviour_policy_logits", behaviour_policy_logits),
+        ("target_policy_logits", target_policy_logits),
+    ):
+        if logits.shape[:-1] != actions.shape or logits.dim() != actions.dim() + 1:
+            raise ValueError(
+                f"{name} has shape {tuple(logits.shape)} but must be actions.shape + (num_actions,) "
+                f"= {tuple(actions.shape)} + (A,)"
+            )
+        if not logits.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {logits.dtype}")
+    if behaviour_policy_logits.shape != target_policy_logits.shape:
+        raise ValueError(
+            f"behaviour_policy_logits has shape {tuple(behaviour_policy_logits.shape)} but "
+            f"target_policy_logits has shape {tuple(target_policy_logits.shape)}"
+        )
+    if actions.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise ValueError(f"actions must be an integer tensor, got {actions.dtype}")
+
+
+def _check_logit_values(
+    behaviour_policy_logits: torch.Tensor,
+    target_policy_logits: torch.Tensor,
+    actions: torch.Tensor,
+    discounts: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    bootstrap_value: torch.Tensor,
+) -> None:
+    """Finite inputs, actions in range and no NaN logits, read in one host sync (:func:`from_logits`)."""
+    num_actions = target_policy_logits.shape[-1]
+    # Gathered into one host sync: each check would otherwise stall the GPU on its own.
+    flags = _finite_flags(None, discounts, rewards, values, bootstrap_value)
+    flags = torch.cat(
+        [
+            flags,
+            torch.stack(
+                [
+                    ((actions >= 0) & (actions < num_actions)).all(),
+                    (behaviour_policy_logits == behaviour_policy_logits).all(),  # False only on NaN
+                    (target_policy_logits == target_policy_logits).all(),
+                ]
+            ),
+        ]
+    )
+    _check_finite(
+        flags,
+        (
+            "log_rhos",
+            "discounts",
+            "rewards",
+            "values",
+            "bootstrap_value",
+            "actions",
+            "behaviour_policy_logits",
+            "target_policy_logits",
+        ),
+        extra_reason={"actions": f"actions must lie in [0, {num_actions})"},
+    )
+
+
 def from_logits(
     behaviour_policy_logits: torch.Tensor,
     target_policy_logits: torch.Tensor,
@@ -171,53 +236,9 @@ def from_logits(
     _check_shapes(actions, discounts, rewards, values, bootstrap_value, first_name="actions")
     _check_thresholds(clip_rho_threshold, clip_pg_rho_threshold)
     _check_lambda(lambda_)
-    for name, logits in (
-        ("behaviour_policy_logits", behaviour_policy_logits),
-        ("target_policy_logits", target_policy_logits),
-    ):
-        if logits.shape[:-1] != actions.shape or logits.dim() != actions.dim() + 1:
-            raise ValueError(
-                f"{name} has shape {tuple(logits.shape)} but must be actions.shape + (num_actions,) "
-                f"= {tuple(actions.shape)} + (A,)"
-            )
-        if not logits.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {logits.dtype}")
-    if behaviour_policy_logits.shape != target_policy_logits.shape:
-        raise ValueError(
-            f"behaviour_policy_logits has shape {tuple(behaviour_policy_logits.shape)} but "
-            f"target_policy_logits has shape {tuple(target_policy_logits.shape)}"
-        )
-    if actions.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise ValueError(f"actions must be an integer tensor, got {actions.dtype}")
-
-    num_actions = target_policy_logits.shape[-1]
-    # Gathered into one host sync: each check would otherwise stall the GPU on its own.
-    flags = _finite_flags(None, discounts, rewards, values, bootstrap_value)
-    flags = torch.cat(
-        [
-            flags,
-            torch.stack(
-                [
-                    ((actions >= 0) & (actions < num_actions)).all(),
-                    (behaviour_policy_logits == behaviour_policy_logits).all(),  # False only on NaN
-                    (target_policy_logits == target_policy_logits).all(),
-                ]
-            ),
-        ]
-    )
-    _check_finite(
-        flags,
-        (
-            "log_rhos",
-            "discounts",
-            "rewards",
-            "values",
-            "bootstrap_value",
-            "actions",
-            "behaviour_policy_logits",
-            "target_policy_logits",
-        ),
-        extra_reason={"actions": f"actions must lie in [0, {num_actions})"},
+    _check_logits(behaviour_policy_logits, target_policy_logits, actions)
+    _check_logit_values(
+        behaviour_policy_logits, target_policy_logits, actions, discounts, rewards, values, bootstrap_value
     )
 
     actions = actions.long()

@@ -22,7 +22,6 @@ from impala.envs import catch, scaled
 from impala.envs.atari import is_atari, make_atari, register_classic_ids
 from impala.run.config import MODULE_NAME
 
-
 UNITY_PREFIX = "unity:"
 # A Unity spec's kwargs that set how the engine runs (mlagents-learn's engine settings and player arguments),
 # not which env it is: a run may resume with others.

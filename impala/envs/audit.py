@@ -7,7 +7,7 @@
   object (envs must be built in ``run()``, in the child, never in ``__init__``).
 * ``obs_mismatches``: a measured fingerprint's observation against the expected one.
 
-``learner/frameskip_check.py`` runs these next to its real-process worker check.
+``learner/cli/frameskip_check.py`` runs these next to its real-process worker check.
 """
 
 from __future__ import annotations

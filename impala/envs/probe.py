@@ -19,8 +19,6 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from impala.envs.obs_layout import ObsLayout, image_layout
-from impala.options import ConfigError
 from impala.envs import EnvSpec, make_env
 from impala.envs.fingerprint import (
     EnvFingerprint,
@@ -29,6 +27,8 @@ from impala.envs.fingerprint import (
     configured_settings,
     measure_fingerprint,
 )
+from impala.envs.obs_layout import ObsLayout, image_layout
+from impala.options import ConfigError
 
 
 def flat_obs_dim(obs_shape: tuple[int, ...]) -> int:

@@ -38,7 +38,6 @@ from typing import Any, Literal, Sequence
 import gymnasium as gym
 import numpy as np
 
-from impala.options import ConfigError
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import (
     ConfiguredSettings,
@@ -48,6 +47,7 @@ from impala.envs.fingerprint import (
     configured_settings,
     measure_fingerprint,
 )
+from impala.options import ConfigError
 
 ProtocolName = Literal["train", "machado", "dqn"]
 PROTOCOLS: tuple[str, ...] = ("train", "machado", "dqn")

@@ -215,6 +215,7 @@ class UnityVecEnv:
             from mlagents_envs.environment import UnityEnvironment
             from mlagents_envs.exception import UnityException
             from mlagents_envs.side_channel.engine_configuration_channel import EngineConfigurationChannel
+
             from impala.envs.unity_client import FastUnityEnvironment
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise UnityEnvError(

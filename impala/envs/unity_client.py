@@ -46,8 +46,8 @@ from mlagents_envs import rpc_utils
 from mlagents_envs.base_env import ActionTuple, BehaviorSpec, DecisionSteps, TerminalSteps
 from mlagents_envs.communicator_objects.command_pb2 import STEP
 from mlagents_envs.communicator_objects.unity_input_pb2 import UnityInputProto
-from mlagents_envs.communicator_objects.unity_rl_input_pb2 import UnityRLInputProto
 from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto
+from mlagents_envs.communicator_objects.unity_rl_input_pb2 import UnityRLInputProto
 from mlagents_envs.communicator_objects.unity_rl_output_pb2 import UnityRLOutputProto
 from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import (
     add_UnityToExternalProtoServicer_to_server,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-
 from typing import NamedTuple, Sequence
 
 import torch

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from impala.algos.normalizers import FrozenObsNormalizer, MLAgentsNormalizer, MLAGENTS_CLIP
+from impala.algos.normalizers import MLAGENTS_CLIP, FrozenObsNormalizer, MLAgentsNormalizer
 from impala.envs import EnvSpec
 from impala.nets.ppo_policy import ACTION_CLIPS, MLAGENTS_ACTION_LIMIT, ActorCritic
 
@@ -223,6 +223,77 @@ def _discrete(g: _Graph, policy: ActorCritic, x: str, branches: tuple[int, ...],
             g.op("Concat", parts, name, axis=1)
 
 
+def _checked_export_args(
+    policy: ActorCritic,
+    action_clip: str,
+    obs_sizes: Sequence[int] | None,
+    action_low: Sequence[float] | None,
+    action_high: Sequence[float] | None,
+) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
+    """:func:`ppo_onnx_model`'s arguments checked: the observation sizes, and the action bounds (float32)
+    when ``action_clip`` is 'bounds'."""
+    if action_clip not in ACTION_CLIPS:
+        raise ExportError(f"action_clip must be one of {ACTION_CLIPS}, got {action_clip!r}")
+    sizes = [policy.obs_dim] if obs_sizes is None else [int(n) for n in obs_sizes]
+    if not sizes or min(sizes) < 1 or sum(sizes) != policy.obs_dim:
+        raise ExportError(
+            f"observation sizes {sizes} must be positive and sum to the policy's {policy.obs_dim} inputs"
+        )
+    A = policy.action_dim
+    low = high = None
+    if action_clip == "bounds":
+        if action_low is None or action_high is None:
+            raise ExportError("action_clip='bounds' needs the action space's low and high")
+        low = np.asarray(action_low, np.float32).reshape(-1)
+        high = np.asarray(action_high, np.float32).reshape(-1)
+        if (
+            low.shape != (A,)
+            or high.shape != (A,)
+            or not (np.isfinite(low).all() and np.isfinite(high).all())
+        ):
+            raise ExportError(f"action bounds must be {A} finite values each")
+    return sizes, low, high
+
+
+def _continuous(
+    g: _Graph,
+    policy: ActorCritic,
+    x: str,
+    action_clip: str,
+    low: np.ndarray | None,
+    high: np.ndarray | None,
+    seed: float | None,
+) -> None:
+    """The continuous head: the Gaussian's mean, a sample of it, and both as the env's actions."""
+    tp, A = g.onnx.TensorProto, policy.action_dim
+    w, b = (
+        g.const("mu_head.weight", _float32(policy.mu_head.weight)),
+        g.const("mu_head.bias", _float32(policy.mu_head.bias)),
+    )
+    mu = g.op("Gemm", [x, w, b], transB=1)
+    # A state-independent sigma: exp(log_sigma) is a constant [1, A], broadcast over the batch.
+    std = g.const("action_std", _float32(torch.exp(policy.log_sigma.detach())).reshape(1, A))
+    noise_attrs = {"dtype": tp.FLOAT} if seed is None else {"dtype": tp.FLOAT, "seed": float(seed)}
+    noise = g.op("RandomNormalLike", [mu], **noise_attrs)
+    sample = g.op("Add", [mu, g.op("Mul", [noise, std])])
+    _to_env(g, sample, CONTINUOUS_ACTIONS, action_clip, low, high)
+    _to_env(g, mu, DETERMINISTIC_CONTINUOUS, action_clip, low, high)
+
+
+def _output_shapes(tp: Any, A: int, num_branches: int) -> dict[str, tuple[Any, list]]:
+    """Each output's element type and shape (``BATCH`` rows); the model lists those its layout has."""
+    return {
+        VERSION_NUMBER: (tp.FLOAT, [1]),
+        MEMORY_SIZE: (tp.FLOAT, [1]),
+        CONTINUOUS_SHAPE: (tp.FLOAT, [1]),
+        CONTINUOUS_ACTIONS: (tp.FLOAT, [BATCH, A]),
+        DETERMINISTIC_CONTINUOUS: (tp.FLOAT, [BATCH, A]),
+        DISCRETE_ACTIONS: (tp.INT64, [BATCH, num_branches]),
+        DISCRETE_SHAPE: (tp.FLOAT, [1, num_branches]),
+        DETERMINISTIC_DISCRETE: (tp.INT64, [BATCH, num_branches]),
+    }
+
+
 def ppo_onnx_model(
     policy: ActorCritic,
     *,
@@ -247,26 +318,8 @@ def ppo_onnx_model(
             "written yet; the checkpoint holds the weights"
         )
     onnx = require_onnx()
-    if action_clip not in ACTION_CLIPS:
-        raise ExportError(f"action_clip must be one of {ACTION_CLIPS}, got {action_clip!r}")
-    sizes = [policy.obs_dim] if obs_sizes is None else [int(n) for n in obs_sizes]
-    if not sizes or min(sizes) < 1 or sum(sizes) != policy.obs_dim:
-        raise ExportError(
-            f"observation sizes {sizes} must be positive and sum to the policy's {policy.obs_dim} inputs"
-        )
+    sizes, low, high = _checked_export_args(policy, action_clip, obs_sizes, action_low, action_high)
     A, branches = policy.action_dim, tuple(policy.branches)
-    low = high = None
-    if action_clip == "bounds":
-        if action_low is None or action_high is None:
-            raise ExportError("action_clip='bounds' needs the action space's low and high")
-        low = np.asarray(action_low, np.float32).reshape(-1)
-        high = np.asarray(action_high, np.float32).reshape(-1)
-        if (
-            low.shape != (A,)
-            or high.shape != (A,)
-            or not (np.isfinite(low).all() and np.isfinite(high).all())
-        ):
-            raise ExportError(f"action bounds must be {A} finite values each")
     layout = ActionLayout(continuous_size=A, discrete_branches=branches)
 
     g = _Graph(onnx)
@@ -280,18 +333,7 @@ def ppo_onnx_model(
     # The three constants are parameters in ML-Agents' actor; its graph reads them through Identity.
     constants: list[tuple[str, Any]] = [(VERSION_NUMBER, [MODEL_EXPORT_VERSION]), (MEMORY_SIZE, [0])]
     if A:
-        w, b = (
-            g.const("mu_head.weight", _float32(policy.mu_head.weight)),
-            g.const("mu_head.bias", _float32(policy.mu_head.bias)),
-        )
-        mu = g.op("Gemm", [x, w, b], transB=1)
-        # A state-independent sigma: exp(log_sigma) is a constant [1, A], broadcast over the batch.
-        std = g.const("action_std", _float32(torch.exp(policy.log_sigma.detach())).reshape(1, A))
-        noise_attrs = {"dtype": tp.FLOAT} if seed is None else {"dtype": tp.FLOAT, "seed": float(seed)}
-        noise = g.op("RandomNormalLike", [mu], **noise_attrs)
-        sample = g.op("Add", [mu, g.op("Mul", [noise, std])])
-        _to_env(g, sample, CONTINUOUS_ACTIONS, action_clip, low, high)
-        _to_env(g, mu, DETERMINISTIC_CONTINUOUS, action_clip, low, high)
+        _continuous(g, policy, x, action_clip, low, high, seed)
         constants.append((CONTINUOUS_SHAPE, [A]))
     if branches:
         _discrete(g, policy, x, branches, seed)
@@ -299,16 +341,7 @@ def ppo_onnx_model(
     for name, value in constants:
         g.op("Identity", [g.const(f"{name}.value", np.asarray(value, np.float32))], name)
 
-    shapes = {
-        VERSION_NUMBER: (tp.FLOAT, [1]),
-        MEMORY_SIZE: (tp.FLOAT, [1]),
-        CONTINUOUS_SHAPE: (tp.FLOAT, [1]),
-        CONTINUOUS_ACTIONS: (tp.FLOAT, [BATCH, A]),
-        DETERMINISTIC_CONTINUOUS: (tp.FLOAT, [BATCH, A]),
-        DISCRETE_ACTIONS: (tp.INT64, [BATCH, len(branches)]),
-        DISCRETE_SHAPE: (tp.FLOAT, [1, len(branches)]),
-        DETERMINISTIC_DISCRETE: (tp.INT64, [BATCH, len(branches)]),
-    }
+    shapes = _output_shapes(tp, A, len(branches))
     outputs = [h.make_tensor_value_info(name, *shapes[name]) for name in layout.output_names()]
     graph = h.make_graph(g.nodes, "impala-rl PPO policy", inputs, outputs, g.initializers)
     model = h.make_model(graph, producer_name="impala-rl", opset_imports=[h.make_opsetid("", MLAGENTS_OPSET)])

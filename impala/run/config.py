@@ -31,7 +31,6 @@ from typing import Any, Iterable, Literal, Mapping, Optional
 from impala.options import ConfigError, capped, check_fields, need, option, option_values, read_yaml
 from impala.run.cpus import available_cpus, split_cpus
 
-
 # --------------------------------------------------------------------------- resume: the run as it was
 
 # What a resumed run takes from this command line, not from its config.yaml: where the run folder is, how

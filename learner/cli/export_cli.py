@@ -21,8 +21,8 @@ from impala.nets.onnx_export import (
     onnx_file_name,
     require_onnx,
 )
-from impala.run.checkpoint import CheckpointError
 from impala.options import ConfigError, FlagParser, fail
+from impala.run.checkpoint import CheckpointError
 from impala.transport.messages import ImpalaAgentSpec, PPOAgentSpec
 
 PROG = "impala-export"

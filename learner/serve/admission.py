@@ -4,8 +4,9 @@
 when each id was last seen, over which connections it sends) and decides; it opens no socket, starts no
 thread and reads no clock: every input is a decoded message's metadata, its connection, the time and the
 queue's occupancy, and every answer is a :class:`Decision` (go on, or drop and count under a reason) or a
-:class:`HelloOutcome`. The server (``learner.server``) does the receiving, decoding, counting and logging,
-and guards the tables the learner's thread also reads with its own lock. The rules (docs/SECURITY.md):
+:class:`HelloOutcome`. The server (``learner.serve.server``) does the receiving, decoding, counting and
+logging, and guards the tables the learner's thread also reads with its own lock. The rules
+(docs/SECURITY.md):
 
 - A hello is accepted when the run's check (``check_hello``: the environment fingerprint, a local actor's
   token) passes; a refused one is told back with its nonce and evicts the id, unless the id is a verified

@@ -33,7 +33,7 @@ from impala.run.checkpoint import (
 from impala.run.config import RunConfig
 from impala.run.metrics import atomic_write_text
 from impala.transport.messages import RunInfo
-from learner.budget import Budget
+from learner.run.budget import Budget
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ method it:
 One table row per (env id x start method); exit status 1 on any mismatch, 2 on
 bad input. ``--plot`` additionally runs episodes under the configured settings
 and under a deliberately mis-specified twin (frameskip 2-4, sticky 0.25) and
-plots steps per episode and episode return side by side (``learner.frameskip_plot``).
+plots steps per episode and episode return side by side (``learner.cli.frameskip_plot``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ import gymnasium as gym
 from actors.actor import Actor
 from actors.loop import ActorConfig, actor_configs
 from actors.pool import ActorPool
-from impala.run.checkpoint import CheckpointError
-from impala.options import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
 from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.audit import (
     ENV_IN_INIT,
@@ -62,10 +60,12 @@ from impala.envs.fingerprint import (
 )
 from impala.envs.probe import expected_observation
 from impala.evaluation import checkpoint_path
+from impala.options import ConfigError, FlagParser, add_flags, check_fields, fail, from_flags, need, option
+from impala.run.checkpoint import CheckpointError
 from impala.transport.messages import ImpalaAgentSpec, RunInfo
 from impala.transport.trajectory import impala_unroll_schema
-from learner.frameskip_plot import check_checkpoint, plot_episodes, run_episodes, summary_lines
-from learner.server import TrajectoryServer
+from learner.cli.frameskip_plot import check_checkpoint, plot_episodes, run_episodes, summary_lines
+from learner.serve.server import TrajectoryServer
 
 DEFAULT_ENV_IDS = ("PongDeterministic-v4", "PongNoFrameskip-v4", "Pong-v4", "ALE/Pong-v5")
 START_METHODS = ("fork", "spawn", "forkserver")

@@ -23,32 +23,34 @@ import os
 import signal
 import sys
 
-import learner.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
+import learner.cli.sleeping_threads  # noqa: F401  (before torch: its idle threads sleep)
+
+# isort: split
 import torch
 
-from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
+from impala.envs import EnvSpec
+from impala.envs.atari import human_normalized_score
+from impala.envs.probe import EnvInfo, probe_env, probe_tasks
 from impala.options import ConfigError, FlagParser, add_flags, apply_preset, fail, from_flags, load_preset
+from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
     IMPALA_BRIEF,
     RUN_BRIEF,
     ImpalaConfig,
     RunConfig,
     apply_saved,
+    resolve_device,
     resume_changes,
     resume_folder,
-    resolve_device,
     resume_record,
     saved_settings,
 )
-from impala.envs import EnvSpec
-from impala.envs.atari import human_normalized_score
-from impala.transport.messages import task_shares
-from impala.envs.probe import EnvInfo, probe_env, probe_tasks
-from learner import hosts
-from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
 from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
-from learner.runtime import (
+from impala.transport.messages import task_shares
+from learner.cli import hosts
+from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
+from learner.run.runtime import (
     START_ERRORS,
     LaunchError,
     Outcome,
@@ -425,7 +427,7 @@ def host_rank(argv: list[str]) -> Membership | None:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch_impala``: :func:`launch`, or this host's rank of a learner group across hosts
-    (:func:`learner.hosts.run_rank`); bad input is one line, exit 2."""
+    (:func:`learner.cli.hosts.run_rank`); bad input is one line, exit 2."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         member = host_rank(argv)

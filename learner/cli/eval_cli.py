@@ -7,22 +7,22 @@ to the checkpoint. The episodes are played by :mod:`learner.evaluator`.
 from __future__ import annotations
 
 import argparse
-from concurrent.futures.process import BrokenProcessPool  # imported by name: the package loads it lazily
 import dataclasses
 import json
 import os
 import re
 import sys
+from concurrent.futures.process import BrokenProcessPool  # imported by name: the package loads it lazily
 from typing import Any, Mapping
 
 import numpy as np
 
-from impala.run.checkpoint import CheckpointError
-from impala.options import ConfigError, FlagParser, add_flags, fail, from_flags
 from impala.envs import UnknownEnvError
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.protocols import eval_protocol
 from impala.evaluation import EvalConfig, EvalResult, check_writable, checkpoint_path, read_policy_checkpoint
+from impala.options import ConfigError, FlagParser, add_flags, fail, from_flags
+from impala.run.checkpoint import CheckpointError
 from learner.evaluator import PROG, evaluate_checkpoint
 
 

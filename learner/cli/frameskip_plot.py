@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from impala.run.checkpoint import CheckpointError
-from impala.run.cpus import available_cpus
 from impala.envs import EnvSpec
 from impala.envs.fingerprint import ConfiguredSettings, configured_settings
 from impala.envs.vector import GymVecEnv
 from impala.evaluation import PolicyCheckpoint, read_policy_checkpoint
+from impala.run.checkpoint import CheckpointError
+from impala.run.cpus import available_cpus
 from learner.evaluator import checkpoint_agent
 
 TWIN_OVERRIDES: dict[str, Any] = {"frameskip": (2, 5), "repeat_action_probability": 0.25}
@@ -181,15 +181,11 @@ def plot_episodes(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
     cfg = configured_settings(env_id, overrides)
     twin_cfg = configured_settings(env_id, {**(overrides or {}), **TWIN_OVERRIDES})
     labels = [setting_label("configured", cfg), setting_label("mis-specified twin", twin_cfg)]
     colors = ["tab:blue", "tab:orange"]
-    keys = ["configured", "twin"]
     n = len(results["configured"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.2))
     panels = [
@@ -198,54 +194,82 @@ def plot_episodes(
     ]
     rng = np.random.default_rng(0)
     for idx, title, ylabel, fmt in panels:
-        ax = axes[idx]
-        data = [np.array([r[idx] for r in results[k]], dtype=float) for k in keys]
-        # Every episode is drawn as a point, so the box plot shows no separate outliers.
-        box = ax.boxplot(
-            data,
-            positions=[1, 2],
-            widths=0.5,
-            patch_artist=True,
-            showmeans=True,
-            showfliers=False,
-            medianprops={"color": "black"},
-            meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black"},
-        )
-        for patch, color in zip(box["boxes"], colors):
-            patch.set_facecolor(color)
-            patch.set_alpha(0.35)
-        for pos, (d, color) in enumerate(zip(data, colors), start=1):
-            ax.scatter(
-                pos + rng.uniform(-0.12, 0.12, size=len(d)),
-                d,
-                color=color,
-                s=22,
-                zorder=3,
-                edgecolor="black",
-                linewidth=0.4,
-            )
-            ax.annotate(
-                f"mean {fmt.format(d.mean())}",
-                (pos, d.max()),
-                xytext=(0, 8),
-                textcoords="offset points",
-                ha="center",
-                fontsize=9,
-            )
-        ax.set_xticks([1, 2], ["configured", "mis-specified twin"])
-        if idx == 0:
-            # The game lasts about as long in emulator frames; the agent just makes more decisions in it.
-            frames = [np.mean([r[2] for r in results[k]]) for k in keys]
-            title += f"\n(mean emulator frames per episode: {frames[0]:.0f} vs {frames[1]:.0f})"
-        else:
-            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-        lo, hi = ax.get_ylim()
-        ax.set_ylim(lo, hi + 0.08 * (hi - lo))
+        _draw_panel(axes[idx], results, idx, title, ylabel, fmt, colors, rng)
     cap = f", capped at {max_steps} steps" if max_steps else ""
     fig.suptitle(f"{env_id}: configured settings vs a mis-specified twin ({policy}, {n} episodes each{cap})")
+    fig.legend(handles=_legend_handles(colors, labels), loc="lower center", ncol=4, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _draw_panel(
+    ax: Any,
+    results: dict[str, list[EpisodeResult]],
+    idx: int,
+    title: str,
+    ylabel: str,
+    fmt: str,
+    colors: list[str],
+    rng: np.random.Generator,
+) -> None:
+    """One side of the figure: field ``idx`` of each episode, configured vs twin, as boxes and points."""
+    from matplotlib.ticker import MaxNLocator
+
+    keys = ["configured", "twin"]
+    data = [np.array([r[idx] for r in results[k]], dtype=float) for k in keys]
+    # Every episode is drawn as a point, so the box plot shows no separate outliers.
+    box = ax.boxplot(
+        data,
+        positions=[1, 2],
+        widths=0.5,
+        patch_artist=True,
+        showmeans=True,
+        showfliers=False,
+        medianprops={"color": "black"},
+        meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black"},
+    )
+    for patch, color in zip(box["boxes"], colors):
+        patch.set_facecolor(color)
+        patch.set_alpha(0.35)
+    for pos, (d, color) in enumerate(zip(data, colors), start=1):
+        ax.scatter(
+            pos + rng.uniform(-0.12, 0.12, size=len(d)),
+            d,
+            color=color,
+            s=22,
+            zorder=3,
+            edgecolor="black",
+            linewidth=0.4,
+        )
+        ax.annotate(
+            f"mean {fmt.format(d.mean())}",
+            (pos, d.max()),
+            xytext=(0, 8),
+            textcoords="offset points",
+            ha="center",
+            fontsize=9,
+        )
+    ax.set_xticks([1, 2], ["configured", "mis-specified twin"])
+    if idx == 0:
+        # The game lasts about as long in emulator frames; the agent just makes more decisions in it.
+        frames = [np.mean([r[2] for r in results[k]]) for k in keys]
+        title += f"\n(mean emulator frames per episode: {frames[0]:.0f} vs {frames[1]:.0f})"
+    else:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + 0.08 * (hi - lo))
+
+
+def _legend_handles(colors: list[str], labels: list[str]) -> list:
+    """The legend: a patch per setting, then what a point and a diamond mean."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     handles = [Patch(facecolor=c, alpha=0.5, edgecolor="black", label=l) for c, l in zip(colors, labels)]
     handles += [
         Line2D([], [], marker="o", color="gray", markeredgecolor="black", linestyle="", label="one episode"),
@@ -259,8 +283,4 @@ def plot_episodes(
             label="mean (box: quartiles, line: median)",
         ),
     ]
-    fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False, fontsize=9)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return handles

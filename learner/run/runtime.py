@@ -3,11 +3,11 @@
 :func:`run` is shared by both learners. A *trainer* (``vtrace_learner.ImpalaTrainer``,
 ``ppo_learner.PPOTrainer``) is the learner-specific part: its trajectory schema, the agent spec actors
 run, how it ingests a validated unroll, when it is ready to update, and the update itself. The rest
-is built from named parts, each testable alone: the transport (``learner.server``), the actors
+is built from named parts, each testable alone: the transport (``learner.serve.server``), the actors
 (``actors.pool``, configured by ``actors.loop.actor_configs``), the fingerprint guard
-(``learner.guard``), the budget (``learner.budget``), counters, resume and checkpoints
-(``learner.checkpointer``), log rows (``learner.log_rows``) and periodic evaluation
-(``learner.periodic_eval``).
+(``learner.run.guard``), the budget (``learner.run.budget``), counters, resume and checkpoints
+(``learner.run.checkpointer``), log rows (``learner.run.log_rows``) and periodic evaluation
+(``learner.run.periodic_eval``).
 
 The run's types, and which is which:
 
@@ -17,7 +17,7 @@ The run's types, and which is which:
 - ``RunInfo`` (``impala.transport.messages``): what actors must know to join (env, agent, unroll
   length), sent with every weights message.
 - ``ActorConfig`` (``actors.loop``): one actor's settings, made from a ``RunInfo``.
-- ``Progress`` (``learner.checkpointer``): what the run has done (frames, steps, version).
+- ``Progress`` (``learner.run.checkpointer``): what the run has done (frames, steps, version).
 - :class:`RunResult`: the summary :func:`run` returns.
 """
 
@@ -29,8 +29,8 @@ import os
 import signal
 import threading
 import uuid
-from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
@@ -41,8 +41,8 @@ from actors.pool import ActorPool, ThreadActors
 from impala.envs import UnknownEnvError
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import EnvInfo
-from impala.run.checkpoint import CheckpointError
 from impala.options import ConfigError
+from impala.run.checkpoint import CheckpointError
 from impala.run.config import RunConfig, resolve_device
 from impala.run.cpus import CpuClaim, available_cpus, pin_process, split_cpus
 from impala.run.metrics import MetricsLogger
@@ -51,12 +51,12 @@ from impala.transport import wire
 from impala.transport.curve import prepare_server
 from impala.transport.messages import AgentSpec, RunInfo
 from impala.transport.trajectory import TrajectorySchema
-from learner.budget import Budget
-from learner.checkpointer import Checkpointer, Progress, RunFinished, resume
-from learner.guard import FingerprintGuard
-from learner.log_rows import LogRows
-from learner.periodic_eval import PeriodicEval
-from learner.server import PortInUseError, TrajectoryServer
+from learner.run.budget import Budget
+from learner.run.checkpointer import Checkpointer, Progress, RunFinished, resume
+from learner.run.guard import FingerprintGuard
+from learner.run.log_rows import LogRows
+from learner.run.periodic_eval import PeriodicEval
+from learner.serve.server import PortInUseError, TrajectoryServer
 
 log = logging.getLogger(__name__)
 
@@ -385,106 +385,144 @@ def _start_actors(
     guard.check()
 
 
-def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.Event, plan: RunPlan) -> None:
-    """The learner's loop: take a validated unroll, update when the trainer is ready, publish, log,
-    checkpoint. Rows come after updates; with ``plan.log_every_steps`` or ``plan.inference`` also between
-    them."""
-    # the first interval counts from the run's start (actor start-up included), so a short run still logs a
-    # row
-    server, pool, guard, budget, progress = (
-        parts.server,
-        parts.pool,
-        parts.guard,
-        parts.budget,
-        parts.progress,
-    )
-    checkpointer, logger, evaluator = parts.checkpointer, parts.logger, parts.evaluator
-    rows = LogRows(config.log_interval, server.task_names, progress.env_frames, since=budget.start,
-                   every_steps=plan.log_every_steps, agent_steps=progress.agent_steps)  # fmt: skip
-    between_updates = bool(plan.log_every_steps or plan.inference)
+class _Learning:
+    """The learner's loop, in named steps over its state: take a validated unroll, update when the trainer is
+    ready, publish, log, checkpoint. Rows come after updates; with ``plan.log_every_steps`` or
+    ``plan.inference`` also between them."""
 
-    def log_row() -> None:
-        logger.log(
-            progress.env_frames,
-            rows.row(progress, metrics, server.stats(), server.task_mean_returns(), pool.restarts),
+    def __init__(
+        self, trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.Event, plan: RunPlan
+    ):
+        self.trainer, self.config, self.parts, self.stop, self.plan = trainer, config, parts, stop, plan
+        server, budget, progress = parts.server, parts.budget, parts.progress
+        # the first interval counts from the run's start (actor start-up included), so a short run still logs
+        # a row
+        self.rows = LogRows(config.log_interval, server.task_names, progress.env_frames, since=budget.start,
+                            every_steps=plan.log_every_steps, agent_steps=progress.agent_steps)  # fmt: skip
+        self.between_updates = bool(plan.log_every_steps or plan.inference)
+        self.frames_per_unroll = int(round(config.unroll_length * trainer.frames_per_step))
+        self.metrics: dict[str, float] = {}
+        self.in_flight: Future | None = None
+
+    def log_row(self) -> None:
+        """One row of the run's log: the last update's metrics, the transport's counters, the returns."""
+        parts, progress = self.parts, self.parts.progress
+        row = self.rows.row(
+            progress,
+            self.metrics,
+            parts.server.stats(),
+            parts.server.task_mean_returns(),
+            parts.pool.restarts,
+        )
+        parts.logger.log(progress.env_frames, row)
+
+    def running(self) -> bool:
+        """Whether the run goes on: budget left, no stop asked for, time left."""
+        budget, progress = self.parts.budget, self.parts.progress
+        return not (
+            budget.spent(progress.env_frames, progress.agent_steps)
+            or self.stop.is_set()
+            or budget.out_of_time()
         )
 
-    def after_update(update_metrics: dict[str, float]) -> bool:
+    def next_message(self) -> Any:
+        """The next validated unroll (None after 0.1 s without one), once the run's parts are checked."""
+        parts = self.parts
+        parts.guard.check()
+        if not parts.server.healthy():
+            raise RuntimeError("the learner's receive thread died; see the log above")
+        if self.config.workers:
+            parts.pool.supervise()
+        return parts.server.get(timeout=0.1)
+
+    def take(self, msg: Any) -> bool:
+        """Hand an unroll to the trainer and count it; True when the trainer is ready to update."""
+        config, server, progress = self.config, self.parts.server, self.parts.progress
+        # the weights that will train on it: those after the update in flight, if there is one
+        lag = progress.version + (self.in_flight is not None) - msg.version
+        if config.max_policy_lag is not None and lag > config.max_policy_lag:
+            server.count_stale()
+            return False
+        task = int(msg.arrays["task"][0]) if server.task_names else 0
+        self.rows.record_lag(lag, task)
+        self.trainer.ingest(msg, progress.version)
+        progress.agent_steps += config.unroll_length
+        progress.env_frames += self.frames_per_unroll
+        if server.task_names:
+            progress.task_frames[task] += self.frames_per_unroll
+        if not self.trainer.ready():
+            if self.between_updates and self.rows.due(progress.agent_steps):
+                self.log_row()
+            return False
+        return True
+
+    def update(self, updates: ThreadPoolExecutor | None) -> bool:
+        """Update now, or (with an update thread) stage the next update and finish the one in flight; True
+        when the run reached its return."""
+        trainer, progress = self.trainer, self.parts.progress
+        if updates is None:
+            return self.after_update(trainer.update(progress.env_frames))
+        update = trainer.stage_update(progress.env_frames)  # while the previous update trains
+        if self.in_flight is not None:
+            done, self.in_flight = self.in_flight, None
+            if self.after_update(done.result()):
+                return True
+        self.in_flight = updates.submit(update)
+        return False
+
+    def after_update(self, update_metrics: dict[str, float]) -> bool:
         """Publish the new weights, evaluate, log, checkpoint; True when the run reached its return."""
-        nonlocal metrics
-        metrics = update_metrics
+        parts, progress = self.parts, self.parts.progress
+        checkpointer, evaluator, server = parts.checkpointer, parts.evaluator, parts.server
+        self.metrics = update_metrics
         progress.version += 1
-        params = trainer.params()
+        params = self.trainer.params()
         server.publish(progress.version, params)
         if evaluator.maybe_start(progress.env_frames, params):
             checkpointer.remember_evaluated(progress.env_frames)  # best.pt must hold the weights evaluated
-        _log_eval(logger, progress, evaluator.poll(), checkpointer)
-        if rows.due(progress.agent_steps):
-            log_row()
+        _log_eval(parts.logger, progress, evaluator.poll(), checkpointer)
+        if self.rows.due(progress.agent_steps):
+            self.log_row()
         checkpointer.maybe_save()
-        if budget.return_reached(server.full_window_mean_return()):
-            log_row()  # the curve ends where the run stopped, at the return it was asked for
+        if parts.budget.return_reached(server.full_window_mean_return()):
+            self.log_row()  # the curve ends where the run stopped, at the return it was asked for
             return True
         return False
 
-    frames_per_unroll = int(round(config.unroll_length * trainer.frames_per_step))
-    metrics: dict[str, float] = {}
+    def finish(self) -> None:
+        """The last batch of the budget, and the curve's last row."""
+        progress = self.parts.progress
+        if self.in_flight is not None:  # the last batch of the budget
+            self.after_update(self.in_flight.result())
+        # a timed curve ends at the run's last update, even when the budget ran out inside one interval
+        # (rows counted in agent steps keep ML-Agents' summary_freq: only at its multiples)
+        if self.metrics and not self.plan.log_every_steps and progress.env_frames > self.rows.last_frames:
+            self.log_row()
+
+
+def _train(trainer: Trainer, config: RunConfig, parts: _Parts, stop: threading.Event, plan: RunPlan) -> None:
+    """The learner's loop (:class:`_Learning`): receive, update, publish, until the budget is spent."""
+    learning = _Learning(trainer, config, parts, stop, plan)
     # The update thread: update n trains there while this thread receives and stages batch n+1. Update
     # n is finished (weights published, checkpoint due) before n+1 starts, as without it.
     overlap = config.overlap_updates and trainer.overlaps_updates
     updates = ThreadPoolExecutor(1, thread_name_prefix="update") if overlap else None
-    in_flight: Future | None = None
-    server.publish(progress.version, trainer.params())
+    parts.server.publish(parts.progress.version, trainer.params())
     try:
-        while not (
-            budget.spent(progress.env_frames, progress.agent_steps) or stop.is_set() or budget.out_of_time()
-        ):
-            guard.check()
-            if not server.healthy():
-                raise RuntimeError("the learner's receive thread died; see the log above")
-            if config.workers:
-                pool.supervise()
-            msg = server.get(timeout=0.1)
-            if msg is None:
+        while learning.running():
+            msg = learning.next_message()
+            if msg is None or not learning.take(msg):
                 continue
-            # the weights that will train on it: those after the update in flight, if there is one
-            lag = progress.version + (in_flight is not None) - msg.version
-            if config.max_policy_lag is not None and lag > config.max_policy_lag:
-                server.count_stale()
-                continue
-            task = int(msg.arrays["task"][0]) if server.task_names else 0
-            rows.record_lag(lag, task)
-            trainer.ingest(msg, progress.version)
-            progress.agent_steps += config.unroll_length
-            progress.env_frames += frames_per_unroll
-            if server.task_names:
-                progress.task_frames[task] += frames_per_unroll
-            if not trainer.ready():
-                if between_updates and rows.due(progress.agent_steps):
-                    log_row()
-                continue
-            if updates is None:
-                if after_update(trainer.update(progress.env_frames)):
-                    break
-                continue
-            update = trainer.stage_update(progress.env_frames)  # while the previous update trains
-            if in_flight is not None:
-                done, in_flight = in_flight, None
-                if after_update(done.result()):
-                    break
-            in_flight = updates.submit(update)
+            if learning.update(updates):
+                break
     except BaseException:
         # the weights change until the update in flight returns: nothing may read or save them before
+        in_flight = learning.in_flight
         if in_flight is not None and in_flight.exception() is None:
-            progress.version += 1
+            parts.progress.version += 1
         raise
     else:
-        if in_flight is not None:  # the last batch of the budget
-            after_update(in_flight.result())
-        # a timed curve ends at the run's last update, even when the budget ran out inside one interval
-        # (rows counted in agent steps keep ML-Agents' summary_freq: only at its multiples)
-        if metrics and not plan.log_every_steps and progress.env_frames > rows.last_frames:
-            log_row()
+        learning.finish()
     finally:
         if updates is not None:
             updates.shutdown()

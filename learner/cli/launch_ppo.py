@@ -8,7 +8,7 @@ Examples::
 
 The topology (actors -> ZeroMQ -> learner -> parameter broadcast), metrics,
 checkpoints, ``--resume``, Ctrl-C and actor supervision all live in
-:func:`learner.runtime.run`; this module adds the PPO trainer and the CLI.
+:func:`learner.run.runtime.run`; this module adds the PPO trainer and the CLI.
 
 Trajectories (``--trajectory-handling``, row #15)
 -----------------------------------------------
@@ -73,7 +73,9 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
+from impala.envs import EnvSpec, unity
+from impala.envs.probe import EnvInfo, probe_env, probe_unity
+from impala.envs.unity import UnityEnvError
 from impala.options import (
     ConfigError,
     FlagParser,
@@ -87,19 +89,17 @@ from impala.options import (
     need,
     option,
 )
+from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
+    RUN_BRIEF,
     RUN_ID,
     RunConfig,
-    RUN_BRIEF,
+    apply_saved,
     resume_changes,
     resume_record,
     saved_settings,
-    apply_saved,
 )
-from impala.envs import EnvSpec
-from impala.envs.probe import EnvInfo, probe_env, probe_unity
-from impala.envs import unity
-from impala.envs.unity import UnityEnvError
+from impala.run.metrics import LOG_FORMAT
 from impala.run.ppo_config import (
     MAX_UNROLL,
     MLAGENTS_UNROLL,
@@ -113,13 +113,12 @@ from impala.run.ppo_config import (
     read_mlagents_yaml,
 )
 from learner.ppo_modes import MLAgentsPPOTrainer
-from impala.run.metrics import LOG_FORMAT
-from learner.runtime import START_ERRORS, LaunchError, Outcome, RunFinished, RunPlan, RunResult, run
+from learner.run.runtime import START_ERRORS, LaunchError, Outcome, RunFinished, RunPlan, RunResult, run
 
 log = logging.getLogger("launch_ppo")
 
 # Shipped inside the package (so `pip install .` has it too); the repo's configs/ links there.
-CRAWLER_CONFIG = Path(__file__).resolve().parents[1] / "impala" / "configs" / "Crawler.yaml"
+CRAWLER_CONFIG = Path(__file__).resolve().parents[2] / "impala" / "configs" / "Crawler.yaml"
 STAND_IN_ENV = "Ant-v5"
 UNITY_BASE_PORT = 5005  # mlagents-envs' UnityEnvironment.BASE_ENVIRONMENT_PORT
 
@@ -698,7 +697,7 @@ def resume_as_it_was(args: argparse.Namespace, resolved: Resolved) -> tuple[Reso
 
 def launch(argv: list[str] | None) -> Outcome:
     """Parse, resolve, probe the env, wire the run and train (``main`` and ``impala.train_ppo``). Raises
-    :class:`learner.runtime.LaunchError`."""
+    :class:`learner.run.runtime.LaunchError`."""
     try:
         args = parse_args(argv)
         resolved, changes, resumes = resolve(args), [], None

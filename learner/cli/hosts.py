@@ -2,7 +2,7 @@
 
 The flags are torchrun's own (``--nnodes`` is ``--learners``: one rank per host), and so is what runs
 them: this process becomes torchrun's agent for its host (its static rendezvous: node rank 0's agent
-holds the store at the endpoint), which starts this host's rank as ``python -m learner.launch_impala``
+holds the store at the endpoint), which starts this host's rank as ``python -m learner.cli.launch_impala``
 with the same flags and torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). The rank
 then joins the group (``learner.group.membership``); rank 0 is the learner the actors connect to.
 
@@ -106,7 +106,7 @@ def run_rank(member: Membership, argv: list[str]) -> int:
             f"--rdzv-endpoint={member.master_addr}:{member.master_port}",
             "--max-restarts=0",  # a lost rank ends the run (with its checkpoint); --resume starts it again
             "--module",
-            "learner.launch_impala",
+            "learner.cli.launch_impala",
             *argv,
         ]
     )

@@ -9,9 +9,9 @@ the learner falls behind, the queue fills, the thread stops reading, and
 ZeroMQ's high-water marks push back on the actors.
 
 Who may feed the learner (hellos, client keys, the fair share, what an unroll must fit) is decided by
-the pure policy in ``learner.admission``; this module receives, decodes, counts and queues, and asks it.
+the pure policy in ``learner.serve.admission``; this module receives, decodes, counts and queues, and asks it.
 Nothing a peer claims steers the learner's statistics: episode returns and lengths are summed by
-``learner.episode_stats`` from the rewards and episode ends of accepted unrolls.
+``learner.serve.episode_stats`` from the rewards and episode ends of accepted unrolls.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from impala.run.metrics import log_this_one
 from impala.transport import wire
 from impala.transport.curve import make_server_socket, start_authenticator
 from impala.transport.trajectory import TrajectorySchema
-from learner.admission import ACTOR_IDLE_S, DROP_REASONS, Admission, Decision
-from learner.episode_stats import EpisodeStats
+from learner.serve.admission import ACTOR_IDLE_S, DROP_REASONS, Admission, Decision
+from learner.serve.episode_stats import EpisodeStats
 
 log = logging.getLogger(__name__)
 
