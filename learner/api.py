@@ -323,9 +323,15 @@ class Agent:
         )
 
 
-def load(path: str) -> Agent:
-    """The agent of a run folder (its checkpoint.pt) or of a checkpoint file, from either launcher."""
+def load(path: str | os.PathLike | TrainResult) -> Agent:
+    """The agent of a run folder (its checkpoint.pt) or of a checkpoint file, from either launcher; or of what
+    ``train`` returned (its checkpoint, or its folder when it trained nothing, which then says so)."""
+    if isinstance(path, TrainResult):
+        path = path.checkpoint or path.run_folder
+    if not isinstance(path, (str, os.PathLike)):
+        got = type(path).__name__
+        raise ImpalaError(f"load: a run folder, a checkpoint file or a TrainResult, got {got}")
     try:
-        return Agent(read_policy_checkpoint(str(path)))
+        return Agent(read_policy_checkpoint(os.fspath(path)))
     except (CheckpointError, ConfigError) as e:
         raise ImpalaError(f"load: {e}") from None

@@ -142,7 +142,7 @@ def test_ppo_trains_loads_and_acts(tmp_path):
         progress=False,
     )  # fmt: skip
     assert r.updates > 0 and r.checkpoint and r.agent_steps >= 2048
-    agent = impala.load(r.checkpoint)
+    agent = impala.load(r)  # what train returned, as a notebook user passes it
     assert agent.kind == "ppo" and agent.act(np.zeros(4, np.float32)) in (0, 1)
     assert agent.act(np.zeros((3, 4), np.float32)).shape == (3,)
 
@@ -166,6 +166,8 @@ def test_ppo_trains_loads_and_acts(tmp_path):
             "progress must be True or False",
         ),
         (lambda d: impala.load(d), "load: no checkpoint at"),
+        (lambda d: impala.load(impala.TrainResult(d, 0, 0, 0, None, None)), "load: no checkpoint at"),
+        (lambda d: impala.load(3), "load: a run folder, a checkpoint file or a TrainResult, got int"),
     ],
 )
 def test_every_error_is_an_impala_error_with_the_command_lines_line(call, message, tmp_path):
@@ -178,7 +180,7 @@ def test_every_error_is_an_impala_error_with_the_command_lines_line(call, messag
 def test_act_refuses_an_observation_of_another_shape(tmp_path):
     r = impala.train(env="CartPole-v1", workers=1, in_process=True, total_frames=2000, unroll_length=8,
                      batch_size=4, minibatches=2, logdir=str(tmp_path / "run"), progress=False)  # fmt: skip
-    agent = impala.load(r.run_folder)
+    agent = impala.load(Path(r.run_folder))
     with pytest.raises(impala.ImpalaError, match=r"an observation of shape \(4,\)"):
         agent.act(np.zeros(3, np.float32))
     with pytest.raises(impala.ImpalaError, match="trained on CartPole-v1"):
