@@ -31,7 +31,7 @@ import torch
 from impala.envs import EnvSpec
 from impala.envs.atari import human_normalized_score
 from impala.envs.probe import EnvInfo, probe_env, probe_tasks
-from impala.options import ConfigError, FlagParser, add_flags, apply_preset, fail, from_flags, load_preset
+from impala.options import ConfigError, FlagParser, add_flags, apply_preset, from_flags, load_preset
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
     IMPALA_BRIEF,
@@ -49,6 +49,7 @@ from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
 from impala.transport.messages import task_shares
 from learner.cli import hosts
+from learner.cli.console import console_main, ending
 from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
 from learner.run.runtime import (
     START_ERRORS,
@@ -399,14 +400,7 @@ def done_line(config: RunConfig, result: RunResult) -> str:
         f"launch_impala: done: {result.env_frames} env frames ({result.agent_steps} agent steps), "
         f"{result.updates} updates, "
         f"mean return (last 100) {mean}, dropped {result.dropped or 0}, actor restarts {result.restarts}, "
-        + (
-            f"checkpoint {result.checkpoint}"
-            if result.checkpoint
-            else "no checkpoint written"
-            + (" (nothing trained)" if not result.updates else " (see the warnings above)")
-        )
-        + (" (interrupted)" if result.interrupted else "")
-        + (f" (stopped at --stop-at-return {config.stop_at_return:g})" if result.reached_return else "")
+        + ending(config, result)
     )
 
 
@@ -429,19 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     """``launch_impala``: :func:`launch`, or this host's rank of a learner group across hosts
     (:func:`learner.cli.hosts.run_rank`); bad input is one line, exit 2."""
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def start() -> Outcome | int:
         member = host_rank(argv)
-        if member is not None:
-            return hosts.run_rank(member, argv)
-        outcome = launch(argv)
-    except LaunchError as e:
-        fail("launch_impala", e)
-        return e.status
-    if outcome.result is None:
-        print(f"launch_impala: {outcome.note}", flush=True)
-    else:
-        print(done_line(outcome.config, outcome.result), flush=True)
-    return 0
+        return launch(argv) if member is None else hosts.run_rank(member, argv)
+
+    return console_main("launch_impala", start, done_line)
 
 
 if __name__ == "__main__":

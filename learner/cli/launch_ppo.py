@@ -82,7 +82,6 @@ from impala.options import (
     add_flags,
     apply_preset,
     check_fields,
-    fail,
     flag_name,
     from_flags,
     load_preset,
@@ -112,6 +111,7 @@ from impala.run.ppo_config import (
     ppo_run_config,
     read_mlagents_yaml,
 )
+from learner.cli.console import console_main, ending
 from learner.ppo_modes import MLAgentsPPOTrainer
 from learner.run.runtime import START_ERRORS, LaunchError, Outcome, RunFinished, RunPlan, RunResult, run
 
@@ -815,30 +815,13 @@ def done_line(config: RunConfig, result: RunResult) -> str:
         f"launch_ppo: done: {result.agent_steps} agent steps, {result.updates} updates, mean return (last "
         f"100) {mean}, "
         f"rejected NaN unrolls {result.rejected_nan}, dropped {result.dropped or 0}, actor restarts "
-        f"{result.restarts}, "
-        + (
-            f"checkpoint {result.checkpoint}"
-            if result.checkpoint
-            else "no checkpoint written"
-            + (" (nothing trained)" if not result.updates else " (see the warnings above)")
-        )
-        + (" (interrupted)" if result.interrupted else "")
-        + (f" (stopped at --stop-at-return {config.stop_at_return:g})" if result.reached_return else "")
+        f"{result.restarts}, " + ending(config, result)
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``launch_ppo``: :func:`launch`; bad input is one line, exit 2."""
-    try:
-        outcome = launch(argv)
-    except LaunchError as e:
-        fail("launch_ppo", e)
-        return e.status
-    if outcome.result is None:
-        print(f"launch_ppo: {outcome.note}", flush=True)
-    else:
-        print(done_line(outcome.config, outcome.result), flush=True)
-    return 0
+    return console_main("launch_ppo", lambda: launch(argv), done_line)
 
 
 def log_plan(
