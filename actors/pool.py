@@ -49,6 +49,8 @@ class ActorPool:
         self._next_start: list[float | None] = [None] * len(configs)
         self._backoff = [0.0] * len(configs)
         self._started_at = [0.0] * len(configs)
+        self._quick_deaths = [0] * len(configs)  # deaths in a row, each within 30 s of its start
+        self._exitcodes: list[int | None] = [None] * len(configs)
 
     def _spawn(self, config: ActorConfig) -> Actor:
         actor = self.actor_class(config, start_method=self.start_method)
@@ -84,6 +86,8 @@ class ActorPool:
                     continue
                 # Back off only when an actor keeps dying quickly; one that ran a while restarts at once.
                 quick = now - self._started_at[i] < 30.0
+                self._quick_deaths[i] = self._quick_deaths[i] + 1 if quick else 0
+                self._exitcodes[i] = actor.exitcode
                 self._backoff[i] = min(30.0, max(1.0, 2 * self._backoff[i])) if quick else 0.0
                 self._next_start[i] = now + self._backoff[i]
                 log.warning(
@@ -105,6 +109,16 @@ class ActorPool:
             restarted.append(config.actor_id)
             log.info("actor %d restarted with seed %d", config.actor_id, config.seed)
         return restarted
+
+    def failing_at_start(self, times: int = 3) -> list[tuple[int, int | None]]:
+        """(actor id, last exit code) of each actor that died ``times`` times in a row, each time within 30 s
+        of its start: one that cannot start (its env does not build in a fresh process), for which waiting and
+        restarting changes nothing."""
+        return [
+            (config.actor_id, self._exitcodes[i])
+            for i, config in enumerate(self.configs)
+            if self._quick_deaths[i] >= times and i not in self.finished
+        ]
 
     def all_finished(self) -> bool:
         return len(self.finished) == len(self.actors)
@@ -161,6 +175,9 @@ class ThreadActors:
         if self.errors:
             raise RuntimeError(f"in-process actor failed: {self.errors[0]!r}") from self.errors[0]
         return []
+
+    def failing_at_start(self, times: int = 3) -> list[tuple[int, int | None]]:
+        return []  # a failing thread is raised by supervise
 
     def all_finished(self) -> bool:
         return len(self.finished) == len(self.threads)

@@ -220,6 +220,28 @@ def test_remote_actors_import_the_runs_package_or_say_they_cannot(tmp_path):
     assert int(re.search(r"done: (\d+) env frames", out).group(1)) >= 800, out[-2000:]
 
 
+def test_a_local_actor_that_cannot_start_ends_the_run_in_one_line_not_at_the_hello_timeout(tmp_path):
+    """An env that builds in the learner (its probe passes) but not in an actor process: the actor dies at
+    start-up, is restarted with backoff, and after its third quick death the run ends with one line naming
+    it (exit 2) instead of waiting out the 180 s hello timeout; the actor's own error stays on stderr."""
+    run = subprocess.run(
+        _script("launch_impala", [])
+        + "--env custom_envs:ActorOnlyBroken-v0 --workers 1 --total-frames 400 --no-progress".split()
+        + ["--logdir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=150,  # under the hello timeout: a run that waits it out fails here
+        env=_env(True),
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "launch_impala: error: actor 0 exited (code 1) 3 times in a row at start-up, before its first hello"
+    ), run.stderr[-3000:]
+    assert "RuntimeError: this env only builds in the launching process" in run.stderr, run.stderr[-3000:]
+    assert run.stderr.count("actor 0 restarted") == 2 and "said hello within" not in run.stderr
+
+
 def test_impala_eval_plays_a_custom_env_checkpoint_in_worker_processes(tmp_path, capsys):
     """The checkpoint records the package with the env: impala-eval's spawned workers import it themselves."""
     import json

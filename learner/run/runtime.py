@@ -60,6 +60,11 @@ from learner.serve.server import PortInUseError, TrajectoryServer
 
 log = logging.getLogger(__name__)
 
+
+class ActorStartError(RuntimeError):
+    """A local actor keeps dying at start-up: the run cannot start as set up."""
+
+
 # Bad input a user can fix, found while a run starts: each is reported as one line, exit 2.
 START_ERRORS = (
     ConfigError,
@@ -69,6 +74,7 @@ START_ERRORS = (
     FingerprintMismatchError,
     FileNotFoundError,
     TimeoutError,
+    ActorStartError,
 )
 
 __all__ = ["START_ERRORS", "RunFinished", "RunPlan", "RunResult", "Trainer", "run"]
@@ -378,6 +384,13 @@ def _start_actors(
     def during_wait() -> None:
         guard.check()
         pool.supervise()
+        failing = [(i, code) for i, code in pool.failing_at_start() if i not in guard.verified_local]
+        if failing:  # it would die again until the hello timeout: say so now
+            i, code = failing[0]
+            raise ActorStartError(
+                f"actor {i} exited (code {code}) 3 times in a row at start-up, before its first hello; its "
+                "error is above (the env builds in the learner's process but not in an actor's?)"
+            )
 
     # Actors send no unroll before they have weights, so no hello can queue behind unrolls here; only hellos
     # that proved to be from our actors count (a forged one must not end the wait).

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
@@ -92,7 +94,19 @@ class TinyImageEnv(gym.Env):
         return self._obs(), reward, False, self.t >= 8, {}
 
 
+class ActorOnlyBrokenEnv(TinyEnv):
+    """The corridor in the process that starts a run, an error in any process it starts: an env that passes
+    the learner's probe but kills every local actor at start-up (a missing file, a licence only the launching
+    shell has)."""
+
+    def __init__(self) -> None:
+        if multiprocessing.parent_process() is not None:
+            raise RuntimeError("this env only builds in the launching process")
+        super().__init__()
+
+
 gym.register("Tiny-v0", entry_point=TinyEnv)
+gym.register("ActorOnlyBroken-v0", entry_point=ActorOnlyBrokenEnv)
 gym.register("TinyImage-v0", entry_point=TinyImageEnv)
 gym.register("TinyBox-v0", entry_point=TinyContinuousEnv)
 gym.register("TinyTuple-v0", entry_point=TinyTupleEnv)
