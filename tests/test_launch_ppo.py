@@ -754,6 +754,7 @@ def test_discrete_and_hybrid_unity_agents_train_over_grpc(tmp_path, preset, sema
         "--hidden-units", "32", "--num-layers", "1",
         "--time-horizon", "32", "--unroll-length", "32", "--learning-rate", "3e-3", "--beta", "0.005",
         "--total-steps", "12000", "--log-interval", "0", "--no-progress", "--logdir", str(tmp_path / "run"),
+        timeout=300,  # a hang guard: 12,000 steps over gRPC can outlast 120 s on a busy box
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     player = wait_records(records, [base])[base]
