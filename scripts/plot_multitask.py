@@ -45,6 +45,15 @@ LABELS = {
     "single": "each game alone (defaults: clipped)",
     "single-popart": "each game alone, PopArt, raw rewards",
 }
+# per-task diagnostics a multi-task run logs (tasks/<game>/<name>) and the diagnostics table's headings
+DIAGNOSTICS = {
+    "entropy": "entropy",
+    "adv_abs": "mean abs. advantage",
+    "pg_weight_share": "share of summed abs. advantage",
+    "step_share": "share of steps trained",
+    "value_error": "value error",
+    "policy_lag": "policy lag",
+}
 STEP = 1_000_000  # the table's frames per game between columns
 TOLERANCE = 0.03  # a run counts as at a step when its rows reach within 3% of it (rows come every 30 s)
 
@@ -80,6 +89,7 @@ def multi_run(
         g: {
             "return": curve(rows, f"tasks/{g}/frames", f"tasks/{g}/mean_return_100"),
             "sigma": curve(rows, f"tasks/{g}/frames", f"popart/sigma/{g}"),
+            **{f"diag/{name}": curve(rows, f"tasks/{g}/frames", f"tasks/{g}/{name}") for name in DIAGNOSTICS},
         }
         for g in games
     }
@@ -174,6 +184,30 @@ def table(runs: dict, games: list[str]) -> str:
             cells += ["–", "–"] if both is None else [f"{both[0]:.3f}", f"{both[1]:.3f}"]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def diagnostics(runs: dict, games: list[str]) -> str:
+    """Per multi-task run and game, the mean of each per-task diagnostic over the second half of that game's
+    frames (rows past half its last frames): where a game behind the others differs in how it is trained."""
+    lines = []
+    for label, run in runs.items():
+        if not any(run[g].get(f"diag/{name}") for g in games if g in run for name in DIAGNOSTICS):
+            continue  # a single-task run, or a multi-task CSV without the per-task columns
+        lines += [
+            "",
+            f"{label}, per game over the second half of its frames:",
+            "",
+            "| game | " + " | ".join(DIAGNOSTICS.values()) + " |",
+            "|---|" + "--:|" * len(DIAGNOSTICS),
+        ]
+        for g in games:
+            last = max((f for f, _ in run[g]["return"]), default=0.0)
+            cells = []
+            for name in DIAGNOSTICS:
+                half = [v for f, v in run[g].get(f"diag/{name}", []) if f > last / 2]
+                cells.append(f"{statistics.fmean(half):.2f}" if half else "–")
+            lines.append(f"| {g.split('Deterministic')[0]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def figure(runs: dict, games: list[str], out: str) -> None:
@@ -299,7 +333,7 @@ def main() -> int:
     figure(runs, games, args.out)
     md = os.path.splitext(args.out)[0] + ".md"
     with open(md, "w") as f:
-        f.write(table(runs, games))
+        f.write(table(runs, games) + diagnostics(runs, games))
     print(f"plot_multitask: wrote {args.out} and {md}")
     return 0
 

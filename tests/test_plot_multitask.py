@@ -38,6 +38,8 @@ def test_the_table_reads_each_game_at_its_own_frames(tmp_path):
         row["tasks/PongDeterministic-v4/mean_return_100"] = -20.7 + k * 35.3 / 8
         row["tasks/BreakoutDeterministic-v4/mean_return_100"] = 1.7 + k * 28.8 / 16
         row["popart/sigma/PongDeterministic-v4"], row["popart/sigma/BreakoutDeterministic-v4"] = 0.5, 2.0 + k
+        row["tasks/PongDeterministic-v4/entropy"] = k
+        row["tasks/BreakoutDeterministic-v4/policy_lag"] = 10 * k
         multi.append(row)
     _write(tmp_path / "popart-s1", multi)
     # single-task runs: Pong to 1M frames only, Breakout to 2M
@@ -56,6 +58,11 @@ def test_the_table_reads_each_game_at_its_own_frames(tmp_path):
     assert "| single s1 | 14.6 (1.000) | 30.5 (1.000) | 1.000 | 1.000 |" in md, md
     assert "| single s1 | – | 30.5 (1.000) | – | – |" in md, md
     assert "| single s1 | 1.000 (1.000) | – |" in md and "| popart s1 | 0.375 (0.375) | 0.750 (0.750) |" in md
+    # the per-task diagnostics over the second half of each game's 2M frames: rows k = 5..8 (1.25M-2M);
+    # a column the run did not log is "–", and the single-task runs (no per-task columns) get no table
+    assert "popart s1, per game over the second half of its frames:" in md and "single s1, per game" not in md
+    assert "| Pong | 6.50 | – | – | – | – | – |" in md, md
+    assert "| Breakout | – | – | – | – | – | 65.00 |" in md, md
 
 
 def test_no_runs_or_an_unscored_game_is_one_line_and_exit_2(tmp_path):
