@@ -44,7 +44,9 @@ def test_the_table_reads_each_game_at_its_own_frames(tmp_path):
     _write(tmp_path / "popart-s1", multi)
     # single-task runs: Pong to 1M frames only, Breakout to 2M
     _write(tmp_path / "single-Pong-s1", [{"charts/env_frames": 1_000_000, "charts/mean_return_100": 14.6}])
-    breakout = [{"charts/env_frames": f, "charts/mean_return_100": 30.5} for f in (1_000_000, 2_000_000)]
+    # Breakout's rows 130k apart, none at 1M: read from the nearest (950k, not 1.08M), as within 10% of it
+    breakout = [{"charts/env_frames": f, "charts/mean_return_100": r} for f, r in
+                ((950_000, 30.5), (1_080_000, 1.7), (2_000_000, 30.5))]  # fmt: skip
     _write(tmp_path / "single-Breakout-s1", breakout)
     out = _run("--root", str(tmp_path), "--games", ",".join(GAMES), "--out", str(tmp_path / "mt.png"))
     assert out.returncode == 0, out.stderr
