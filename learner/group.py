@@ -188,6 +188,11 @@ def group_interface(bind: str, member: Membership) -> str | None:
     return name
 
 
+# Whether this process joined a learner group across hosts (its console script then ends without the
+# interpreter's teardown of torch.distributed: see learner.cli.launch_impala.main)
+joined_across_hosts = False
+
+
 def join_group(member: Membership, backend: str, bind: str) -> "LearnerGroup":
     """Join the group torchrun's rendezvous formed (``env://``: its store at MASTER_ADDR:MASTER_PORT), the
     collectives on ``bind``'s interface unless ``GLOO_SOCKET_IFNAME`` names one already."""
@@ -200,6 +205,8 @@ def join_group(member: Membership, backend: str, bind: str) -> "LearnerGroup":
         backend, init_method="env://", rank=member.rank, world_size=member.world_size, timeout=JOIN_TIMEOUT
     )
     dist.distributed_c10d._set_pg_timeout(GROUP_TIMEOUT)
+    global joined_across_hosts
+    joined_across_hosts = True
     group = LearnerGroup()
     group.local_rank = member.local_rank
     return group

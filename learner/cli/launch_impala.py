@@ -48,6 +48,7 @@ from impala.run.config import (
 from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
 from impala.transport.messages import task_shares
+from learner import group as learner_group
 from learner.cli import hosts
 from learner.cli.console import console_main, ending
 from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
@@ -428,7 +429,16 @@ def main(argv: list[str] | None = None) -> int:
         member = host_rank(argv)
         return launch(argv) if member is None else hosts.run_rank(member, argv)
 
-    return console_main("launch_impala", start, done_line)
+    status = console_main("launch_impala", start, done_line)
+    if learner_group.joined_across_hosts:
+        # A rank whose peers have left can abort in libtorch's teardown of the process group at the
+        # interpreter's exit ("terminate called without an active exception", SIGABRT) after a run that
+        # ended well; everything is written and its last line printed, so the rank skips that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":
