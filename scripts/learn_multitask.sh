@@ -9,6 +9,8 @@
 #   ARM=single-popart scripts/learn_multitask.sh      # each game alone with PopArt on raw rewards
 #   FRAMES=400000 SECONDS_PER_RUN=600 scripts/learn_multitask.sh   # the 10-minute smoke form
 #   SKIP_TRAIN=1 scripts/learn_multitask.sh           # only redraw the figure and table from the runs there
+#   BASELINE_COST=0.25 scripts/learn_multitask.sh     # the value loss's weight (default: the launcher's);
+#                                                     # the run folder says it: popart-bc025-s1
 #
 # Multi-task arms (every other setting the launcher's defaults):
 #   popart   PopArt per game, raw rewards (the multi-task default; Hessel et al. 2018)
@@ -31,6 +33,7 @@ SEED=${SEED:-1}
 WORKERS=${WORKERS:-2}
 FRAMES=${FRAMES:-20000000}            # the whole multi-task run (the learning rate decays to 0 over it)
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-0} # 0: no time limit
+BASELINE_COST=${BASELINE_COST:-}      # empty: the launcher's default
 ROOT=${ROOT:-runs/multitask}
 PY=${PY:-.venv/bin/python}
 BIN=$(dirname "$PY")
@@ -44,6 +47,12 @@ case "$ARM" in
     single) ARM_FLAGS=() ;;
     *) echo "learn_multitask.sh: ARM must be popart, clipped, raw, single or single-popart, got '$ARM'" >&2; exit 2 ;;
 esac
+TAG=$ARM
+if [ -n "$BASELINE_COST" ]; then
+    # the launcher checks the value; the folder name keeps runs with another weight apart from the arm's own
+    ARM_FLAGS+=(--baseline-cost "$BASELINE_COST")
+    TAG=$ARM-bc${BASELINE_COST//./}
+fi
 
 train() {  # train ENV FRAMES FOLDER: one run, resumed where it stopped, skipped when finished
     local env=$1 frames=$2 run=$3
@@ -64,9 +73,9 @@ if [ "${SKIP_TRAIN:-0}" != "1" ]; then
     case "$ARM" in
         single | single-popart)
             for game in "${GAME_LIST[@]}"; do
-                train "$game" "$PER_GAME" "$ROOT/$ARM-${game%%Deterministic*}-s$SEED"
+                train "$game" "$PER_GAME" "$ROOT/$TAG-${game%%Deterministic*}-s$SEED"
             done ;;
-        *) train "$GAMES" "$FRAMES" "$ROOT/$ARM-s$SEED" ;;
+        *) train "$GAMES" "$FRAMES" "$ROOT/$TAG-s$SEED" ;;
     esac
 fi
 OUT=${OUT:-$ROOT/multitask.png}
