@@ -16,6 +16,12 @@ from actors.loop import LEARNER_GONE_EXIT, REFUSED_EXIT, ActorConfig, run_actor
 log = logging.getLogger(__name__)
 
 
+# An actor that dies this many times in a row, each within QUICK_DEATH_S of its start and before its first
+# hello, cannot start (its env does not build in a fresh process): the learner ends the start then.
+START_FAILURES = 3
+QUICK_DEATH_S = 30.0
+
+
 class ActorPool:
     """Starts actors with an explicit start method and keeps them running.
 
@@ -49,7 +55,7 @@ class ActorPool:
         self._next_start: list[float | None] = [None] * len(configs)
         self._backoff = [0.0] * len(configs)
         self._started_at = [0.0] * len(configs)
-        self._quick_deaths = [0] * len(configs)  # deaths in a row, each within 30 s of its start
+        self._quick_deaths = [0] * len(configs)  # deaths in a row, each within QUICK_DEATH_S of its start
         self._exitcodes: list[int | None] = [None] * len(configs)
 
     def _spawn(self, config: ActorConfig) -> Actor:
@@ -85,7 +91,7 @@ class ActorPool:
                     self.refused.add(self.configs[i].actor_id)
                     continue
                 # Back off only when an actor keeps dying quickly; one that ran a while restarts at once.
-                quick = now - self._started_at[i] < 30.0
+                quick = now - self._started_at[i] < QUICK_DEATH_S
                 self._quick_deaths[i] = self._quick_deaths[i] + 1 if quick else 0
                 self._exitcodes[i] = actor.exitcode
                 self._backoff[i] = min(30.0, max(1.0, 2 * self._backoff[i])) if quick else 0.0
@@ -110,10 +116,10 @@ class ActorPool:
             log.info("actor %d restarted with seed %d", config.actor_id, config.seed)
         return restarted
 
-    def failing_at_start(self, times: int = 3) -> list[tuple[int, int | None]]:
-        """(actor id, last exit code) of each actor that died ``times`` times in a row, each time within 30 s
-        of its start: one that cannot start (its env does not build in a fresh process), for which waiting and
-        restarting changes nothing."""
+    def failing_at_start(self, times: int = START_FAILURES) -> list[tuple[int, int | None]]:
+        """(actor id, last exit code) of each actor that died ``times`` times in a row, each time within
+        QUICK_DEATH_S of its start: one that cannot start (its env does not build in a fresh process), for
+        which waiting and restarting changes nothing."""
         return [
             (config.actor_id, self._exitcodes[i])
             for i, config in enumerate(self.configs)
@@ -176,7 +182,7 @@ class ThreadActors:
             raise RuntimeError(f"in-process actor failed: {self.errors[0]!r}") from self.errors[0]
         return []
 
-    def failing_at_start(self, times: int = 3) -> list[tuple[int, int | None]]:
+    def failing_at_start(self, times: int = START_FAILURES) -> list[tuple[int, int | None]]:
         return []  # a failing thread is raised by supervise
 
     def all_finished(self) -> bool:

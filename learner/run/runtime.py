@@ -37,7 +37,7 @@ import numpy as np
 
 from actors.actor import Actor
 from actors.loop import actor_configs
-from actors.pool import ActorPool, ThreadActors
+from actors.pool import START_FAILURES, ActorPool, ThreadActors
 from impala.envs import UnknownEnvError
 from impala.envs.fingerprint import FingerprintMismatchError
 from impala.envs.probe import EnvInfo
@@ -388,8 +388,9 @@ def _start_actors(
         if failing:  # it would die again until the hello timeout: say so now
             i, code = failing[0]
             raise ActorStartError(
-                f"actor {i} exited (code {code}) 3 times in a row at start-up, before its first hello; its "
-                "error is above (the env builds in the learner's process but not in an actor's?)"
+                f"actor {i} exited (code {code}) {START_FAILURES} times in a row at start-up, before its "
+                "first hello; its error is above (the env builds in the learner's process but not in an "
+                "actor's?)"
             )
 
     # Actors send no unroll before they have weights, so no hello can queue behind unrolls here; only hellos
