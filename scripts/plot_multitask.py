@@ -3,7 +3,8 @@
 scripts/learn_multitask.sh.
 
 Reads ROOT/<arm>-s<seed>/metrics.csv for the multi-task arms (popart, clipped, raw) and
-ROOT/<arm>-<Game>-s<seed>/metrics.csv for the single-task ones (single, single-popart). Per game it takes
+ROOT/<arm>-<Game>-s<seed>/metrics.csv for the single-task ones (single, single-popart); a run with another
+value-loss weight has it in its name (popart-bc025-s1, labelled "popart bc025 s1"). Per game it takes
 the mean return of the last 100 episodes at each million frames of that game's own frames (a multi-task
 run's ``tasks/<env>/frames``, a single-task run's ``charts/env_frames``), its human-normalized score
 ((score - random) / (human - random), the standard table in impala.envs.atari), and the median and mean
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import glob
 import os
 import re
 import statistics
@@ -105,27 +105,38 @@ def single_run(rows: list[dict[str, str]]) -> dict[str, list[tuple[float, float]
 
 
 def load(root: str, games: list[str]) -> dict[str, dict[str, dict[str, list[tuple[float, float]]]]]:
-    """{run label: {game: {"return": curve, "sigma": curve}}} for every run of every arm under ``root``."""
+    """{run label: {game: {"return": curve, "sigma": curve}}} for every run of every arm under ``root``.
+
+    A run folder is ``<arm>[-bc<weight>]-s<seed>`` (multi-task) or ``<arm>[-bc<weight>]-<Game>-s<seed>``
+    (single-task), as learn_multitask.sh names them; its label is ``<arm>[ bc<weight>] s<seed>``."""
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    multi = re.compile(rf"^({'|'.join(MULTI)})(-bc\d+)?-s(\d+)$")
+    single = re.compile(rf"^({'|'.join(SINGLE)})(-bc\d+)?-([A-Za-z]+)-s(\d+)$")
+    by_game = {g.split("Deterministic")[0]: g for g in games}
+    found = []  # (arm, tag, seed, game or None, path)
+    for name in names:
+        path = os.path.join(root, name, "metrics.csv")
+        if not os.path.isfile(path):
+            continue
+        if m := multi.match(name):
+            found.append((m.group(1), m.group(2), m.group(3), None, path))
+        elif (m := single.match(name)) and m.group(3) in by_game:
+            found.append((m.group(1), m.group(2), m.group(4), by_game[m.group(3)], path))
+    # the arms in a fixed order (popart, clipped, raw, single, single-popart), each arm's default value-loss
+    # weight before the others, then by seed
+    order = {arm: i for i, arm in enumerate(MULTI + SINGLE)}
+    found.sort(key=lambda f: (order[f[0]], f[1] or "", int(f[2])))
     runs: dict[str, dict[str, dict[str, list[tuple[float, float]]]]] = {}
-    for arm in MULTI:
-        for path in sorted(glob.glob(os.path.join(root, f"{arm}-s*", "metrics.csv"))):
-            seed = re.search(r"-s(\d+)$", os.path.dirname(path)).group(1)
-            runs[f"{arm} s{seed}"] = multi_run(read_rows(path), games)
-    for arm in SINGLE:
-        seeds = {
-            m.group(1)
-            for p in glob.glob(os.path.join(root, f"{arm}-*-s*"))
-            if (m := re.search(rf"{re.escape(arm)}-[A-Za-z]+-s(\d+)$", p))
-        }
-        for seed in sorted(seeds):
-            found = {}
-            for g in games:
-                path = os.path.join(root, f"{arm}-{g.split('Deterministic')[0]}-s{seed}", "metrics.csv")
-                if os.path.isfile(path):
-                    found[g] = single_run(read_rows(path))
-            if found:
-                runs[f"{arm} s{seed}"] = found
+    for arm, tag, seed, game, path in found:
+        if game is None:
+            runs[label_of(arm, tag, seed)] = multi_run(read_rows(path), games)
+        else:
+            runs.setdefault(label_of(arm, tag, seed), {})[game] = single_run(read_rows(path))
     return runs
+
+
+def label_of(arm: str, tag: str | None, seed: str) -> str:
+    return f"{arm}{' ' + tag[1:] if tag else ''} s{seed}"
 
 
 def scores(
