@@ -38,13 +38,6 @@ from impala.envs.atari import human_normalized_score  # noqa: E402
 
 MULTI = ("popart", "clipped", "raw")
 SINGLE = ("single", "single-popart")
-LABELS = {
-    "popart": "one agent, PopArt, raw rewards",
-    "clipped": "one agent, no PopArt, clipped rewards",
-    "raw": "one agent, no PopArt, raw rewards",
-    "single": "each game alone (defaults: clipped)",
-    "single-popart": "each game alone, PopArt, raw rewards",
-}
 # per-task diagnostics a multi-task run logs (tasks/<game>/<name>) and the diagnostics table's headings
 DIAGNOSTICS = {
     "entropy": "entropy",
