@@ -10,7 +10,7 @@
 #   FRAMES=400000 SECONDS_PER_RUN=600 scripts/learn_multitask.sh   # the 10-minute smoke form
 #   SKIP_TRAIN=1 scripts/learn_multitask.sh           # only redraw the figure and table from the runs there
 #   BASELINE_COST=0.25 scripts/learn_multitask.sh     # the value loss's weight (default: the launcher's);
-#                                                     # the run folder says it: popart-bc025-s1
+#                                                     # the run folder says it: popart-bc0.25-s1
 #
 # Multi-task arms (every other setting the launcher's defaults):
 #   popart   PopArt per game, raw rewards (the multi-task default; Hessel et al. 2018)
@@ -49,9 +49,10 @@ case "$ARM" in
 esac
 TAG=$ARM
 if [ -n "$BASELINE_COST" ]; then
-    # the launcher checks the value; the folder name keeps runs with another weight apart from the arm's own
+    # the launcher checks the value; the folder name, with the value as given (0.25 and 25 must not share
+    # one), keeps runs with another weight apart from the arm's own
     ARM_FLAGS+=(--baseline-cost "$BASELINE_COST")
-    TAG=$ARM-bc${BASELINE_COST//./}
+    TAG=$ARM-bc$BASELINE_COST
 fi
 
 train() {  # train ENV FRAMES FOLDER: one run, resumed where it stopped, skipped when finished

@@ -4,7 +4,7 @@ scripts/learn_multitask.sh.
 
 Reads ROOT/<arm>-s<seed>/metrics.csv for the multi-task arms (popart, clipped, raw) and
 ROOT/<arm>-<Game>-s<seed>/metrics.csv for the single-task ones (single, single-popart); a run with another
-value-loss weight has it in its name (popart-bc025-s1, labelled "popart bc025 s1"). Per game it takes
+value-loss weight has it in its name (popart-bc0.25-s1, labelled "popart bc0.25 s1"). Per game it takes
 the mean return of the last 100 episodes at each million frames of that game's own frames (a multi-task
 run's ``tasks/<env>/frames``, a single-task run's ``charts/env_frames``), its human-normalized score
 ((score - random) / (human - random), the standard table in impala.envs.atari), and the median and mean
@@ -103,8 +103,8 @@ def load(root: str, games: list[str]) -> dict[str, dict[str, dict[str, list[tupl
     A run folder is ``<arm>[-bc<weight>]-s<seed>`` (multi-task) or ``<arm>[-bc<weight>]-<Game>-s<seed>``
     (single-task), as learn_multitask.sh names them; its label is ``<arm>[ bc<weight>] s<seed>``."""
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    multi = re.compile(rf"^({'|'.join(MULTI)})(-bc\d+)?-s(\d+)$")
-    single = re.compile(rf"^({'|'.join(SINGLE)})(-bc\d+)?-([A-Za-z]+)-s(\d+)$")
+    multi = re.compile(rf"^({'|'.join(MULTI)})(-bc[0-9.]+)?-s(\d+)$")
+    single = re.compile(rf"^({'|'.join(SINGLE)})(-bc[0-9.]+)?-([A-Za-z]+)-s(\d+)$")
     by_game = {g.split("Deterministic")[0]: g for g in games}
     found = []  # (arm, tag, seed, game or None, path)
     for name in names:

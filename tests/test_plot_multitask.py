@@ -117,23 +117,24 @@ def test_curves_kept_as_csv_files_join_by_label(tmp_path):
 
 
 def test_runs_with_another_value_loss_weight_are_found_labelled_and_ordered(tmp_path):
-    """learn_multitask.sh's BASELINE_COST names its runs popart-bc025-s1 and single-popart-bc025-<Game>-s1:
+    """learn_multitask.sh's BASELINE_COST names its runs popart-bc0.25-s1 and single-popart-bc0.25-<Game>-s1:
     each is a run of its own, labelled with its weight, after the arm's default-weight runs; a folder of
     another game or none of the arms' names is left out."""
     row = {f"tasks/{g}/frames": 1_000_000 for g in GAMES}
-    for label, pong in (("popart-bc025-s1", -3.05), ("popart-s2", 14.6), ("popart-s1", -20.7), ("raw-s1", 0)):
+    runs = (("popart-bc0.25-s1", -3.05), ("popart-s2", 14.6), ("popart-s1", -20.7), ("raw-s1", 0))
+    for label, pong in runs:
         _write(tmp_path / label, [{**row, "tasks/PongDeterministic-v4/mean_return_100": pong,
                                    "tasks/BreakoutDeterministic-v4/mean_return_100": 1.7}])  # fmt: skip
     single = {"charts/env_frames": 1_000_000, "charts/mean_return_100": 14.6}
-    for name in ("single-popart-bc025-Pong-s1", "single-popart-Pong-s1", "single-popart-Seaquest-s1",
+    for name in ("single-popart-bc0.25-Pong-s1", "single-popart-Pong-s1", "single-popart-Seaquest-s1",
                  "popartish-s1", "single-Pong-s10"):  # fmt: skip
         _write(tmp_path / name, [single])
     out = _run("--root", str(tmp_path), "--games", ",".join(GAMES), "--out", str(tmp_path / "mt.png"))
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "mt.md").read_text()
     labels = [line.split(" | ")[0][2:] for line in md.split("\n\n")[1].splitlines()[2:]]
-    assert labels == ["popart s1", "popart s2", "popart bc025 s1", "raw s1", "single s10", "single-popart s1",
-                      "single-popart bc025 s1"], md  # fmt: skip
-    # each weight's run keeps its own curve: Pong at -3.05 (HNS 0.5) for bc025, -20.7 (0.0) for the default
-    assert "| popart bc025 s1 | -3.0 (0.500) | 1.7 (0.000) |" in md, md
+    assert labels == ["popart s1", "popart s2", "popart bc0.25 s1", "raw s1", "single s10",
+                      "single-popart s1", "single-popart bc0.25 s1"], md  # fmt: skip
+    # each weight's run keeps its own curve: Pong at -3.05 (HNS 0.5) for bc0.25, -20.7 (0.0) for the default
+    assert "| popart bc0.25 s1 | -3.0 (0.500) | 1.7 (0.000) |" in md, md
     assert "| popart s1 | -20.7 (0.000) | 1.7 (0.000) |" in md, md
