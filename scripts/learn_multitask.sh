@@ -11,6 +11,8 @@
 #   SKIP_TRAIN=1 scripts/learn_multitask.sh           # only redraw the figure and table from the runs there
 #   BASELINE_COST=0.25 scripts/learn_multitask.sh     # the value loss's weight (default: the launcher's);
 #                                                     # the run folder says it: popart-bc0.25-s1
+#   ENVS_PER_WORKER=20 scripts/learn_multitask.sh     # envs per actor (default: the launcher's, 5 for five
+#                                                     # games on 2 actors); the folder says it: popart-k20-s1
 #
 # Multi-task arms (every other setting the launcher's defaults):
 #   popart   PopArt per game, raw rewards (the multi-task default; Hessel et al. 2018)
@@ -34,6 +36,7 @@ WORKERS=${WORKERS:-2}
 FRAMES=${FRAMES:-20000000}            # the whole multi-task run (the learning rate decays to 0 over it)
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-0} # 0: no time limit
 BASELINE_COST=${BASELINE_COST:-}      # empty: the launcher's default
+ENVS_PER_WORKER=${ENVS_PER_WORKER:-}  # empty: the launcher's default
 ROOT=${ROOT:-runs/multitask}
 PY=${PY:-.venv/bin/python}
 BIN=$(dirname "$PY")
@@ -54,6 +57,10 @@ if [ -n "$BASELINE_COST" ]; then
     ARM_FLAGS+=(--baseline-cost "$BASELINE_COST")
     TAG=$ARM-bc$BASELINE_COST
 fi
+if [ -n "$ENVS_PER_WORKER" ]; then
+    ARM_FLAGS+=(--envs-per-worker "$ENVS_PER_WORKER")
+    TAG=$TAG-k$ENVS_PER_WORKER
+fi
 
 train() {  # train ENV FRAMES FOLDER: one run, resumed where it stopped, skipped when finished
     local env=$1 frames=$2 run=$3
@@ -66,7 +73,11 @@ train() {  # train ENV FRAMES FOLDER: one run, resumed where it stopped, skipped
     echo "learn_multitask.sh: training $run ($env, $frames frames), log $run.log"
     "$BIN/launch_impala" --env "$env" --env-kwargs '{"frameskip": 4}' --workers "$WORKERS" --seed "$SEED" \
         --total-frames "$frames" --max-seconds "$SECONDS_PER_RUN" "${ARM_FLAGS[@]}" --logdir "$run" \
-        --no-progress --log-interval 30 "${resume[@]}" >> "$run.log" 2>&1
+        --no-progress --log-interval 30 "${resume[@]}" >> "$run.log" 2>&1 || {
+        local rc=$?
+        echo "learn_multitask.sh: $run stopped with exit $rc; its last line: $(tail -n 1 "$run.log")" >&2
+        return "$rc"
+    }
 }
 
 if [ "${SKIP_TRAIN:-0}" != "1" ]; then

@@ -4,7 +4,8 @@ scripts/learn_multitask.sh.
 
 Reads ROOT/<arm>-s<seed>/metrics.csv for the multi-task arms (popart, clipped, raw) and
 ROOT/<arm>-<Game>-s<seed>/metrics.csv for the single-task ones (single, single-popart); a run with another
-value-loss weight has it in its name (popart-bc0.25-s1, labelled "popart bc0.25 s1"). Per game it takes
+value-loss weight or another number of envs per actor has it in its name (popart-bc0.25-s1, labelled
+"popart bc0.25 s1"; popart-k20-s1, "popart k20 s1"). Per game it takes
 the mean return of the last 100 episodes at each million frames of that game's own frames (a multi-task
 run's ``tasks/<env>/frames``, a single-task run's ``charts/env_frames``), its human-normalized score
 ((score - random) / (human - random), the standard table in impala.envs.atari), and the median and mean
@@ -100,11 +101,13 @@ def single_run(rows: list[dict[str, str]]) -> dict[str, list[tuple[float, float]
 def load(root: str, games: list[str]) -> dict[str, dict[str, dict[str, list[tuple[float, float]]]]]:
     """{run label: {game: {"return": curve, "sigma": curve}}} for every run of every arm under ``root``.
 
-    A run folder is ``<arm>[-bc<weight>]-s<seed>`` (multi-task) or ``<arm>[-bc<weight>]-<Game>-s<seed>``
-    (single-task), as learn_multitask.sh names them; its label is ``<arm>[ bc<weight>] s<seed>``."""
+    A run folder is ``<arm>[-bc<weight>][-k<envs>]-s<seed>`` (multi-task) or
+    ``<arm>[-bc<weight>][-k<envs>]-<Game>-s<seed>`` (single-task), as learn_multitask.sh names them; its label
+    is ``<arm>[ bc<weight>][ k<envs>] s<seed>``."""
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    multi = re.compile(rf"^({'|'.join(MULTI)})(-bc[0-9.]+)?-s(\d+)$")
-    single = re.compile(rf"^({'|'.join(SINGLE)})(-bc[0-9.]+)?-([A-Za-z]+)-s(\d+)$")
+    tag = r"((?:-bc[0-9.]+)?(?:-k\d+)?)"
+    multi = re.compile(rf"^({'|'.join(MULTI)}){tag}-s(\d+)$")
+    single = re.compile(rf"^({'|'.join(SINGLE)}){tag}-([A-Za-z]+)-s(\d+)$")
     by_game = {g.split("Deterministic")[0]: g for g in games}
     found = []  # (arm, tag, seed, game or None, path)
     for name in names:
@@ -129,7 +132,7 @@ def load(root: str, games: list[str]) -> dict[str, dict[str, dict[str, list[tupl
 
 
 def label_of(arm: str, tag: str | None, seed: str) -> str:
-    return f"{arm}{' ' + tag[1:] if tag else ''} s{seed}"
+    return f"{arm}{tag.replace('-', ' ') if tag else ''} s{seed}"
 
 
 def scores(

@@ -117,11 +117,12 @@ def test_curves_kept_as_csv_files_join_by_label(tmp_path):
 
 
 def test_runs_with_another_value_loss_weight_are_found_labelled_and_ordered(tmp_path):
-    """learn_multitask.sh's BASELINE_COST names its runs popart-bc0.25-s1 and single-popart-bc0.25-<Game>-s1:
-    each is a run of its own, labelled with its weight, after the arm's default-weight runs; a folder of
-    another game or none of the arms' names is left out."""
+    """learn_multitask.sh's BASELINE_COST names its runs popart-bc0.25-s1 and single-popart-bc0.25-<Game>-s1,
+    its ENVS_PER_WORKER popart-k20-s1: each is a run of its own, labelled with its settings, after the arm's
+    default runs; a folder of another game or none of the arms' names is left out."""
     row = {f"tasks/{g}/frames": 1_000_000 for g in GAMES}
-    runs = (("popart-bc0.25-s1", -3.05), ("popart-s2", 14.6), ("popart-s1", -20.7), ("raw-s1", 0))
+    runs = (("popart-bc0.25-s1", -3.05), ("popart-s2", 14.6), ("popart-s1", -20.7), ("raw-s1", 0),
+            ("popart-k20-s1", 14.6), ("popart-bc0.25-k20-s3", 0), ("popart-k-s1", 0))  # fmt: skip
     for label, pong in runs:
         _write(tmp_path / label, [{**row, "tasks/PongDeterministic-v4/mean_return_100": pong,
                                    "tasks/BreakoutDeterministic-v4/mean_return_100": 1.7}])  # fmt: skip
@@ -133,8 +134,10 @@ def test_runs_with_another_value_loss_weight_are_found_labelled_and_ordered(tmp_
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "mt.md").read_text()
     labels = [line.split(" | ")[0][2:] for line in md.split("\n\n")[1].splitlines()[2:]]
-    assert labels == ["popart s1", "popart s2", "popart bc0.25 s1", "raw s1", "single s10",
+    assert labels == ["popart s1", "popart s2", "popart bc0.25 s1", "popart bc0.25 k20 s3", "popart k20 s1",
+                      "raw s1", "single s10",
                       "single-popart s1", "single-popart bc0.25 s1"], md  # fmt: skip
     # each weight's run keeps its own curve: Pong at -3.05 (HNS 0.5) for bc0.25, -20.7 (0.0) for the default
     assert "| popart bc0.25 s1 | -3.0 (0.500) | 1.7 (0.000) |" in md, md
     assert "| popart s1 | -20.7 (0.000) | 1.7 (0.000) |" in md, md
+    assert "| popart k20 s1 | 14.6 (1.000) | 1.7 (0.000) |" in md, md
