@@ -10,6 +10,7 @@ outputs are preserved).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import multiprocessing
@@ -27,6 +28,7 @@ from impala.algos.impala_losses import (
     vtrace_targets,
 )
 from impala.algos.popart import unnormalize
+from impala.algos.task_gradients import task_gradient_stats, task_gradients
 from impala.envs.probe import EnvInfo
 from impala.nets.impala_net import ImpalaNet, build_model
 from impala.options import ConfigError
@@ -204,6 +206,11 @@ class VTraceLearner:
     """Owns the model and optimizer; ``step`` runs one update on a time-major batch."""
 
     HEALTH_EVERY = 10
+    # A multi-task run's per-task gradients take one backward pass per task: on every 200th update (about
+    # 3% more backward work; every few seconds on a CPU learner, so each 30-second row averages several);
+    # 0: never
+    TASK_GRADIENTS_EVERY = 200
+    TASK_GRADIENTS_WINDOW = 16  # measurements averaged in each report (about a minute on a CPU learner)
 
     def __init__(
         self,
@@ -241,6 +248,12 @@ class VTraceLearner:
         self.skipped_updates = 0  # steps dropped because their loss or gradient was not finite
         self._health: dict[str, float] = {}
         self._task_sums: torch.Tensor | None = None  # multi-task: per-task sums since the last report
+        # multi-task: per task, its gradient share and cosine at the last TASK_GRADIENTS_WINDOW measurements
+        self._task_grads: collections.deque[torch.Tensor] = collections.deque(
+            maxlen=self.TASK_GRADIENTS_WINDOW
+        )
+        # the weights every task's steps reach (all but the per-task value heads)
+        self._shared_params = [p for n, p in self.model.named_parameters() if not n.startswith("baseline.")]
         self._shuffle = torch.Generator().manual_seed(seed)
         self._staging: dict[int, dict[str, torch.Tensor]] = {}  # buffer set (slot) -> arrays
         self._staging_b = 0
@@ -378,6 +391,9 @@ class VTraceLearner:
         fixed = BatchTargets(batch["target_vs"], batch["target_pg_adv"]) if "target_vs" in batch else None
         logits, values = self._forward(batch, T, fixed, task_ids, measure)
         loss = self._loss(batch, logits, values, T, fixed, task_ids)
+        every = self.TASK_GRADIENTS_EVERY  # 0: never
+        if self.task_names and every and self.updates % every == 0:
+            self._add_task_gradients(loss.total, logits, values, task_ids)
         lr = self.learning_rate(frames_done)
         grad_norm = self._apply(loss, lr, task_ids, T)
         self.updates += 1
@@ -562,18 +578,42 @@ class VTraceLearner:
             )
         self._task_sums.index_add_(0, task_ids.reshape(-1), per_step.double())
 
+    def _add_task_gradients(
+        self, total: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, task_ids: torch.Tensor
+    ) -> None:
+        """Keep this minibatch's per-task gradient share and cosine (on the shared weights) for
+        :meth:`_task_health`. Reads the graph the update's backward pass then uses; changes no
+        weight and no ``.grad``."""
+        rows = task_gradients(
+            total, (logits, values), task_ids[: logits.shape[0]], len(self.task_names), self._shared_params
+        )
+        share, cosine = task_gradient_stats(rows.float())
+        self._task_grads.append(torch.stack([share, cosine], dim=1).double().cpu())  # [K, 2]
+
     def _task_health(self) -> dict[str, float]:
         """Per task, over the minibatches since the last report: the policy's entropy; the mean |advantage|
         that multiplies its log-probabilities in the policy term (after PopArt's scaling and the minibatch
         standardization) and the task's share of their sum (its weight in the policy gradient); its share
         of the steps trained; and the value error in the regression's units. A task the others crowd out
-        shows a weight share far below its step share."""
+        shows a weight share far below its step share. And, averaged over the last TASK_GRADIENTS_WINDOW
+        measurements (one every TASK_GRADIENTS_EVERY updates): the task's share of the summed per-task
+        gradient norms on the shared weights, and the cosine of its gradient with the other tasks' summed
+        gradient (below 0: it pulls the shared weights against them)."""
+        out = {}
+        if self._task_grads:
+            window = torch.stack(list(self._task_grads))  # [N, K, 2], NaN where a task had no step
+            mean = window.nansum(0) / torch.isfinite(window).sum(0).clamp(min=1)
+            seen = torch.isfinite(window).any(0)
+            for i, name in enumerate(self.task_names):
+                if seen[i, 0]:
+                    out[f"tasks/{name}/grad_share"] = float(mean[i, 0])
+                if seen[i, 1]:
+                    out[f"tasks/{name}/grad_cosine"] = float(mean[i, 1])
         sums, self._task_sums = self._task_sums, None
         if sums is None:
-            return {}
+            return out
         sums = sums.cpu()
         total_adv, total_steps = float(sums[:, 1].sum()), float(sums[:, 3].sum())
-        out = {}
         for i, name in enumerate(self.task_names):
             entropy, adv, err, n = (float(x) for x in sums[i])
             if not n:

@@ -46,6 +46,8 @@ DIAGNOSTICS = {
     "pg_weight_share": "share of summed abs. advantage",
     "step_share": "share of steps trained",
     "value_error": "value error",
+    "grad_share": "share of summed gradient norm",
+    "grad_cosine": "gradient cosine with the others'",
     "policy_lag": "policy lag",
 }
 STEP = 1_000_000  # the table's frames per game between columns

@@ -84,6 +84,10 @@ def test_with_popart_both_scales_are_solved_and_each_sigma_tracks_its_own_return
         min(row["tasks/CartPole-v1/frames"], row["tasks/CartPoleX1000-v1/frames"])
         > 0.3 * row["charts/env_frames"]
     )
+    # each task's share of the gradient on the shared weights is logged (they sum to 1), and its cosine
+    shares = [row[f"tasks/{t}/grad_share"] for t in TASKS.split(",")]
+    assert sum(shares) == pytest.approx(1.0) and min(shares) > 0, row
+    assert all(-1 <= row[f"tasks/{t}/grad_cosine"] <= 1 for t in TASKS.split(",")), row
 
 
 def test_without_popart_the_small_scale_task_lags(tmp_path, popart_run):

@@ -40,6 +40,7 @@ def test_the_table_reads_each_game_at_its_own_frames(tmp_path):
         row["popart/sigma/PongDeterministic-v4"], row["popart/sigma/BreakoutDeterministic-v4"] = 0.5, 2.0 + k
         row["tasks/PongDeterministic-v4/entropy"] = k
         row["tasks/BreakoutDeterministic-v4/policy_lag"] = 10 * k
+        row["tasks/PongDeterministic-v4/grad_cosine"] = -0.1 * k
         multi.append(row)
     _write(tmp_path / "popart-s1", multi)
     # single-task runs: Pong to 1M frames only, Breakout to 2M
@@ -63,8 +64,8 @@ def test_the_table_reads_each_game_at_its_own_frames(tmp_path):
     # the per-task diagnostics over the second half of each game's 2M frames: rows k = 5..8 (1.25M-2M);
     # a column the run did not log is "–", and the single-task runs (no per-task columns) get no table
     assert "popart s1, per game over the second half of its frames:" in md and "single s1, per game" not in md
-    assert "| Pong | 6.50 | – | – | – | – | – |" in md, md
-    assert "| Breakout | – | – | – | – | – | 65.00 |" in md, md
+    assert "| Pong | 6.50 | – | – | – | – | – | -0.65 | – |" in md, md
+    assert "| Breakout | – | – | – | – | – | – | – | 65.00 |" in md, md
 
 
 def test_no_runs_or_an_unscored_game_is_one_line_and_exit_2(tmp_path):
