@@ -11,8 +11,8 @@
 #   SKIP_TRAIN=1 scripts/learn_multitask.sh           # only redraw the figure and table from the runs there
 #   BASELINE_COST=0.25 scripts/learn_multitask.sh     # the value loss's weight (default: the launcher's);
 #                                                     # the run folder says it: popart-bc0.25-s1
-#   ENVS_PER_WORKER=20 scripts/learn_multitask.sh     # envs per actor (default: the launcher's, 5 for five
-#                                                     # games on 2 actors); the folder says it: popart-k20-s1
+#   ENVS_PER_WORKER=5 scripts/learn_multitask.sh      # envs per actor (default: the launcher's, 20 for five
+#                                                     # games on 2 actors); the folder says it: popart-k5-s1
 #
 # Multi-task arms (every other setting the launcher's defaults):
 #   popart   PopArt per game, raw rewards (the multi-task default; Hessel et al. 2018)
@@ -24,7 +24,8 @@
 # Every game runs with a 4-frame skip (SpaceInvaders' classic id skips 3; one network needs one skip, as in
 # the paper), the single-task runs too, so per-game frames mean the same thing in every arm. Games whose
 # minimal action sets differ play on the ALE's full 18 actions in a multi-task run. With 2 actors the
-# launcher gives each 5 envs, one per game, so every game gets the same frames.
+# launcher gives each 20 envs, 4 per game (8 per game in all, as a single-task run on 2 actors has), so
+# every game gets the same frames; ENVS_PER_WORKER=5 is the setting of the runs before that default.
 # Run one at a time: two runs on a 2-core box share its cores and each gets half. A run that stopped
 # (Ctrl-C, a crash) continues where its checkpoint is when the same command is given again.
 set -euo pipefail

@@ -46,6 +46,8 @@ RECIPE = [
     *"--unroll-length 20 --batch-size 8".split(),
     "--minibatches",  # 2 unrolls a minibatch, as when the figures above were measured
     "4",
+    "--envs-per-worker",  # 4 envs per actor (2 per task), as when the figures above were measured
+    "4",
     *"--learning-rate 2e-3 --no-progress --log-interval 2 --seed 1".split(),
 ]
 SOLVED = 195.0  # CartPole's classic "solved" mean return over 100 episodes (CartPole-v0's reward_threshold)
@@ -303,7 +305,17 @@ def test_every_task_gets_its_share_of_envs_however_few_actors(workers, envs, tas
 
 @pytest.mark.parametrize(
     "workers, tasks, expected",
-    [(2, 5, 5), (2, 2, 4), (1, 5, 5), (2, 3, 6), (16, 5, 5), (4, 2, 4), (2, 57, 57), (16, 57, 4), (0, 5, 4)],
+    [
+        (2, 5, 20),  # 8 envs per game, as a single-task run on 2 actors x 4 has
+        (2, 2, 8),
+        (1, 5, 30),  # 40 would be over 32 per actor: the most that deal evenly under it
+        (2, 3, 12),
+        (16, 5, 5),  # 16 per game already
+        (4, 2, 4),
+        (2, 57, 57),  # no even count fits under 32: one env per game per actor
+        (16, 57, 4),  # nor 57 per actor: shares differ by one env
+        (0, 5, 4),
+    ],
 )
 def test_a_multi_task_run_picks_envs_per_actor_that_deal_the_tasks_evenly(workers, tasks, expected):
     k = launch_impala.balanced_envs_per_worker(workers, tasks, 4)
@@ -324,9 +336,9 @@ def test_the_launcher_deals_five_games_over_two_actors_evenly_unless_told(tmp_pa
         )
         return config.envs_per_worker
 
-    assert resolved() == 5
+    assert resolved() == 20  # 8 envs per game
     assert resolved("--envs-per-worker", "4") == 4  # given: kept (and the start warns, see below)
-    assert resolved("--workers", "16") == 5
+    assert resolved("--workers", "16") == 5  # 16 per game
 
 
 # ---------------------------------------------------------------------------- the learner
@@ -434,9 +446,9 @@ def test_the_start_says_how_tasks_share_the_envs_and_warns_where_it_is_unusual(t
             launch_impala.log_multi_task(config, impala, tuple(infos), note)
         return [(r.levelname, r.getMessage()) for r in caplog.records]
 
-    lines = start_lines()  # 2 actors x 4 envs: 4 each, no warning
-    assert ("INFO", "multi-task: 2 actors x 4 envs, envs per task: PongDeterministic-v4 4, "
-            "BreakoutDeterministic-v4 4") in lines  # fmt: skip
+    lines = start_lines()  # 2 actors x 8 envs: 8 each, no warning
+    assert ("INFO", "multi-task: 2 actors x 8 envs, envs per task: PongDeterministic-v4 8, "
+            "BreakoutDeterministic-v4 8") in lines  # fmt: skip
     assert not [m for level, m in lines if level == "WARNING"]
     # 2 x 3 envs deal evenly (3 and 3): the one warning is for clipped rewards under PopArt
     warnings = [

@@ -116,14 +116,31 @@ def build_parser() -> argparse.ArgumentParser:
 MULTI_TASK_DEFAULTS = {"popart": True, "reward_clip": 0.0}
 
 
+# Env streams per task a multi-task run aims for where --envs-per-worker is not given: as many as a
+# single-task run on the default 2 actors x 4 envs has. With 2 streams per game (2 actors x 5 envs, five
+# games) each game's share of a batch came from 2 episodes at a time, and Breakout and SpaceInvaders stayed
+# under half of their single-task scores; with 8 they did not (docs/MULTITASK.md, section 2).
+ENVS_PER_TASK = 8
+MAX_ENVS_PER_ACTOR = 32  # past this an actor's unrolls wait long for its turn: the policy lag grows
+
+
 def balanced_envs_per_worker(workers: int, num_tasks: int, default: int) -> int:
     """Envs per actor for a multi-task run where ``--envs-per-worker`` is not set: the smallest count from
-    ``default`` up that deals every task the same number of envs (``workers * K`` a multiple of the tasks:
-    2 actors and 5 games get 5 envs each), unless that needs more than twice the envs every task needs
-    at least one of; then that many, and the tasks' shares differ by one env."""
+    ``default`` up that deals every task the same number of envs (``workers * K`` a multiple of the tasks)
+    and gives each at least ENVS_PER_TASK (2 actors and 5 games: 20 envs each, 8 per game; 16 actors: 5
+    each, 16 per game). Where that is over MAX_ENVS_PER_ACTOR, the largest even count under it (1 actor and
+    5 games: 30); where none is, the smallest even count, unless that needs more than twice the envs every
+    task needs at least one of; then that many, and the tasks' shares differ by one env."""
     if workers < 1:
         return default
     step = num_tasks // math.gcd(workers, num_tasks)
+    wanted = max(default, -(-ENVS_PER_TASK * num_tasks // workers))
+    full = -(-wanted // step) * step
+    if full <= MAX_ENVS_PER_ACTOR:
+        return full
+    capped = MAX_ENVS_PER_ACTOR // step * step
+    if capped >= max(default, step):
+        return capped
     balanced = max(step, -(-default // step) * step)
     enough = max(default, -(-num_tasks // workers))
     return balanced if balanced <= max(8, 2 * enough) else enough
