@@ -764,7 +764,8 @@ RUN_BRIEF = {
     "env_package": "Packages to import (learner and actors) that register their envs.",
     "env_kwargs": "Env constructor overrides, JSON ('{\"frameskip\": 4}'); checked in every actor.",
     "workers": "Local actor processes; 0: remote actors only (impala-actors).",
-    "envs_per_worker": "Envs each actor steps with one batched forward pass.",
+    "envs_per_worker": "Envs each actor steps with one batched forward pass (without it a multi-task run "
+    "gives every task the same number of envs, at least 8 where 32 per actor allow).",
     "learners": "Data-parallel learner processes (each batch split over them).",
     "cpu_affinity": "Learner/actor CPU placement; auto: pinned for images on a CPU learner.",
     "actor_nice": "Niceness added to the local actors (0-19): the learner first.",
