@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("shallow", "nature", "deep"), default="shallow", help="the network")
     p.add_argument("--steps", type=int, default=10, help="minibatch steps profiled (after 3 untimed)")
     p.add_argument("--rows", type=int, default=20, help="operations listed, by their own CPU time")
+    p.add_argument(
+        "--no-onednn",
+        action="store_true",
+        help="torch's oneDNN off: the convolutions run on ATen's own kernels, as bf16 ones do on a CPU without "
+        "AVX-512 (torch has oneDNN bf16 convolutions only there)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.rows < 1:
         p.error("--steps and --rows must be >= 1")
@@ -47,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     from learner.vtrace_learner import VTraceLearner, select_unrolls
 
     args = parse_args(argv)
+    if args.no_onednn:
+        torch.backends.mkldnn.enabled = False
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = ImpalaConfig(precision=args.precision)
@@ -74,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             step()
     unrolls = B // config.minibatches
     print(
-        f"{args.model} CNN, --precision {args.precision}, one minibatch step ({T} x {unrolls} "
+        f"{args.model} CNN, --precision {args.precision}{', oneDNN off' if args.no_onednn else ''}, one minibatch step ({T} x {unrolls} "
         f"unrolls = {T * unrolls} frames), 1 torch thread, torch {torch.__version__}: "
         f"{ms:.1f} ms per step unprofiled; per-operation times below are over {args.steps} profiled steps "
         f"(the profiler adds its own overhead)"
