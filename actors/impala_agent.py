@@ -24,7 +24,12 @@ class ImpalaAgent:
         num_actions, num_envs = int(envs.action_space.n), envs.num_envs
 
         self.model = build_model(
-            spec.model, obs_shape, num_actions, use_lstm=spec.use_lstm, num_tasks=spec.num_tasks
+            spec.model,
+            obs_shape,
+            num_actions,
+            use_lstm=spec.use_lstm,
+            num_tasks=spec.num_tasks,
+            obs_norm=spec.obs_norm,
         )
         self.model.eval()
         if hasattr(self.model.torso, "to_channels_last"):

@@ -310,12 +310,22 @@ class VTraceLearner:
             "frames" in batch
         ):  # each frame travelled once: rebuild the stacks here (on the device, when there is one)
             batch["obs"] = rebuild_frame_stacks(batch.pop("obs_head"), batch.pop("frames"), batch["first"])
+        pixel_norm = getattr(self.model.torso, "pixel_norm", None)
+        if pixel_norm is not None:  # --obs-norm: this batch's frames join the statistics it is normalized by
+            self._observe_pixels(pixel_norm, batch["obs"])
         lay_out = getattr(self.model.torso, "lay_out", None)  # image torsos
         if lay_out is not None:
             batch["obs"] = lay_out(batch["obs"], out=self._laid_out.get(slot) if slot is not None else None)
             if slot is not None:
                 self._laid_out[slot] = batch["obs"]
         return batch
+
+    def _observe_pixels(self, pixel_norm: Any, frames: torch.Tensor) -> None:
+        """Update the pixel statistics from this rank's frames; in a learner group every rank then takes
+        rank 0's statistics, so all ranks normalize (and publish) alike."""
+        pixel_norm.observe(frames)
+        if self.group is not None:
+            self.group.broadcast_module(pixel_norm)
 
     def train(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
         """All the updates one batch gets: ``epochs`` passes, each over ``minibatches`` disjoint
@@ -676,6 +686,7 @@ class ImpalaTrainer:
                 init=config.init,
                 beta=config.popart_beta,
                 num_tasks=self.num_tasks,
+                obs_norm=config.obs_norm,
             )
         except ValueError as e:  # the model kind does not fit this env's observations
             raise ConfigError(f"--model {config.model}: {e}") from None
@@ -707,7 +718,7 @@ class ImpalaTrainer:
             self.num_tasks,
         )
         self.agent = ImpalaAgentSpec(
-            config.model, config.use_lstm, config.popart_beta, frame_stack, self.num_tasks
+            config.model, config.use_lstm, config.popart_beta, frame_stack, self.num_tasks, config.obs_norm
         )
         self._pending: list[Mapping[str, np.ndarray]] = []
         self._sources: list[int] = []  # actor id of each pending unroll, to name them if a batch is bad

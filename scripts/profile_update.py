@@ -35,8 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-onednn",
         action="store_true",
-        help="torch's oneDNN off: the convolutions run on ATen's own kernels, as bf16 ones do on a CPU without "
-        "AVX-512 (torch has oneDNN bf16 convolutions only there)",
+        help="torch's oneDNN off: the convolutions run on ATen's own kernels, as bf16 ones do on a CPU "
+        "without AVX-512 (torch has oneDNN bf16 convolutions only there)",
     )
     args = p.parse_args(argv)
     if args.steps < 1 or args.rows < 1:
@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.steps):
             step()
     unrolls = B // config.minibatches
+    onednn = ", oneDNN off" if args.no_onednn else ""
     print(
-        f"{args.model} CNN, --precision {args.precision}{', oneDNN off' if args.no_onednn else ''}, one minibatch step ({T} x {unrolls} "
+        f"{args.model} CNN, --precision {args.precision}{onednn}, one minibatch step ({T} x {unrolls} "
         f"unrolls = {T * unrolls} frames), 1 torch thread, torch {torch.__version__}: "
         f"{ms:.1f} ms per step unprofiled; per-operation times below are over {args.steps} profiled steps "
         f"(the profiler adds its own overhead)"

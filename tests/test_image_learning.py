@@ -49,3 +49,23 @@ def test_pixel_catch_learns_with_the_default_settings(tmp_path):
     # The health columns are there for every row, and the torso is not dead.
     last = rows[-1]
     assert float(last["health/alive_conv1"]) > 0.25 and float(last["health/logit_spread"]) > 0.1, last
+
+
+def test_obs_norm_runs_resumes_and_evaluates_with_the_learners_pixel_statistics(tmp_path):
+    """--obs-norm end to end: the learner updates the pixel statistics from every batch and the checkpoint
+    holds them; a resume keeps them (and the setting); impala-eval plays with them."""
+    import torch
+
+    base = "launch_impala --env PixelCatch-v0 --workers 1 --no-progress --cpu-affinity off --logdir".split()
+    first = run([*base, str(tmp_path), "--obs-norm", "--total-frames", "6000"], timeout=240)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["model"]
+    count = float(state["torso.pixel_norm.count"])
+    assert count > 1000, count  # thousands of observed frames, not the prior alone
+    assert 0.0 < float(state["torso.pixel_norm.var"].min()) < 1.0  # the gray field: a small variance
+    resumed = run([*base, str(tmp_path), "--resume", "--total-frames", "12000"], timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["model"]
+    assert float(state["torso.pixel_norm.count"]) > count
+    evaluated = run(["impala-eval", str(tmp_path), "--episodes", "3", "--workers", "0"], timeout=240)
+    assert evaluated.returncode == 0, evaluated.stdout[-2000:] + evaluated.stderr[-2000:]

@@ -235,3 +235,67 @@ def test_task_ids_select_popart_head():
     out, _ = net(torch.randn(2, 2, 4), torch.zeros(2, 2, dtype=torch.bool), task_ids=tasks)
     assert out.task_values.shape == (2, 2, 3)
     torch.testing.assert_close(out.values, out.task_values.gather(-1, tasks[..., None]).squeeze(-1))
+
+
+def _pong_like_frames(T, B, seed=0):
+    """A constant gray field with a few bright moving pixels, as Pong's preprocessed frames are."""
+    g = torch.Generator().manual_seed(seed)
+    frames = torch.full((T, B, *PONG_OBS), 87, dtype=torch.uint8)
+    rows, cols = torch.randint(0, 84, (2, T, B), generator=g)
+    for t in range(T):
+        for b in range(B):
+            frames[t, b, :, rows[t, b], cols[t, b]] = 236
+    return frames
+
+
+def test_pixel_normalizer_statistics_are_the_pooled_moments():
+    """``observe`` merges batches as one pool of samples, the prior (count 1, mean 0, variance 1) included:
+    checked against the moments of all samples observed, computed at once in float64."""
+    norm = impala_net.PixelNormalizer(PONG_OBS)
+    seen = []
+    for seed, stride in ((0, 4), (1, 1), (2, 3)):
+        frames = _pong_like_frames(5, 3, seed) if seed != 1 else _frames(2, 3, seed)
+        norm.observe(frames, stride=stride)
+        seen.append(frames.reshape(-1, *PONG_OBS)[::stride].double() / 255.0)
+    x = torch.cat(seen)
+    n = x.shape[0] + 1  # with the prior sample
+    mean = x.sum(0) / n  # the prior's mean is 0
+    var = (1.0 + x.square().sum(0)) / n - mean.square()  # E[x^2] - mean^2; the prior's E[x^2] is 1
+    assert float(norm.count) == n
+    assert torch.allclose(norm.mean.double(), mean, atol=1e-6)
+    assert torch.allclose(norm.var.double(), var, atol=1e-6)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_obs_norm_standardizes_each_pixel_and_the_learners_layout_matches_the_actors_path(channels_last):
+    """With --obs-norm an image torso reads clamp((x/255 - mean) / sqrt(var + 1e-5), -5, 5) per pixel: the
+    learner's lay_out (once per batch, over an earlier batch too) and an actor's uint8 forward pass give it
+    alike, and the background of a Pong-like frame is near 0 while its moving pixels stand out."""
+    torch.manual_seed(0)
+    net = impala_net.build_model("shallow", PONG_OBS, PONG_ACTIONS, obs_norm=True)
+    if channels_last:
+        net.torso.to_channels_last()
+    norm = net.torso.pixel_norm
+    assert isinstance(norm, impala_net.PixelNormalizer)
+    assert {"torso.pixel_norm.mean", "torso.pixel_norm.var", "torso.pixel_norm.count"} <= set(
+        net.state_dict()
+    )
+    for seed in range(4):
+        norm.observe(_pong_like_frames(8, 4, seed), stride=1)
+    frames = _pong_like_frames(3, 2, seed=9)
+    want = ((frames.float() / 255.0 - norm.mean) / torch.sqrt(norm.var + 1e-5)).clamp(-5, 5)
+    laid = net.torso.lay_out(frames)
+    assert torch.allclose(laid, want, atol=1e-5)
+    again = net.torso.lay_out(frames, out=net.torso.lay_out(_pong_like_frames(3, 2, seed=3)))
+    assert torch.equal(again, laid)
+    background = frames == 87
+    assert laid[background].abs().max() < 0.5 and laid[~background].min() > 2.0
+    first = torch.zeros(3, 2, dtype=torch.bool)
+    from_uint8, _ = net(frames, first)
+    from_laid, _ = net(laid, first)
+    assert torch.allclose(from_uint8.policy_logits, from_laid.policy_logits, atol=1e-5)
+    plain = impala_net.build_model("shallow", PONG_OBS, PONG_ACTIONS)
+    assert plain.torso.pixel_norm is None and not any("pixel_norm" in k for k in plain.state_dict())
+    assert impala_net.build_model("mlp", (4,), 2, obs_norm=True).state_dict().keys() == (
+        impala_net.build_model("mlp", (4,), 2).state_dict().keys()
+    )  # vector observations: no pixel statistics

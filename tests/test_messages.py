@@ -26,7 +26,7 @@ RUNS = [
     RunInfo(
         "a" * 32,
         EnvSpec("PongDeterministic-v4", {"frameskip": 4}),
-        ImpalaAgentSpec("shallow", True, 1e-3),
+        ImpalaAgentSpec("shallow", True, 1e-3, obs_norm=True),
         20,
         4,
     ),
@@ -43,6 +43,14 @@ RUNS = [
 @pytest.mark.parametrize("info", RUNS, ids=["impala", "ppo"])
 def test_run_info_round_trips_through_the_codec(info):
     assert RunInfo.from_dict(_through_the_wire(info.to_dict())) == info
+
+
+def test_an_impala_agent_record_without_obs_norm_is_one_from_before_it():
+    """Checkpoints and learners older than --obs-norm send no obs_norm: their networks had no pixel
+    statistics, so the agent is built without them."""
+    d = RUNS[0].agent.to_dict()
+    del d["obs_norm"]
+    assert ImpalaAgentSpec.from_dict(d).obs_norm is False
 
 
 def _broken(info: RunInfo, path: tuple, value) -> dict:
@@ -66,6 +74,7 @@ BROKEN = [
     (0, ("agent", "kind"), "dqn", "unknown agent kind"),
     (0, ("agent", "model"), "resnet9000", "unknown model"),
     (0, ("agent", "popart_beta"), 5.0, "popart_beta"),
+    (0, ("agent", "obs_norm"), 1, "obs_norm must be a bool"),
     (1, ("agent", "config", "learning_rate"), -1.0, "learning_rate"),
     (1, ("agent", "config", "bogus_option"), 1, "unknown PPO options"),
     (1, ("agent", "action_low"), [float("nan")], "finite"),

@@ -11,7 +11,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_update.py"
 
 
 @pytest.mark.parametrize(
-    "precision, onednn", [("fp32", True), ("bf16", True), ("bf16", False)], ids=["fp32", "bf16", "bf16-no-onednn"]
+    "precision, onednn",
+    [("fp32", True), ("bf16", True), ("bf16", False)],
+    ids=["fp32", "bf16", "bf16-no-onednn"],
 )
 def test_profiles_the_learners_step_and_names_its_operations(precision, onednn):
     # without oneDNN, the kernels a CPU without AVX-512 runs bf16 convolutions on (aten::_slow_conv2d_*)

@@ -4,7 +4,8 @@ an optional LSTM core that resets at episode starts, a policy head and a PopArt 
 All networks take time-major ``[T, B, *obs_shape]`` observations. Image frames are
 uint8 ``[C, H, W]`` (e.g. ``[4, 84, 84]``) and are scaled by 1/255 inside the model,
 so the wire and the actors keep the 4x smaller uint8; floating-point image inputs are
-taken as already scaled to [0, 1].
+taken as already made into the torso's input (scaled to [0, 1], and with a
+:class:`PixelNormalizer` normalized too: what :meth:`_ImageTorso.lay_out` returns).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "DeepResNet",
     "MLPTorso",
     "ImpalaNet",
+    "PixelNormalizer",
     "build_model",
     "initialize",
     "INIT_SCHEMES",
@@ -54,17 +56,64 @@ class NetOutput(NamedTuple):
     task_values: torch.Tensor
 
 
-def _scale_frames(x: torch.Tensor, channels_last: bool, compute_dtype: torch.dtype | None) -> torch.Tensor:
-    # Lay the (4x smaller) uint8 frames out first, then convert and scale in place: scaling a
-    # float copy out of place and then reordering it took ~3x as long (a quarter of a small
-    # CPU learner update).
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    if x.dtype == torch.uint8:
-        return x.float().mul_(1.0 / 255.0)
-    if compute_dtype is not None and x.dtype == compute_dtype:
-        return x  # frames the learner scaled once per batch (_ImageTorso.lay_out)
-    return x.float()
+class PixelNormalizer(nn.Module):
+    """Each input element (pixel of each stacked frame) standardized by its own running mean and variance,
+    then clipped to +-5: Sample Factory's ``normalize_input`` for images (its ``RunningMeanStdInPlace``, not
+    per channel; count 1, mean 0, variance 1 to start; eps 1e-5 under the square root).
+
+    Why it matters on Atari: most pixels of a frame are a background that barely changes, so after
+    normalization the background is near 0 and the few moving objects (Pong's ball and paddles) stand out
+    at several standard deviations, where 1/255 scaling leaves every conv1 filter a large shared
+    background term to fit (docs/PONG.md, "the torso dies"). The statistics are buffers of the model:
+    the learner updates them from each batch (:meth:`observe`) before training on it, and they reach the
+    actors with the weights, so both sides normalize alike."""
+
+    EPS = 1e-5
+    CLIP = 5.0
+
+    def __init__(self, obs_shape: Sequence[int]) -> None:
+        super().__init__()
+        shape = tuple(int(d) for d in obs_shape)
+        self.register_buffer("mean", torch.zeros(shape))
+        self.register_buffer("var", torch.ones(shape))
+        self.register_buffer("count", torch.ones((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def observe(self, frames: torch.Tensor, stride: int = 4) -> None:
+        """Merge the moments of ``frames`` ([..., *obs_shape], uint8 or [0, 1] floats) into the running ones
+        (Chan et al.'s parallel update, as Sample Factory's). Every ``stride``-th sample of the flattened
+        batch is used: a Pong batch holds 1,056 observations of 28k elements, and a quarter of them gives
+        the same statistics (the statistics average over millions of frames) at a quarter of the cost."""
+        x = frames.reshape(-1, *self.mean.shape)[::stride].float()
+        if frames.dtype == torch.uint8:
+            x.mul_(1.0 / 255.0)
+        n = x.shape[0]
+        if n == 0:
+            return
+        # sums, not torch.var_mean over the batch axis: 7x faster on a CPU (a strided reduction there);
+        # values in [0, 1] leave float32's cancellation far below any variance that matters
+        batch_mean = x.sum(0).div_(n)
+        batch_var = x.square_().sum(0).div_(n).sub_(batch_mean.square()).clamp_(min=0.0)
+        total = self.count + n
+        delta = batch_mean - self.mean
+        old = (self.count / total).float()
+        new = (n / total).float()
+        self.mean.add_(delta * new)
+        self.var.copy_(self.var * old + batch_var * new + delta.square() * old * new)
+        self.count.copy_(total)
+
+    @torch.no_grad()
+    def normalize_(self, x: torch.Tensor, prescale: float = 1.0) -> torch.Tensor:
+        """``x * prescale`` ([..., *obs_shape] floats; in [0, 1] after ``prescale``) standardized and clipped,
+        in place: one multiply-add and one clamp pass over the frames."""
+        scale = torch.rsqrt(self.var + self.EPS)
+        shift = -self.mean * scale
+        scale = scale * prescale
+        if x.dim() > 3 and x.movedim(-3, -1).is_contiguous():
+            # channels-last frames: the statistics in the same memory order, so every pass runs unit-stride
+            scale, shift = (t.movedim(0, -1).contiguous().movedim(-1, 0) for t in (scale, shift))
+        torch.addcmul(shift.to(x.dtype), x, scale.to(x.dtype), out=x)
+        return x.clamp_(-self.CLIP, self.CLIP)
 
 
 class _ActivityTracking:
@@ -125,6 +174,24 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
         # learner's choice, ``--precision``); the weights stay float32 and the features leave as float32,
         # so the heads, the losses and the actors (which never set it) are float32 throughout.
         self.compute_dtype: torch.dtype | None = None
+        # --obs-norm: per-pixel standardization after scaling (set by build_model)
+        self.pixel_norm: PixelNormalizer | None = None
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the convolutions read: uint8 frames scaled to [0, 1] (and normalized with a
+        :attr:`pixel_norm`); floats are taken as made so already (:meth:`lay_out`'s output)."""
+        # Lay the (4x smaller) uint8 frames out first, then convert and scale in place: scaling a
+        # float copy out of place and then reordering it took ~3x as long (a quarter of a small
+        # CPU learner update).
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        if x.dtype == torch.uint8:
+            if self.pixel_norm is not None:
+                return self.pixel_norm.normalize_(x.float(), prescale=1.0 / 255.0)
+            return x.float().mul_(1.0 / 255.0)
+        if self.compute_dtype is not None and x.dtype == self.compute_dtype:
+            return x  # frames the learner scaled once per batch (_ImageTorso.lay_out)
+        return x.float()
 
     def to_channels_last(self) -> "_ImageTorso":
         """Use NHWC for convolutions (faster with cuDNN/bf16 on recent GPUs)."""
@@ -159,15 +226,23 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
                 scale_to = torch.float32
         if scale_to is not None and out is not None and self._fits(out, obs, scale_to):
             target = out.movedim(-3, -1) if self.channels_last else out
-            target.copy_(obs.movedim(-3, -1) if self.channels_last else obs).mul_(1.0 / 255.0)
+            target.copy_(obs.movedim(-3, -1) if self.channels_last else obs)
+            if self.pixel_norm is not None:
+                self.pixel_norm.normalize_(out, prescale=1.0 / 255.0)
+            else:
+                target.mul_(1.0 / 255.0)
             return out
         nhwc = obs.movedim(-3, -1).contiguous() if self.channels_last else obs
         if scale_to is not None:
             # uint8 -> bf16 is exact, and bf16's in-place multiply computes in float32 and rounds once: the
             # values autocast makes of the float32 frames (tests/test_impala_net.py), at a third of the
             # time of converting through float32 and of a one-pass strided uint8 -> bf16 multiply. In
-            # float32 these are _scale_frames' own operations: the same values.
-            nhwc = nhwc.to(scale_to).mul_(1.0 / 255.0)
+            # float32 these are _input's own operations: the same values.
+            nhwc = nhwc.to(scale_to)
+            if self.pixel_norm is not None:
+                laid = nhwc.movedim(-1, -3) if self.channels_last else nhwc
+                return self.pixel_norm.normalize_(laid, prescale=1.0 / 255.0)
+            nhwc.mul_(1.0 / 255.0)
         return nhwc.movedim(-1, -3) if self.channels_last else nhwc
 
     def _fits(self, out: torch.Tensor, obs: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -189,7 +264,7 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] uint8 (or float in [0, 1]) -> [N, out_features] float32."""
-        x = _scale_frames(x, self.channels_last, self.compute_dtype)
+        x = self._input(x)
         # no autocast context at all in float32: the actors call this for every step (2.8 us vs 0.25 us)
         reduced = (
             torch.autocast(x.device.type, dtype=self.compute_dtype)
@@ -458,6 +533,7 @@ def build_model(
     *,
     num_tasks: int = 1,
     init: str = "orthogonal",
+    obs_norm: bool = False,
     **popart_kwargs: float,
 ) -> ImpalaNet:
     """Build an :class:`ImpalaNet`.
@@ -469,6 +545,8 @@ def build_model(
       use_lstm: add the LSTM core.
       num_tasks: PopArt value-head outputs.
       init: weight initialization, see :func:`initialize`.
+      obs_norm: an image torso standardizes each input pixel by running statistics
+        (:class:`PixelNormalizer`); vector observations are not affected.
     """
     obs_shape = tuple(int(d) for d in obs_shape)
     if kind == "auto":
@@ -498,6 +576,8 @@ def build_model(
         torso = MLPTorso(obs_shape[0])
     else:
         raise ValueError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
+    if obs_norm and isinstance(torso, _ImageTorso):
+        torso.pixel_norm = PixelNormalizer(obs_shape)
     return initialize(
         ImpalaNet(torso, num_actions, use_lstm=use_lstm, num_tasks=num_tasks, **popart_kwargs), init
     )

@@ -706,6 +706,12 @@ class ImpalaConfig:
         "EPYC) but its three Pong seeds needed 7.3-8.7M frames to 18 against fp32's 5.1-5.3M "
         "(BENCHMARKS.md), so it is not the default.",
     )
+    obs_norm: bool = option(
+        False,
+        "Image observations: standardize each input pixel by its running mean and variance (updated by the "
+        "learner from every batch, sent to the actors with the weights) and clip to +-5, as Sample "
+        "Factory's normalize_input; vector observations are unaffected.",
+    )
     frame_dedup: bool = option(
         True,
         "Atari: send each frame once (the newest frame per step) and rebuild the 4-frame stacks in the "
@@ -831,5 +837,6 @@ IMPALA_BRIEF = {
     "grad_norm_clip": "Gradient norm clip; 0: none.",
     "popart_beta": "PopArt statistics step size.",
     "precision": "Learner arithmetic in image torsos: fp32 or bf16 (autocast).",
+    "obs_norm": "Images: standardize each pixel by running statistics (clip +-5).",
     "frame_dedup": "Atari: send each frame once; the learner rebuilds the stacks.",
 }

@@ -43,6 +43,7 @@ class ImpalaAgentSpec:
     popart_beta: float = 3e-4
     frame_stack: int = 0  # > 1: send each frame once (impala.transport.trajectory.impala_unroll_schema)
     num_tasks: int = 1  # > 1: multi-task; PopArt value heads, and every unroll carries its task index
+    obs_norm: bool = False  # the image torso standardizes pixels by running statistics (in the weights)
     kind: str = dataclasses.field(default="impala", init=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -53,6 +54,7 @@ class ImpalaAgentSpec:
             "popart_beta": self.popart_beta,
             "frame_stack": self.frame_stack,
             "num_tasks": self.num_tasks,
+            "obs_norm": self.obs_norm,
         }
 
     @classmethod
@@ -70,7 +72,10 @@ class ImpalaAgentSpec:
         tasks = d.get("num_tasks", 1)  # absent before multi-task runs
         if isinstance(tasks, bool) or not isinstance(tasks, int) or not 1 <= tasks <= MAX_TASKS:
             raise ValueError(f"{what}: num_tasks must be an int in [1, {MAX_TASKS}], got {tasks!r}")
-        return cls(model, _get(d, "use_lstm", bool, what), beta, stack, tasks)
+        obs_norm = d.get("obs_norm", False)  # absent before --obs-norm
+        if not isinstance(obs_norm, bool):
+            raise ValueError(f"{what}: obs_norm must be a bool, got {obs_norm!r}")
+        return cls(model, _get(d, "use_lstm", bool, what), beta, stack, tasks, obs_norm)
 
 
 # The env action spaces a PPO actor can drive (Unity: continuous, discrete branches or both).

@@ -131,7 +131,9 @@ def export_checkpoint(ckpt: PolicyCheckpoint, out: str, obs_sizes: list[int] | N
             raise CheckpointError(
                 f"checkpoint {ckpt.path}: env {ckpt.env.id} has no discrete actions for IMPALA"
             )
-        model = build_model(agent.model, info.obs_shape, info.num_actions, num_tasks=agent.num_tasks)
+        model = build_model(
+            agent.model, info.obs_shape, info.num_actions, num_tasks=agent.num_tasks, obs_norm=agent.obs_norm
+        )
         _load(model, ckpt)
         export_impala_onnx(model.eval(), info.obs_shape, out, obs_dtype=info.obs_dtype)
         return (

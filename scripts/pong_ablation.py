@@ -1,0 +1,285 @@
+#!/usr/bin/env python
+"""Per-frame ablation on Pong: our defaults moved toward Sample Factory's published Atari settings one
+difference at a time (docs/PONG_ABLATION.md).
+
+    python scripts/pong_ablation.py run obs_norm --seeds 1 2      # run arms (one at a time), 2.5M frames each
+    python scripts/pong_ablation.py run obs_norm --dry-run        # the commands, nothing run
+    python scripts/pong_ablation.py report                        # table, and docs/pong_ablation.png
+    python scripts/pong_ablation.py list                          # the arms and what each changes
+
+Each run is a real ``launch_impala --env PongDeterministic-v4 --workers 2`` with every default but the arm's
+flags. The budget is a frame count at which the run is stopped with Ctrl-C (it writes its checkpoint and
+exits), not ``--total-frames``: the learning rate keeps the default's schedule (decaying over 20M frames),
+so an arm's first 2.5M frames are exactly what a default-length run with its flags does. A finished run's
+curve is copied, small, to ``docs/data/ablation/pong_<arm>_s<seed>.csv`` (frames, time, mean return of the
+last 100 episodes, frames/s), and the report is drawn from those files alone, so it survives the loss of the
+run folders. A run folder that already holds a finished curve is not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data" / "ablation"
+ENV = "PongDeterministic-v4"
+THRESHOLDS = (-10.0, 0.0, 15.0)
+AT_FRAMES = (1.0e6, 1.5e6, 2.0e6, 2.5e6)
+
+# name -> (launch_impala flags, the difference from Sample Factory's published Atari run it tests)
+ARMS: dict[str, tuple[list[str], str]] = {
+    "defaults": ([], "none: every launch_impala default"),
+    "popart": (
+        ["--popart"],
+        "return normalization: PopArt (statistics and preserved outputs) on clipped rewards",
+    ),
+    "obs_norm": (["--obs-norm"], "input normalization: each pixel standardized by running statistics"),
+    "obs_norm_popart": (["--obs-norm", "--popart"], "both normalizations (Sample Factory normalizes both)"),
+    "nature": (["--model", "nature"], "network: the Nature CNN instead of the shallow IMPALA CNN"),
+    "lr": (["--learning-rate", "2.5e-4"], "learning rate 2.5e-4 instead of 5e-4"),
+    "rollout128": (["--unroll-length", "128", "--batch-size", "8"], "128-step rollouts (8 x 128 per batch)"),
+    "minibatches4": (["--minibatches", "4"], "4 minibatches of 256 steps per pass instead of 8 of 128"),
+    "vloss_half": (["--baseline-cost", "0.5"], "value-loss weight: half of ours (see the page on units)"),
+}
+
+
+class AblationError(ValueError):
+    """Bad input: one line, exit 2."""
+
+
+def curve_file(arm: str, seed: int) -> Path:
+    return DATA / f"pong_{arm}_s{seed}.csv"
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """(frames, time, mean_return_100, fps) per row of a run's metrics.csv that has a return."""
+    rows = []
+    if not path.is_file():
+        return rows
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            frames, ret = r.get("charts/env_frames"), r.get("charts/mean_return_100")
+            if not frames or not ret:
+                continue
+            rows.append(
+                {
+                    "frames": float(frames),
+                    "time": float(r.get("time") or "nan"),
+                    "mean_return_100": float(ret),
+                    "fps": float(r.get("charts/fps") or "nan"),
+                }
+            )
+    return rows
+
+
+def last_frames(path: Path) -> int:
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, csv.Error):
+        return 0
+    for r in reversed(rows):
+        if r.get("charts/env_frames"):
+            return int(float(r["charts/env_frames"]))
+    return 0
+
+
+def command(arm: str, seed: int, logdir: Path, python: str) -> list[str]:
+    flags, _ = ARMS[arm]
+    return [
+        python, "-m", "learner.cli.launch_impala", "--env", ENV, "--workers", "2", "--seed", str(seed),
+        "--logdir", str(logdir), "--force", "--no-progress", "--log-interval", "10", *flags,
+    ]  # fmt: skip
+
+
+def run_one(arm: str, seed: int, frames: int, runs: Path, python: str) -> None:
+    logdir = runs / arm / f"s{seed}"
+    cmd = command(arm, seed, logdir, python)
+    print(f"pong_ablation: {arm} seed {seed}: {' '.join(cmd[2:])} (stopped at {frames:,} frames)", flush=True)
+    logdir.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with open(runs / arm / f"s{seed}.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None:
+                if last_frames(logdir / "metrics.csv") >= frames:
+                    proc.send_signal(signal.SIGINT)  # a checkpoint, then a clean exit
+                    proc.wait(timeout=300)
+                    break
+                time.sleep(5)
+        except BaseException:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=300)
+            raise
+    rows = [r for r in read_metrics(logdir / "metrics.csv") if r["frames"] <= frames * 1.02]
+    if not rows or rows[-1]["frames"] < frames * 0.98:
+        raise SystemExit(
+            f"pong_ablation: {arm} seed {seed} ended at exit {proc.returncode} before {frames:,} frames"
+        )
+    write_curve(curve_file(arm, seed), rows)
+    last = rows[-1]
+    print(
+        f"pong_ablation: {arm} seed {seed}: {last['mean_return_100']:.2f} at {last['frames']:,.0f} frames, "
+        f"{(time.monotonic() - start) / 60:.1f} min",
+        flush=True,
+    )
+
+
+def write_curve(path: Path, rows: list[dict[str, float]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["frames", "time", "mean_return_100", "fps"])
+        for r in rows:
+            w.writerow(
+                [int(r["frames"]), f"{r['time']:.1f}", f"{r['mean_return_100']:.2f}", f"{r['fps']:.0f}"]
+            )
+
+
+def read_curve(path: Path) -> list[tuple[float, float]]:
+    with open(path, newline="") as f:
+        return [
+            (float(r["frames"]), float(r["mean_return_100"]))
+            for r in csv.DictReader(f)
+            if r["mean_return_100"]
+        ]
+
+
+def first_reach(curve: list[tuple[float, float]], threshold: float) -> float | None:
+    return next((f for f, r in curve if r >= threshold), None)
+
+
+def value_at(curve: list[tuple[float, float]], frames: float) -> float | None:
+    """The return of the last row at or before ``frames`` (within 3%: None past the curve's end)."""
+    before = [r for f, r in curve if f <= frames * 1.03]
+    if not before or curve[-1][0] < frames * 0.97:
+        return None
+    return before[-1]
+
+
+def _fmt_frames(f: float | None) -> str:
+    return "-" if f is None else f"{f / 1e6:.2f}M"
+
+
+def _fmt_ret(r: float | None) -> str:
+    return "-" if r is None else f"{r:.1f}"
+
+
+def report(references: dict[str, Path], out: Path | None) -> str:
+    """Markdown table of every arm with curves in docs/data/ablation (and the references); the figure to
+    ``out``."""
+    arms: dict[str, list[tuple[int, list[tuple[float, float]]]]] = {}
+    for arm in ARMS:
+        for path in sorted(DATA.glob(f"pong_{arm}_s*.csv")):
+            seed = int(path.stem.rsplit("_s", 1)[1])
+            arms.setdefault(arm, []).append((seed, read_curve(path)))
+    for label, path in references.items():
+        if path.is_file():
+            arms[label] = [(0, read_curve(path))]
+    head = (
+        "| arm | what it changes | seeds | "
+        + " | ".join(f"return at {f / 1e6:g}M" for f in AT_FRAMES)
+        + " | "
+        + " | ".join(f"frames to {t:g}" for t in THRESHOLDS)
+        + " |"
+    )
+    lines = [head, "|" + "---|" * 3 + "--:|" * (len(AT_FRAMES) + len(THRESHOLDS))]
+    for arm, runs in arms.items():
+        what = ARMS[arm][1] if arm in ARMS else "reference run on the same box"
+        cells = []
+        for f in AT_FRAMES:
+            vals = [value_at(c, f) for _, c in runs]
+            cells.append(" / ".join(_fmt_ret(v) for v in vals))
+        for t in THRESHOLDS:
+            cells.append(" / ".join(_fmt_frames(first_reach(c, t)) for _, c in runs))
+        seeds = ", ".join(str(s) for s, _ in runs) if arm in ARMS else "1"
+        lines.append(f"| {arm} | {what} | {seeds} | " + " | ".join(cells) + " |")
+    if out is not None:
+        plot(arms, out)
+    return "\n".join(lines)
+
+
+def plot(arms: dict[str, list[tuple[int, list[tuple[float, float]]]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (arm, runs) in enumerate(arms.items()):
+        color = colors[i % len(colors)]
+        for j, (_, curve) in enumerate(runs):
+            xs = [f / 1e6 for f, _ in curve if f <= 3.0e6]
+            ys = [r for f, r in curve if f <= 3.0e6]
+            ax.plot(xs, ys, color=color, lw=1.4, alpha=0.9, label=arm if j == 0 else None)
+    ax.axhline(15, color="gray", ls=":", lw=1)
+    ax.set_xlabel("env frames (millions)")
+    ax.set_ylabel("mean return, last 100 episodes")
+    ax.set_title(f"{ENV}: our defaults moved toward Sample Factory's, one difference at a time")
+    ax.set_xlim(0, 3.0)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"pong_ablation: wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run arms, one at a time")
+    r.add_argument("arms", nargs="+", help="arm names (see 'list')")
+    r.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    r.add_argument("--frames", type=float, default=2.5e6, help="env frames per run (default 2.5e6)")
+    r.add_argument("--runs", type=Path, default=ROOT / "runs" / "ablation", help="parent of the run folders")
+    r.add_argument("--python", default=sys.executable)
+    r.add_argument("--dry-run", action="store_true")
+    p = sub.add_parser("report", help="the table (stdout) and the figure")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "pong_ablation.png")
+    sub.add_parser("list", help="the arms")
+    try:
+        args = ap.parse_args(argv)
+        if args.cmd == "list":
+            for name, (flags, what) in ARMS.items():
+                print(f"{name:16s} {' '.join(flags) or '(none)':40s} {what}")
+            return 0
+        if args.cmd == "report":
+            refs = {
+                "sample_factory": ROOT / "docs" / "data" / "peers_pong_30min_sample_factory_published.csv",
+                "cleanrl": ROOT / "docs" / "data" / "peers_pong_30min_cleanrl_published.csv",
+            }
+            print(report(refs, args.out))
+            return 0
+        unknown = [a for a in args.arms if a not in ARMS]
+        if unknown:
+            raise AblationError(f"unknown arm {unknown[0]!r}; one of {', '.join(ARMS)}")
+        if not (math.isfinite(args.frames) and args.frames >= 1e4):
+            raise AblationError(f"--frames {args.frames:g}: at least 10,000")
+        if any(s < 0 for s in args.seeds):
+            raise AblationError("--seeds: non-negative integers")
+        for arm in args.arms:
+            for seed in args.seeds:
+                if args.dry_run:
+                    print(" ".join(command(arm, seed, args.runs / arm / f"s{seed}", args.python)))
+                elif curve_file(arm, seed).is_file():
+                    print(f"pong_ablation: {arm} seed {seed}: already in {curve_file(arm, seed)}; skipped")
+                else:
+                    run_one(arm, seed, int(args.frames), args.runs, args.python)
+        return 0
+    except AblationError as e:
+        print(f"pong_ablation: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
