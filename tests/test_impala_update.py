@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 
 import numpy as np
 import pytest
@@ -258,3 +259,26 @@ def test_precision_bf16_is_for_an_image_torso_and_fp32_is_the_default():
         build_model("shallow", OBS, A), ImpalaConfig(precision="bf16"), cpu, total_frames=10**6
     )
     assert learner.precision == "bf16" and learner.model.torso.compute_dtype == torch.bfloat16
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's note on switching oneDNN
+def test_bf16_on_a_cpu_where_it_is_slower_warns_with_what_it_costs(caplog):
+    """With oneDNN off, torch runs bf16 convolutions on its slow path, as on an AVX2-only CPU (7.8x slower
+    than fp32 per minibatch step there): the learner times both at start and warns with the figures; bf16
+    stays, as asked. fp32 is never timed."""
+    import logging
+
+    from learner.vtrace_learner import bf16_torso_cost, torso_precision
+
+    image, cpu = build_model("shallow", OBS, A), torch.device("cpu")
+    with torch.backends.mkldnn.flags(enabled=False), caplog.at_level(logging.INFO, "learner.vtrace_learner"):
+        fp32_ms, bf16_ms = bf16_torso_cost(image)
+        assert bf16_ms > 1.5 * fp32_ms > 0  # the slow path, measured
+        assert torso_precision("bf16", cpu, image) == "bf16"
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warning) == 1 and "--precision bf16 is slower than fp32 on this CPU" in warning[0], warning
+    assert re.search(r"took [\d.]+ ms in bf16 against [\d.]+ ms in fp32 \([\d.]+x\)", warning[0]), warning
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "learner.vtrace_learner"):
+        torso_precision("fp32", cpu, image)
+    assert not caplog.records

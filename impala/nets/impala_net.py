@@ -255,10 +255,12 @@ class _ImageTorso(_ActivityTracking, nn.Module, abc.ABC):
         """The convolutional stack; subclasses define it."""
 
     def _flat_size(self, obs_shape: Sequence[int]) -> int:
+        """The fc layer's input size for ``obs_shape``, which the torso records (:attr:`obs_shape`)."""
         if len(obs_shape) != 3:
             raise ValueError(
                 f"{type(self).__name__} needs image observations [C, H, W], got shape {tuple(obs_shape)}"
             )
+        self.obs_shape = tuple(int(d) for d in obs_shape)
         with torch.no_grad():
             return int(self._conv_features(torch.zeros(1, *obs_shape)).flatten(1).shape[1])
 

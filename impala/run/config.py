@@ -704,7 +704,8 @@ class ImpalaConfig:
         "(autocast; weights, optimizer, heads, losses and V-trace stay fp32, and so do the actors). bf16 "
         "pays on a CPU with native bf16 (AVX512-BF16 or AMX: 1.4-1.6x the frames/s on Pong, 2-core AMD "
         "EPYC) but its three Pong seeds needed 7.3-8.7M frames to 18 against fp32's 5.1-5.3M "
-        "(BENCHMARKS.md), so it is not the default.",
+        "(BENCHMARKS.md), so it is not the default. Elsewhere it is slower (7.8x per minibatch step on an "
+        "AVX2-only CPU): a CPU learner times both at start and warns with the figures when bf16 loses.",
     )
     obs_norm: bool = option(
         False,
