@@ -13,6 +13,9 @@ from impala.transport.messages import ImpalaAgentSpec
 from impala.transport.params import load_state_arrays, state_dict_schema
 from impala.transport.trajectory import impala_unroll_schema
 
+# --sync: the longest an actor waits for an update's weights (a CPU learner's update takes about a second)
+SYNC_WAIT_S = 60.0
+
 
 class ImpalaAgent:
     """Discrete actions sampled from the policy logits of an IMPALA network."""
@@ -39,6 +42,7 @@ class ImpalaAgent:
         self.use_lstm = spec.use_lstm
         self.core_size = self.model.core.hidden_size if self.use_lstm else 0
         self.frame_stack = spec.frame_stack
+        self.unrolls_per_update = spec.unrolls_per_update
         self.schema = impala_unroll_schema(
             unroll_length, obs_shape, obs_dtype, num_actions, self.core_size, spec.frame_stack, spec.num_tasks
         )
@@ -118,5 +122,9 @@ class ImpalaAgent:
         return {"rewards": result.reward, "dones": result.terminated | result.truncated}
 
     def params_wait_s(self, unrolls_sent: int) -> float:
-        """Off-policy (V-trace corrects): never wait for newer weights."""
+        """Off-policy (V-trace corrects): no wait for newer weights, unless ``--sync``: once this actor sent
+        its share of a batch with the current weights, it waits for the update's (at most SYNC_WAIT_S, so a
+        lost unroll costs one wait, never a deadlock)."""
+        if self.unrolls_per_update and unrolls_sent >= self.unrolls_per_update:
+            return SYNC_WAIT_S
         return 0.0

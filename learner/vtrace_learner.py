@@ -229,6 +229,26 @@ def torso_precision(choice: str, device: torch.device, model: ImpalaNet) -> str:
     return choice
 
 
+def sync_rounds(config: ImpalaConfig, run: RunConfig) -> int:
+    """``--sync``: the unrolls each local actor sends per update (0 without it). Every local env sends one
+    unroll a round, so a batch is ``--batch-size / (workers x envs per worker)`` rounds of all of them."""
+    if not config.sync:
+        return 0
+    if run.weights_delay():
+        raise ConfigError(
+            f"--sync waits for each update's weights; with the actors' weights {run.weights_delay()} "
+            "update(s) behind the learner's (--publish-delay, or --cpu-affinity learner-first) none would "
+            "come: use --publish-delay 0"
+        )
+    envs = run.workers * run.envs_per_worker
+    if run.workers < 1 or config.batch_size % envs:
+        raise ConfigError(
+            f"--sync needs local actors whose envs divide a batch: --batch-size {config.batch_size} is not a "
+            f"multiple of --workers {run.workers} x --envs-per-worker {run.envs_per_worker}"
+        )
+    return config.batch_size // envs
+
+
 def select_unrolls(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x.index_select(1, idx)`` (unrolls ``idx`` of a time-major [T, B, ...] array) in ``x``'s own memory
     layout: ``index_select`` returns a contiguous tensor, which would undo the frames' channels-last layout
@@ -756,7 +776,13 @@ class ImpalaTrainer:
             self.num_tasks,
         )
         self.agent = ImpalaAgentSpec(
-            config.model, config.use_lstm, config.popart_beta, frame_stack, self.num_tasks, config.obs_norm
+            config.model,
+            config.use_lstm,
+            config.popart_beta,
+            frame_stack,
+            self.num_tasks,
+            config.obs_norm,
+            sync_rounds(config, run),
         )
         self._pending: list[Mapping[str, np.ndarray]] = []
         self._sources: list[int] = []  # actor id of each pending unroll, to name them if a batch is bad

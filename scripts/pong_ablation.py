@@ -30,6 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data" / "ablation"
+PAGE = ROOT / "docs" / "PONG_ABLATION.md"
+# the page's table lies between these lines; `report --write` replaces it, and tests/test_pong_ablation.py
+# fails when it differs from what the committed curves give
+BEGIN, END = "<!-- pong_ablation report: begin -->", "<!-- pong_ablation report: end -->"
 ENV = "PongDeterministic-v4"
 THRESHOLDS = (-10.0, 0.0, 15.0)
 AT_FRAMES = (1.0e6, 1.5e6, 2.0e6, 2.5e6)
@@ -55,8 +59,8 @@ class AblationError(ValueError):
     """Bad input: one line, exit 2."""
 
 
-def curve_file(arm: str, seed: int) -> Path:
-    return DATA / f"pong_{arm}_s{seed}.csv"
+def curve_file(arm: str, seed: int, data: Path = DATA) -> Path:
+    return data / f"pong_{arm}_s{seed}.csv"
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:
@@ -100,7 +104,7 @@ def command(arm: str, seed: int, logdir: Path, python: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_one(arm: str, seed: int, frames: int, runs: Path, python: str) -> None:
+def run_one(arm: str, seed: int, frames: int, runs: Path, python: str, data: Path = DATA) -> None:
     logdir = runs / arm / f"s{seed}"
     cmd = command(arm, seed, logdir, python)
     print(f"pong_ablation: {arm} seed {seed}: {' '.join(cmd[2:])} (stopped at {frames:,} frames)", flush=True)
@@ -124,7 +128,7 @@ def run_one(arm: str, seed: int, frames: int, runs: Path, python: str) -> None:
         raise SystemExit(
             f"pong_ablation: {arm} seed {seed} ended at exit {proc.returncode} before {frames:,} frames"
         )
-    write_curve(curve_file(arm, seed), rows)
+    write_curve(curve_file(arm, seed, data), rows)
     last = rows[-1]
     print(
         f"pong_ablation: {arm} seed {seed}: {last['mean_return_100']:.2f} at {last['frames']:,.0f} frames, "
@@ -158,11 +162,12 @@ def first_reach(curve: list[tuple[float, float]], threshold: float) -> float | N
 
 
 def value_at(curve: list[tuple[float, float]], frames: float) -> float | None:
-    """The return of the last row at or before ``frames`` (within 3%: None past the curve's end)."""
-    before = [r for f, r in curve if f <= frames * 1.03]
-    if not before or curve[-1][0] < frames * 0.97:
-        return None
-    return before[-1]
+    """The return of the first row at or past ``frames``; a curve that ends within 3% short of ``frames``
+    gives its last row, one that ends earlier None."""
+    after = [r for f, r in curve if f >= frames]
+    if after:
+        return after[0]
+    return curve[-1][1] if curve and curve[-1][0] >= frames * 0.97 else None
 
 
 def _fmt_frames(f: float | None) -> str:
@@ -173,12 +178,12 @@ def _fmt_ret(r: float | None) -> str:
     return "-" if r is None else f"{r:.1f}"
 
 
-def report(references: dict[str, Path], out: Path | None) -> str:
+def report(references: dict[str, Path], out: Path | None, data: Path = DATA) -> str:
     """Markdown table of every arm with curves in docs/data/ablation (and the references); the figure to
     ``out``."""
     arms: dict[str, list[tuple[int, list[tuple[float, float]]]]] = {}
     for arm in ARMS:
-        for path in sorted(DATA.glob(f"pong_{arm}_s*.csv")):
+        for path in sorted(data.glob(f"pong_{arm}_s*.csv")):
             seed = int(path.stem.rsplit("_s", 1)[1])
             arms.setdefault(arm, []).append((seed, read_curve(path)))
     for label, path in references.items():
@@ -233,8 +238,20 @@ def plot(arms: dict[str, list[tuple[int, list[tuple[float, float]]]]], out: Path
     print(f"pong_ablation: wrote {out}")
 
 
+def write_page(page: Path, table: str) -> None:
+    """Replace the table between the page's BEGIN and END lines."""
+    text = page.read_text()
+    if BEGIN not in text or END not in text:
+        raise AblationError(f"{page}: no '{BEGIN}' ... '{END}' block to write the table into")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    page.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+    print(f"pong_ablation: wrote the table into {page}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=DATA, help="folder of the arms' curves (docs/data/ablation)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run arms, one at a time")
     r.add_argument("arms", nargs="+", help="arm names (see 'list')")
@@ -244,7 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--python", default=sys.executable)
     r.add_argument("--dry-run", action="store_true")
     p = sub.add_parser("report", help="the table (stdout) and the figure")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "pong_ablation.png")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "pong_ablation.png", help="the figure")
+    p.add_argument("--no-plot", action="store_true", help="the table only")
+    p.add_argument(
+        "--write", type=Path, help=f"also write the table into this page's report block ({PAGE.name})"
+    )
     sub.add_parser("list", help="the arms")
     try:
         args = ap.parse_args(argv)
@@ -257,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                 "sample_factory": ROOT / "docs" / "data" / "peers_pong_30min_sample_factory_published.csv",
                 "cleanrl": ROOT / "docs" / "data" / "peers_pong_30min_cleanrl_published.csv",
             }
-            print(report(refs, args.out))
+            table = report(refs, None if args.no_plot else args.out, args.data)
+            print(table)
+            if args.write:
+                write_page(args.write, table)
             return 0
         unknown = [a for a in args.arms if a not in ARMS]
         if unknown:
@@ -270,10 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             for seed in args.seeds:
                 if args.dry_run:
                     print(" ".join(command(arm, seed, args.runs / arm / f"s{seed}", args.python)))
-                elif curve_file(arm, seed).is_file():
-                    print(f"pong_ablation: {arm} seed {seed}: already in {curve_file(arm, seed)}; skipped")
+                elif curve_file(arm, seed, args.data).is_file():
+                    print(f"pong_ablation: {arm} seed {seed}: already in {curve_file(arm, seed, args.data)}")
                 else:
-                    run_one(arm, seed, int(args.frames), args.runs, args.python)
+                    run_one(arm, seed, int(args.frames), args.runs, args.python, args.data)
         return 0
     except AblationError as e:
         print(f"pong_ablation: {e}", file=sys.stderr)

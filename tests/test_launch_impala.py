@@ -397,6 +397,14 @@ BAD_VALUES = [
     ),
     (["--env", "CartPole-v1", "--model", "deep"], "--model deep: model kind 'deep' needs image observations"),
     (["--env", "CartPole-v1", "--precision", "bf16"], "--precision bf16 runs an image torso's convolutions"),
+    (
+        ["--env", "CartPole-v1", "--sync", "--envs-per-worker", "3"],
+        "--sync needs local actors whose envs divide a batch: --batch-size 32 is not a multiple of --workers",
+    ),
+    (
+        ["--env", "CartPole-v1", "--sync", "--publish-delay", "1"],
+        "--sync waits for each update's weights; with the actors' weights 1 update(s) behind",
+    ),
     (["--env", "CartPole-v1", "--env-kwargs", '{"foo": 1}'], "CartPole-v1 does not accept them"),
     (
         ["--env", "CartPole-v1", "--logdir", "/proc/no-such-dir"],
@@ -478,6 +486,29 @@ def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
         rows = list(csv.DictReader(f))
     assert rows and all(float(r["charts/policy_lag"]) == 0.0 for r in rows if r.get("charts/policy_lag"))
     assert float(rows[-1]["transport/dropped_stale"]) > 0  # unrolls from older weights were refused
+
+
+def test_sync_collection_trains_every_batch_on_policy_and_drops_nothing(tmp_path):
+    """--sync: each actor sends its share of a batch, then waits for the update's weights, so every unroll a
+    batch holds was made with the weights of the update before it (policy lag 0) and none is dropped as
+    stale, unlike --max-policy-lag 0, which throws the late ones away."""
+    out = run(
+        [
+            "launch_impala",
+            *"--workers 2 --envs-per-worker 2".split(),
+            *CARTPOLE,
+            *"--sync --total-frames 6000 --log-interval 0 --logdir".split(),
+            str(tmp_path / "run"),
+        ],
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    lags = [float(r["charts/policy_lag"]) for r in rows if r.get("charts/policy_lag")]
+    assert len(lags) > 10 and all(lag == 0.0 for lag in lags), lags
+    assert float(rows[-1]["transport/dropped_stale"]) == 0 and float(rows[-1]["transport/dropped"]) == 0
+    assert _frames(_done_line(out.stdout)) >= 6000
 
 
 # Fields where these values are legitimate: an id/path/address checked where it is used, a threshold.

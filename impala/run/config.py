@@ -707,6 +707,13 @@ class ImpalaConfig:
         "(BENCHMARKS.md), so it is not the default. Elsewhere it is slower (7.8x per minibatch step on an "
         "AVX2-only CPU): a CPU learner times both at start and warns with the figures when bf16 loses.",
     )
+    sync: bool = option(
+        False,
+        "Synchronous collection, as Sample Factory's async_rl=False: each local actor collects its share of "
+        "a batch with the newest weights, then waits for the update's weights, so every batch is on-policy "
+        "(policy lag 0) while the actors and the learner take turns (fewer frames/s). --batch-size must be "
+        "a multiple of the local envs (--workers x --envs-per-worker).",
+    )
     obs_norm: bool = option(
         False,
         "Image observations: standardize each input pixel by its running mean and variance (updated by the "
@@ -838,6 +845,7 @@ IMPALA_BRIEF = {
     "grad_norm_clip": "Gradient norm clip; 0: none.",
     "popart_beta": "PopArt statistics step size.",
     "precision": "Learner arithmetic in image torsos: fp32 or bf16 (autocast).",
+    "sync": "Actors wait for each update's weights: on-policy batches, fewer frames/s.",
     "obs_norm": "Images: standardize each pixel by running statistics (clip +-5).",
     "frame_dedup": "Atari: send each frame once; the learner rebuilds the stacks.",
 }

@@ -34,6 +34,9 @@ def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: st
     return value
 
 
+MAX_SYNC_ROUNDS = 1 << 16  # --sync: unrolls an actor sends per update (--batch-size over the local envs)
+
+
 @dataclass(frozen=True)
 class ImpalaAgentSpec:
     """Discrete actions from an IMPALA network (``impala.nets.impala_net.build_model``)."""
@@ -44,6 +47,8 @@ class ImpalaAgentSpec:
     frame_stack: int = 0  # > 1: send each frame once (impala.transport.trajectory.impala_unroll_schema)
     num_tasks: int = 1  # > 1: multi-task; PopArt value heads, and every unroll carries its task index
     obs_norm: bool = False  # the image torso standardizes pixels by running statistics (in the weights)
+    # --sync: after this many unrolls (rounds of its envs) with one set of weights, wait for newer ones
+    unrolls_per_update: int = 0
     kind: str = dataclasses.field(default="impala", init=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -55,6 +60,7 @@ class ImpalaAgentSpec:
             "frame_stack": self.frame_stack,
             "num_tasks": self.num_tasks,
             "obs_norm": self.obs_norm,
+            "unrolls_per_update": self.unrolls_per_update,
         }
 
     @classmethod
@@ -75,7 +81,12 @@ class ImpalaAgentSpec:
         obs_norm = d.get("obs_norm", False)  # absent before --obs-norm
         if not isinstance(obs_norm, bool):
             raise ValueError(f"{what}: obs_norm must be a bool, got {obs_norm!r}")
-        return cls(model, _get(d, "use_lstm", bool, what), beta, stack, tasks, obs_norm)
+        rounds = d.get("unrolls_per_update", 0)  # absent before --sync
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= MAX_SYNC_ROUNDS:
+            raise ValueError(
+                f"{what}: unrolls_per_update must be an int in [0, {MAX_SYNC_ROUNDS}], got {rounds!r}"
+            )
+        return cls(model, _get(d, "use_lstm", bool, what), beta, stack, tasks, obs_norm, rounds)
 
 
 # The env action spaces a PPO actor can drive (Unity: continuous, discrete branches or both).
