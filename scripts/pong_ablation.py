@@ -41,17 +41,20 @@ AT_FRAMES = (1.0e6, 1.5e6, 2.0e6, 2.5e6)
 # name -> (launch_impala flags, the difference from Sample Factory's published Atari run it tests)
 ARMS: dict[str, tuple[list[str], str]] = {
     "defaults": ([], "none: every launch_impala default"),
-    "popart": (
-        ["--popart"],
-        "return normalization: PopArt (statistics and preserved outputs) on clipped rewards",
-    ),
+    "popart": (["--popart"], "return normalization: PopArt on the clipped rewards"),
     "obs_norm": (["--obs-norm"], "input normalization: each pixel standardized by running statistics"),
-    "obs_norm_popart": (["--obs-norm", "--popart"], "both normalizations (Sample Factory normalizes both)"),
+    # from here on, each arm adds one difference to obs_norm (kept: it is the step that pays)
+    "obs_norm_popart": (["--obs-norm", "--popart"], "obs_norm + PopArt (Sample Factory normalizes both)"),
+    "obs_norm_sync": (["--obs-norm", "--sync"], "obs_norm + synchronous collection (policy lag 0)"),
+    "obs_norm_lr": (["--obs-norm", "--learning-rate", "2.5e-4"], "obs_norm + learning rate 2.5e-4"),
+    "obs_norm_rollout128": (
+        ["--obs-norm", "--unroll-length", "128", "--batch-size", "8", "--minibatches", "4"],
+        "obs_norm + 128-step rollouts (8 x 128 per batch, 4 minibatches of 2 x 128)",
+    ),
+    "obs_norm_nature": (["--obs-norm", "--model", "nature"], "obs_norm + the Nature CNN"),
     "nature": (["--model", "nature"], "network: the Nature CNN instead of the shallow IMPALA CNN"),
+    "sync": (["--sync"], "synchronous collection (policy lag 0)"),
     "lr": (["--learning-rate", "2.5e-4"], "learning rate 2.5e-4 instead of 5e-4"),
-    "rollout128": (["--unroll-length", "128", "--batch-size", "8"], "128-step rollouts (8 x 128 per batch)"),
-    "minibatches4": (["--minibatches", "4"], "4 minibatches of 256 steps per pass instead of 8 of 128"),
-    "vloss_half": (["--baseline-cost", "0.5"], "value-loss weight: half of ours (see the page on units)"),
 }
 
 

@@ -69,3 +69,27 @@ def test_obs_norm_runs_resumes_and_evaluates_with_the_learners_pixel_statistics(
     assert float(state["torso.pixel_norm.count"]) > count
     evaluated = run(["impala-eval", str(tmp_path), "--episodes", "3", "--workers", "0"], timeout=240)
     assert evaluated.returncode == 0, evaluated.stdout[-2000:] + evaluated.stderr[-2000:]
+
+
+def test_a_run_from_before_obs_norm_resumes_as_it_was_made(tmp_path):
+    """A run whose config.yaml predates --obs-norm (no obs_norm key) trained on frames scaled by 1/255; with
+    obs_norm on by default, --resume must still rebuild that network (no pixel statistics) and continue it,
+    recording obs_norm: false. Changing it on a resume is one line, exit 2."""
+    import torch
+    import yaml
+
+    base = "launch_impala --env PixelCatch-v0 --workers 1 --no-progress --cpu-affinity off --logdir".split()
+    first = run([*base, str(tmp_path), "--no-obs-norm", "--total-frames", "4000"], timeout=240)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    config = tmp_path / "config.yaml"
+    lines = config.read_text().splitlines()
+    assert "obs_norm: false" in lines
+    config.write_text("\n".join(line for line in lines if not line.startswith("obs_norm:")) + "\n")
+    resumed = run([*base, str(tmp_path), "--resume", "--total-frames", "8000"], timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert yaml.safe_load(config.read_text())["obs_norm"] is False
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["model"]
+    assert not any("pixel_norm" in k for k in state)
+    changed = run([*base, str(tmp_path), "--resume", "--total-frames", "9000", "--obs-norm"], timeout=120)
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr
+    assert "--resume: the run's obs_norm is False" in changed.stderr.strip().splitlines()[-1]

@@ -606,8 +606,13 @@ def test_a_forged_hello_for_a_local_actor_neither_stops_nor_blinds_the_run(tmp_p
 
 # Presets that are today's defaults but for a few settings (each file's comment says which and why).
 BUT_FOR = {
-    "pong_fast_cpu.yaml": {"minibatches": 4},
-    "pong_per_step_cpu.yaml": {"minibatches": 4, "targets": "per_step", "learning_rate": 2.5e-4},
+    "pong_fast_cpu.yaml": {"minibatches": 4, "obs_norm": False},
+    "pong_per_step_cpu.yaml": {
+        "minibatches": 4,
+        "targets": "per_step",
+        "learning_rate": 2.5e-4,
+        "obs_norm": False,
+    },
 }
 
 

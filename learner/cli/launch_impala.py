@@ -147,7 +147,7 @@ def balanced_envs_per_worker(workers: int, num_tasks: int, default: int) -> int:
 
 
 # What a resumed run cannot change: what it plays and the shape of its network (and PopArt's value head).
-FIXED_ON_RESUME = ("env", "env_kwargs", "env_package", "model", "use_lstm", "popart")
+FIXED_ON_RESUME = ("env", "env_kwargs", "env_package", "model", "use_lstm", "popart", "obs_norm")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
