@@ -342,14 +342,38 @@ def given_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "") -
     }
 
 
+# Options that say one thing in two units: a flag given for either replaces a preset's value of the other (a
+# preset's budget in frames yields to --total-steps on the command line, as any flag overrides a preset).
+ONE_SETTING_IN_TWO_UNITS = (("total_frames", "total_steps"),)
+
+
 def apply_preset(args: argparse.Namespace, preset: dict[str, Any]) -> argparse.Namespace:
     """Defaults < preset (:func:`load_preset`) < flags given on the command line; ``args.preset`` names the
-    options the preset set."""
+    options the preset set. ``args.preset_replaced``: (the preset's option, its value, the flag given for
+    the same setting in another unit) for each preset value such a flag replaced, for the launcher to say."""
+    args.preset_replaced = []
+    for pair in ONE_SETTING_IN_TWO_UNITS:
+        for name, other in (pair, pair[::-1]):
+            if other in args.given and name not in args.given and preset.get(name) is not None:
+                args.preset_replaced.append((name, preset[name], f"--{other.replace('_', '-')}"))
+    replaced = {name for name, _, _ in args.preset_replaced}
+    preset = {k: v for k, v in preset.items() if k not in replaced}
     for name, value in preset.items():
         if name not in args.given:
             setattr(args, name, value)
     args.preset = set(preset)
     return args
+
+
+def say_preset_replaced(args: argparse.Namespace, log: Any) -> None:
+    """One line for each preset value a flag in another unit replaced (:func:`apply_preset`)."""
+    for name, value, flag in getattr(args, "preset_replaced", ()):
+        log.info("%s %s replaces the preset's %s %s", flag, getattr(args, name_of(flag)), name, value)
+
+
+def name_of(flag: str) -> str:
+    """``--total-steps`` -> ``total_steps``."""
+    return flag.lstrip("-").replace("-", "_")
 
 
 # The presets shipped inside the package (the repository's configs/ links here): found by bare name too.
@@ -359,11 +383,20 @@ PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"
 def preset_file(path: str, what: str = "--config") -> str:
     """``path`` if it is a file; else a preset shipped with the package by that name (``atari`` or
     ``atari.yaml`` -> impala/configs/atari.yaml), so ``--config atari`` works from any directory. Neither is
-    a :class:`ConfigError` listing the presets."""
-    if os.path.exists(path) or os.sep in path:
-        return path
-    name = path if path.endswith((".yaml", ".yml")) else f"{path}.yaml"
+    a :class:`ConfigError` listing the presets; a missing path whose file name is a preset's
+    (``configs/atari.yaml`` outside the repository) is one naming the preset."""
+    base = os.path.basename(path)
+    name = base if base.endswith((".yaml", ".yml")) else f"{base}.yaml"
     shipped = os.path.join(PRESETS_DIR, name)
+    if os.path.exists(path):
+        return path
+    if os.sep in path:
+        if os.path.isfile(shipped):  # a repository path (configs/atari.yaml) used outside the clone
+            raise ConfigError(
+                f"{what} {path}: no such file; the preset of that name ships with the package: "
+                f"{what} {os.path.splitext(name)[0]}"
+            )
+        return path
     if os.path.isfile(shipped):
         return shipped
     names = (

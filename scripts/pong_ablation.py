@@ -7,13 +7,14 @@ difference at a time (docs/PONG_ABLATION.md).
     python scripts/pong_ablation.py report                        # table, and docs/pong_ablation.png
     python scripts/pong_ablation.py list                          # the arms and what each changes
 
-Each run is a real ``launch_impala --env PongDeterministic-v4 --workers 2`` with every default but the arm's
-flags. The budget is a frame count at which the run is stopped with Ctrl-C (it writes its checkpoint and
-exits), not ``--total-frames``: the learning rate keeps the default's schedule (decaying over 20M frames),
-so an arm's first 2.5M frames are exactly what a default-length run with its flags does. A finished run's
-curve is copied, small, to ``docs/data/ablation/pong_<arm>_s<seed>.csv`` (frames, time, mean return of the
-last 100 episodes, frames/s), and the report is drawn from those files alone, so it survives the loss of the
-run folders. A run folder that already holds a finished curve is not run again.
+Each run is a real ``launch_impala --env PongDeterministic-v4 --workers 2`` with every default but the
+arm's flags (each arm names --obs-norm or --no-obs-norm, so its meaning does not move with the default).
+The budget is a frame count at which the run is stopped with Ctrl-C (it writes its checkpoint and exits),
+not ``--total-frames``: the learning rate keeps the default's schedule (decaying over 20M frames), so an
+arm's first 2.5M frames are exactly what a default-length run with its flags does. A finished run's curve
+is copied, small, to ``docs/data/ablation/pong_<arm>_s<seed>.csv`` (frames, time, mean return of the last
+100 episodes, frames/s), and the report is drawn from those files alone, so it survives the loss of the
+run folders. An arm and seed whose curve is there already is not run again.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ AT_FRAMES = (1.0e6, 1.5e6, 2.0e6, 2.5e6)
 
 # name -> (launch_impala flags, the difference from Sample Factory's published Atari run it tests)
 ARMS: dict[str, tuple[list[str], str]] = {
-    "defaults": ([], "none: every launch_impala default"),
-    "popart": (["--popart"], "return normalization: PopArt on the clipped rewards"),
+    "baseline": (["--no-obs-norm"], "none: the defaults before input normalization (frames x 1/255)"),
+    "popart": (["--no-obs-norm", "--popart"], "return normalization: PopArt on the clipped rewards"),
     "obs_norm": (["--obs-norm"], "input normalization: each pixel standardized by running statistics"),
     # from here on, each arm adds one difference to obs_norm (kept: it is the step that pays)
     "obs_norm_popart": (["--obs-norm", "--popart"], "obs_norm + PopArt (Sample Factory normalizes both)"),
@@ -52,9 +53,9 @@ ARMS: dict[str, tuple[list[str], str]] = {
         "obs_norm + 128-step rollouts (8 x 128 per batch, 4 minibatches of 2 x 128)",
     ),
     "obs_norm_nature": (["--obs-norm", "--model", "nature"], "obs_norm + the Nature CNN"),
-    "nature": (["--model", "nature"], "network: the Nature CNN instead of the shallow IMPALA CNN"),
-    "sync": (["--sync"], "synchronous collection (policy lag 0)"),
-    "lr": (["--learning-rate", "2.5e-4"], "learning rate 2.5e-4 instead of 5e-4"),
+    "nature": (["--no-obs-norm", "--model", "nature"], "the Nature CNN instead of the shallow IMPALA CNN"),
+    "sync": (["--no-obs-norm", "--sync"], "synchronous collection (policy lag 0)"),
+    "lr": (["--no-obs-norm", "--learning-rate", "2.5e-4"], "learning rate 2.5e-4 instead of 5e-4"),
 }
 
 
@@ -126,7 +127,9 @@ def run_one(arm: str, seed: int, frames: int, runs: Path, python: str, data: Pat
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=300)
             raise
-    rows = [r for r in read_metrics(logdir / "metrics.csv") if r["frames"] <= frames * 1.02]
+    rows = read_metrics(logdir / "metrics.csv")
+    past = next((i for i, r in enumerate(rows) if r["frames"] >= frames), None)
+    rows = rows if past is None else rows[: past + 1]  # up to the first row at or past the budget
     if not rows or rows[-1]["frames"] < frames * 0.98:
         raise SystemExit(
             f"pong_ablation: {arm} seed {seed} ended at exit {proc.returncode} before {frames:,} frames"

@@ -458,6 +458,43 @@ def test_preset_values_are_defaults_that_flags_override(tmp_path):
         parse_args(["--config", str(preset)])
 
 
+def test_a_budget_flag_replaces_the_presets_budget_in_either_unit_and_says_so(tmp_path, monkeypatch):
+    """The cartpole preset's budget is --total-frames; --total-steps on the command line replaces it (and the
+    other way round in a preset of steps), said in one line; both given on the command line stay an error."""
+    from learner.cli.launch_impala import parse_args, resolve
+
+    run_config, _ = resolve(parse_args(["--config", "cartpole", "--total-steps", "2000"]))
+    assert (run_config.total_frames, run_config.total_steps) == (None, 2000)
+    steps = tmp_path / "steps.yaml"
+    steps.write_text("# a preset of steps\ntotal_steps: 5000\n")
+    run_config, _ = resolve(parse_args(["--config", str(steps), "--total-frames", "900"]))
+    assert (run_config.total_frames, run_config.total_steps) == (900, None)
+    monkeypatch.chdir(tmp_path)
+    out = run(
+        ["launch_impala", "--config", "cartpole", "--total-steps", "600", "--workers", "1", "--in-process",
+         "--no-progress", "--logdir", str(tmp_path / "r")],
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--total-steps 600 replaces the preset's total_frames 400000" in out.stderr
+    both = run(
+        ["launch_impala", "--config", "cartpole", "--total-steps", "6", "--total-frames", "6"], timeout=60
+    )
+    assert both.returncode == 2 and "give --total-frames (env frames) or --total-steps" in both.stderr
+
+
+def test_a_repository_preset_path_used_elsewhere_names_the_preset(tmp_path, monkeypatch):
+    """The docs' `--config configs/cartpole.yaml` from a user's own folder: one line naming `--config
+    cartpole`, which works anywhere."""
+    monkeypatch.chdir(tmp_path)
+    out = run(["launch_impala", "--config", "configs/cartpole.yaml"], timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "launch_impala: error: --config configs/cartpole.yaml: no such file; the preset of that name ships "
+        "with the package: --config cartpole"
+    )
+
+
 def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
     """Unset keeps every unroll (V-trace corrects); 0 means on-policy only, as in launch_ppo."""
     from learner.cli.launch_impala import parse_args

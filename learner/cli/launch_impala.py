@@ -31,7 +31,15 @@ import torch
 from impala.envs import EnvSpec
 from impala.envs.atari import human_normalized_score
 from impala.envs.probe import EnvInfo, probe_env, probe_tasks
-from impala.options import ConfigError, FlagParser, add_flags, apply_preset, from_flags, load_preset
+from impala.options import (
+    ConfigError,
+    FlagParser,
+    add_flags,
+    apply_preset,
+    from_flags,
+    load_preset,
+    say_preset_replaced,
+)
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
     IMPALA_BRIEF,
@@ -357,6 +365,7 @@ def launch(argv: list[str] | None) -> Outcome:
             impala, config, env, group=start_group(impala, config, env, tasks, member), tasks=tasks
         )
         record = {**dataclasses.asdict(config), **dataclasses.asdict(impala), "preset": args.config or ""}
+        say_preset_replaced(args, log)
         if config.resume:
             for name, old, new in args.resume_changes:
                 log.info("resume: %s %s -> %s", name, old, new)

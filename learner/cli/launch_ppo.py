@@ -87,6 +87,7 @@ from impala.options import (
     load_preset,
     need,
     option,
+    say_preset_replaced,
 )
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
@@ -708,6 +709,7 @@ def launch(argv: list[str] | None) -> Outcome:
     config, options, ppo_config = resolved.config, resolved.options, resolved.ppo
     trainer_config, crawler_job, file = resolved.trainer_config, resolved.crawler_job, args.trainer_file
     logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
+    say_preset_replaced(args, log)
     for name, old, new in changes:
         log.info("resume: %s %s -> %s", name, old, new)
     created: tuple[str, ...] = ()  # the folders this start made (a failed start takes them away again)
