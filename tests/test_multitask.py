@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import time
 
 import pytest
@@ -86,7 +87,14 @@ def test_with_popart_both_scales_are_solved_and_each_sigma_tracks_its_own_return
         min(row["tasks/CartPole-v1/frames"], row["tasks/CartPoleX1000-v1/frames"])
         > 0.3 * row["charts/env_frames"]
     )
+    # the done line gives each task's own mean return (a mean across the two scales would mean nothing)
+    done = [line for line in out.stdout.splitlines() if line.startswith("launch_impala: done")][-1]
+    per_task = re.search(
+        r"mean return \(last 100\) per task: CartPole-v1 ([\d.]+), CartPoleX1000-v1 ([\d.]+),", done
+    )
+    assert per_task and float(per_task.group(1)) >= SOLVED and float(per_task.group(2)) >= SOLVED * 1000, done
     # each task's share of the gradient on the shared weights is logged (they sum to 1), and its cosine
+
     shares = [row[f"tasks/{t}/grad_share"] for t in TASKS.split(",")]
     assert sum(shares) == pytest.approx(1.0) and min(shares) > 0, row
     assert all(-1 <= row[f"tasks/{t}/grad_cosine"] <= 1 for t in TASKS.split(",")), row

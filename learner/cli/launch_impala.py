@@ -422,12 +422,20 @@ def _release_followers(trainer: ImpalaTrainer | None) -> None:
 
 def done_line(config: RunConfig, result: RunResult) -> str:
     """The run's last console line: what it trained, what it dropped, where its checkpoint is."""
-    mean = "n/a" if result.mean_return is None else f"{result.mean_return:.2f}"
+    if len(config.tasks) > 1:  # each task's own: their scales differ, so a mean across them means nothing
+        per_task = ", ".join(
+            f"{task} {result.task_returns[task]:.2f}" if task in result.task_returns else f"{task} n/a"
+            for task in config.tasks
+        )
+        returns = f"mean return (last 100) per task: {per_task}"
+    else:
+        returns = (
+            f"mean return (last 100) {'n/a' if result.mean_return is None else f'{result.mean_return:.2f}'}"
+        )
     return (
         f"launch_impala: done: {result.env_frames} env frames ({result.agent_steps} agent steps), "
-        f"{result.updates} updates, "
-        f"mean return (last 100) {mean}, dropped {result.dropped or 0}, actor restarts {result.restarts}, "
-        + ending(config, result)
+        f"{result.updates} updates, {returns}, dropped {result.dropped or 0}, "
+        f"actor restarts {result.restarts}, " + ending(config, result)
     )
 
 

@@ -137,6 +137,8 @@ class RunResult:
     checkpoint: str  # its path if one exists, else ""
     reached_return: bool = False  # stopped early at --stop-at-return
     rejected_nan: int = 0  # launch_ppo: unrolls its learner rejected for NaN values
+    # a multi-task run: each task's mean return over its last 100 episodes (a mean across tasks means nothing)
+    task_returns: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class _Stop:
@@ -237,9 +239,15 @@ def run(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunResult:
         finished = budget.spent(progress.env_frames, progress.agent_steps) and not plan.inference
         checkpoint = _shut_down(trainer, parts, finished=finished)
     dropped = {k: int(v) for k, v in server.dropped.items()}
-    mean = server.stats().get("charts/mean_return_100")
-    return RunResult(progress.env_frames, progress.agent_steps, progress.version, mean, dropped,
-                     pool.restarts, interrupted, checkpoint, budget.reached_return)  # fmt: skip
+    stats = server.stats()
+    tasks = {
+        k.split("/")[1]: v
+        for k, v in stats.items()
+        if k.startswith("tasks/") and k.endswith("/mean_return_100")
+    }
+    return RunResult(progress.env_frames, progress.agent_steps, progress.version,
+                     stats.get("charts/mean_return_100"), dropped, pool.restarts, interrupted, checkpoint,
+                     budget.reached_return, task_returns=tasks)  # fmt: skip
 
 
 def _run_info(trainer: Trainer, config: RunConfig, plan: RunPlan) -> RunInfo:
