@@ -483,6 +483,17 @@ def test_a_budget_flag_replaces_the_presets_budget_in_either_unit_and_says_so(tm
     assert both.returncode == 2 and "give --total-frames (env frames) or --total-steps" in both.stderr
 
 
+def test_config_yaml_records_the_run_id_as_given(tmp_path):
+    """`--run-id qs` names the folder runs/qs, and config.yaml says run_id: qs (it said null)."""
+    out = run(
+        ["launch_impala", *CARTPOLE, "--workers", "1", "--in-process", "--total-frames", "400",
+         "--runs-dir", str(tmp_path), "--run-id", "qs"],
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert yaml.safe_load((tmp_path / "qs" / "config.yaml").read_text())["run_id"] == "qs"
+
+
 def test_a_repository_preset_path_used_elsewhere_names_the_preset(tmp_path, monkeypatch):
     """The docs' `--config configs/cartpole.yaml` from a user's own folder: one line naming `--config
     cartpole`, which works anywhere."""

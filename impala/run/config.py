@@ -440,7 +440,10 @@ class RunConfig:
         need(self.logdir is None or bool(self.logdir.strip()), "--logdir must not be empty")
         need(bool(self.runs_dir.strip()), "--runs-dir must not be empty")
         need(
-            self.logdir is None or self.run_id is None,
+            self.logdir is None
+            or self.run_id is None
+            # the folder --run-id named (with_run_folder keeps the name, so config.yaml records it as given)
+            or os.path.normpath(self.logdir) == os.path.normpath(os.path.join(self.runs_dir, self.run_id)),
             "give --logdir (a folder) or --run-id (a name under --runs-dir), not both",
         )
         need(
@@ -577,9 +580,7 @@ class RunConfig:
         name = (
             self.run_id or f"{re.sub(r'[^A-Za-z0-9._+=-]+', '_', job)[:60]}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
-        return dataclasses.replace(
-            self, logdir=os.path.join(self.runs_dir, name), run_id=None
-        )  # the folder now names it
+        return dataclasses.replace(self, logdir=os.path.join(self.runs_dir, name))
 
     def local_actor_nice(self) -> int:
         """Nice levels the local actor processes add to their own: ``--actor-nice``, or
