@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,7 @@ BEGIN, END = "<!-- pong_ablation report: begin -->", "<!-- pong_ablation report:
 ENV = "PongDeterministic-v4"
 THRESHOLDS = (-10.0, 0.0, 15.0)
 AT_FRAMES = (1.0e6, 1.5e6, 2.0e6, 2.5e6)
+CI_AT = 2.0e6  # the frames at which the arms' seeds are compared with rliable
 
 # name -> (launch_impala flags, the difference from Sample Factory's published Atari run it tests)
 ARMS: dict[str, tuple[list[str], str]] = {
@@ -198,17 +200,22 @@ def report(references: dict[str, Path], out: Path | None, data: Path = DATA) -> 
     head = (
         "| arm | what it changes | seeds | "
         + " | ".join(f"return at {f / 1e6:g}M" for f in AT_FRAMES)
-        + " | "
+        + f" | at {CI_AT / 1e6:g}M: IQM [95% CI] | "
         + " | ".join(f"frames to {t:g}" for t in THRESHOLDS)
         + " |"
     )
-    lines = [head, "|" + "---|" * 3 + "--:|" * (len(AT_FRAMES) + len(THRESHOLDS))]
+    lines = [head, "|" + "---|" * 3 + "--:|" * (len(AT_FRAMES) + 1 + len(THRESHOLDS))]
+    intervals = interval_estimates(
+        {arm: [value_at(c, CI_AT) for _, c in runs] for arm, runs in arms.items() if arm in ARMS}
+    )
     for arm, runs in arms.items():
         what = ARMS[arm][1] if arm in ARMS else "reference run on the same box"
         cells = []
         for f in AT_FRAMES:
             vals = [value_at(c, f) for _, c in runs]
             cells.append(" / ".join(_fmt_ret(v) for v in vals))
+        iqm = intervals.get(arm)
+        cells.append("-" if iqm is None else f"{iqm[0]:.1f} [{iqm[1]:.1f}, {iqm[2]:.1f}]")
         for t in THRESHOLDS:
             cells.append(" / ".join(_fmt_frames(first_reach(c, t)) for _, c in runs))
         seeds = ", ".join(str(s) for s, _ in runs) if arm in ARMS else "1"
@@ -216,6 +223,33 @@ def report(references: dict[str, Path], out: Path | None, data: Path = DATA) -> 
     if out is not None:
         plot(arms, out)
     return "\n".join(lines)
+
+
+def interval_estimates(scores: dict[str, list[float | None]]) -> dict[str, tuple[float, float, float]]:
+    """Per arm with 2 or more seeds: the interquartile mean of its seeds' returns and rliable's stratified
+    bootstrap 95% interval (``rliable.library.get_interval_estimates``, 2,000 resamples, seeded): an arm is
+    ahead of another only where their intervals do not overlap. With 2-3 seeds an interval spans about the
+    seeds' range; it says how far apart the seeds landed, not more."""
+    import numpy as np
+    from rliable import library as rly
+    from rliable import metrics
+
+    matrices = {
+        arm: np.array([[v] for v in values], dtype=float)
+        for arm, values in scores.items()
+        if len(values) >= 2 and all(v is not None for v in values)
+    }
+    if not matrices:
+        return {}
+    with warnings.catch_warnings():  # arch's notice that its random_state keyword is going away
+        warnings.simplefilter("ignore", FutureWarning)
+        points, cis = rly.get_interval_estimates(
+            matrices,
+            lambda x: np.array([metrics.aggregate_iqm(x)]),
+            reps=2000,
+            random_state=np.random.RandomState(0),
+        )
+    return {arm: (float(points[arm][0]), float(cis[arm][0][0]), float(cis[arm][1][0])) for arm in matrices}
 
 
 def plot(arms: dict[str, list[tuple[int, list[tuple[float, float]]]]], out: Path) -> None:

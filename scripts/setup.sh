@@ -15,7 +15,7 @@ fi
 # 0.28, whose metadata accepts it (protobuf>=3.6) but whose generated _pb2 modules only load on
 # protobuf<3.21: impala/envs/mlagents_proto.py rebuilds those modules from the descriptors they
 # ship. An older .venv with protobuf 3.20 is upgraded here.
-.venv/bin/pip install -q -e ".[unity,mujoco,render,track,export,dev]"
+.venv/bin/pip install -q -e ".[unity,mujoco,render,track,export,analysis,dev]"
 # ML-Agents 0.28's own trainer code, for the parity tests only (tests/test_mlagents_parity.py).
 # --no-deps: its metadata pins torch<1.9 and numpy<2 (tests/mlagents_shims.py makes it import on
 # this stack), so `pip check` lists those two and h5py (stubbed there; only used to save buffers),
