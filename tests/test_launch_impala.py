@@ -506,6 +506,19 @@ def test_a_repository_preset_path_used_elsewhere_names_the_preset(tmp_path, monk
     )
 
 
+def _cartpole_rows_after_every_update(tmp_path, *flags: str):
+    """A 6,000-frame CartPole run with ``flags`` and a metrics row after every update (--log-interval 0: the
+    last row counts every drop, however fast the run went): its output and rows."""
+    out = run(
+        ["launch_impala", *flags, *CARTPOLE, *"--total-frames 6000 --log-interval 0 --logdir".split(),
+         str(tmp_path / "run")],
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        return out, list(csv.DictReader(f))
+
+
 def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
     """Unset keeps every unroll (V-trace corrects); 0 means on-policy only, as in launch_ppo."""
     from learner.cli.launch_impala import parse_args
@@ -517,21 +530,7 @@ def test_max_policy_lag_has_launch_ppos_meaning(tmp_path):
     args = parse_args(["--config", str(preset)])
     assert args.max_policy_lag is None and args.stop_at_return == 20.0
     # on-policy only, for real: every unroll used was produced by the current weights
-    # a row after every update (--log-interval 0): the last row counts every drop, however fast the run went
-    out = run(
-        [
-            "launch_impala",
-            "--workers",
-            "2",
-            *CARTPOLE,
-            *"--max-policy-lag 0 --total-frames 6000 --log-interval 0 --logdir".split(),
-            str(tmp_path / "run"),
-        ],
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    with open(tmp_path / "run" / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
+    _, rows = _cartpole_rows_after_every_update(tmp_path, "--workers", "2", "--max-policy-lag", "0")
     assert rows and all(float(r["charts/policy_lag"]) == 0.0 for r in rows if r.get("charts/policy_lag"))
     assert float(rows[-1]["transport/dropped_stale"]) > 0  # unrolls from older weights were refused
 
@@ -540,19 +539,7 @@ def test_sync_collection_trains_every_batch_on_policy_and_drops_nothing(tmp_path
     """--sync: each actor sends its share of a batch, then waits for the update's weights, so every unroll a
     batch holds was made with the weights of the update before it (policy lag 0) and none is dropped as
     stale, unlike --max-policy-lag 0, which throws the late ones away."""
-    out = run(
-        [
-            "launch_impala",
-            *"--workers 2 --envs-per-worker 2".split(),
-            *CARTPOLE,
-            *"--sync --total-frames 6000 --log-interval 0 --logdir".split(),
-            str(tmp_path / "run"),
-        ],
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    with open(tmp_path / "run" / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
+    out, rows = _cartpole_rows_after_every_update(tmp_path, *"--workers 2 --envs-per-worker 2 --sync".split())
     lags = [float(r["charts/policy_lag"]) for r in rows if r.get("charts/policy_lag")]
     assert len(lags) > 10 and all(lag == 0.0 for lag in lags), lags
     assert float(rows[-1]["transport/dropped_stale"]) == 0 and float(rows[-1]["transport/dropped"]) == 0
