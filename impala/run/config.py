@@ -269,7 +269,9 @@ class RunConfig:
         0,
         "Every this many env frames, play --eval-episodes greedy episodes of the current weights (the "
         "'train' protocol of impala-eval) in a separate process that never stalls the learner, and log eval/ "
-        "rows; 0: off.",
+        "rows; 0: off. One evaluation plays at a time: one falling due while another plays starts when that "
+        "one ends, with the weights of then; at the end of the run the one playing gets 30 s to finish "
+        "(its row then comes after the training's last).",
     )
     eval_episodes: int = option(5, "Episodes per --eval-every evaluation.")
     eval_video: bool = option(
@@ -798,7 +800,7 @@ RUN_BRIEF = {
     "total_steps": "Budget in agent steps instead, absolute.",
     "stop_at_return": "Stop once the mean return of the last 100 episodes reaches this.",
     "max_seconds": "Stop after this many seconds of training; 0: no limit.",
-    "eval_every": "Evaluate (greedy, apart) every this many frames; 0: off.",
+    "eval_every": "Evaluate (greedy, apart) every this many frames, one at a time; 0: off.",
     "eval_episodes": "Episodes per --eval-every evaluation.",
     "eval_video": "Record each evaluation's first 600 frames to LOGDIR/eval-FRAMES.mp4.",
     "seed": "Base seed: the network's init; actor i's envs use seed + 1000 i.",
