@@ -253,6 +253,9 @@ class EvalJob:
             # off-screen drawing needs no display: without this, pygame's SDL looks for one and prints
             # "XDG_RUNTIME_DIR is invalid" on a headless box (the frames come out the same)
             os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+            # and no sound card: pygame.init() opens SDL's audio too, which printed 18 "ALSA lib ..." lines on
+            # a box with ALSA's library but no device
+            os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
             return dataclasses.replace(spec, kwargs={**spec.kwargs, "render_mode": "rgb_array"})
         return spec
 
