@@ -299,3 +299,22 @@ def test_obs_norm_standardizes_each_pixel_and_the_learners_layout_matches_the_ac
     assert impala_net.build_model("mlp", (4,), 2, obs_norm=True).state_dict().keys() == (
         impala_net.build_model("mlp", (4,), 2).state_dict().keys()
     )  # vector observations: no pixel statistics
+
+
+def test_an_actor_normalizes_with_the_statistics_of_the_weights_it_loaded_last():
+    """The normalizer keeps its scale and shift between calls (an actor's forward pass would otherwise
+    recompute them every step); new weights loaded into its buffers, or a learner's observe, replace them."""
+    from impala.transport.params import load_state_arrays, state_dict_arrays
+
+    actor = impala_net.build_model("shallow", PONG_OBS, PONG_ACTIONS, obs_norm=True)
+    actor.torso.to_channels_last()  # as an actor runs it
+    learner = impala_net.build_model("shallow", PONG_OBS, PONG_ACTIONS, obs_norm=True)
+    frames = _pong_like_frames(1, 4, seed=5)[0]
+    with torch.no_grad():
+        before = actor.torso(frames)
+        for seed in range(3):
+            learner.torso.pixel_norm.observe(_pong_like_frames(4, 4, seed), stride=1)
+            load_state_arrays(actor, state_dict_arrays(learner))
+            got, want = actor.torso(frames), learner.torso(frames)
+            assert torch.allclose(got, want, atol=1e-5), seed  # the statistics just loaded, not cached ones
+        assert not torch.allclose(before, got)
