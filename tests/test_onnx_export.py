@@ -293,11 +293,21 @@ def test_one_input_when_the_observation_split_is_unknown_and_batch_is_dynamic(tm
 
 
 @pytest.mark.parametrize(
-    "kind,obs_shape,dtype", [("mlp", (4,), np.float32), ("shallow", (4, 84, 84), np.uint8)]
+    "kind,obs_shape,dtype,obs_norm",
+    [
+        ("mlp", (4,), np.float32, False),
+        ("shallow", (4, 84, 84), np.uint8, False),
+        ("shallow", (4, 84, 84), np.uint8, True),  # the pixel statistics go into the graph
+    ],
 )
-def test_impala_logits_and_baseline_match_torch(tmp_path, kind, obs_shape, dtype):
+def test_impala_logits_and_baseline_match_torch(tmp_path, kind, obs_shape, dtype, obs_norm):
     torch.manual_seed(0)
-    model = build_model(kind, obs_shape, 6).eval()
+    model = build_model(kind, obs_shape, 6, obs_norm=obs_norm).eval()
+    if obs_norm:  # statistics of real-looking frames: a gray field, a few bright pixels
+        frames = torch.full((64, *obs_shape), 87, dtype=torch.uint8)
+        frames[:, :, 40:44, 10:12] = 236
+        frames[::2, :, 20:24, 60:62] = 236
+        model.torso.pixel_norm.observe(frames, stride=1)
     with torch.no_grad():  # a trained-looking PopArt: values in return units differ from normalized ones
         model.baseline.mu.fill_(2.5)
         model.baseline.sigma.fill_(4.0)

@@ -108,6 +108,8 @@ class PixelNormalizer(nn.Module):
         in place: one multiply-add and one clamp pass over the frames."""
         channels_last = x.dim() > 3 and x.movedim(-3, -1).is_contiguous()
         scale, shift = self._affine(prescale, x.dtype, x.device, channels_last)
+        if torch.onnx.is_in_onnx_export() or torch.jit.is_tracing():  # ONNX has no addcmul with out=
+            return (x * scale + shift).clamp(-self.CLIP, self.CLIP)
         torch.addcmul(shift, x, scale, out=x)
         return x.clamp_(-self.CLIP, self.CLIP)
 
