@@ -261,6 +261,7 @@ def test_precision_bf16_is_for_an_image_torso_and_fp32_is_the_default():
     assert learner.precision == "bf16" and learner.model.torso.compute_dtype == torch.bfloat16
 
 
+@pytest.mark.serial  # it times bf16 against fp32: a busy neighbour would skew the pair
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's note on switching oneDNN
 def test_bf16_on_a_cpu_where_it_is_slower_warns_with_what_it_costs(caplog):
     """With oneDNN off, torch runs bf16 convolutions on its slow path, as on an AVX2-only CPU (7.8x slower
@@ -273,7 +274,9 @@ def test_bf16_on_a_cpu_where_it_is_slower_warns_with_what_it_costs(caplog):
     image, cpu = build_model("shallow", OBS, A), torch.device("cpu")
     with torch.backends.mkldnn.flags(enabled=False), caplog.at_level(logging.INFO, "learner.vtrace_learner"):
         fp32_ms, bf16_ms = bf16_torso_cost(image)
-        assert bf16_ms > 1.5 * fp32_ms > 0  # the slow path, measured
+        assert (
+            bf16_ms > fp32_ms > 0
+        )  # the slow path, measured (7x alone on a 2-core AMD EPYC, 1.4x under load)
         assert torso_precision("bf16", cpu, image) == "bf16"
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warning) == 1 and "--precision bf16 is slower than fp32 on this CPU" in warning[0], warning
