@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the Pong learning curve of README/BENCHMARKS.md and redraw docs/pong.png.
+# Reproduce a Pong learning curve of README/BENCHMARKS.md and draw it (LOGDIR/pong.png; OUT= elsewhere).
 #
 #   scripts/learn_pong.sh                       # this box's run: 2 workers, seed 1, until the mean return is 18
 #   WORKERS=16 scripts/learn_pong.sh            # the mission's command on a 16-core GPU box
@@ -19,7 +19,7 @@ SEED=${SEED:-1}
 FRAMES=${FRAMES:-20000000}   # the default --total-frames; the lr decays to 0 over it
 STOP=${STOP-18}              # --stop-at-return; empty: run all FRAMES
 LOGDIR=${LOGDIR:-runs/pong-w${WORKERS}-s${SEED}}
-OUT=${OUT:-docs/pong.png}
+OUT=${OUT:-$LOGDIR/pong.png}  # docs/pong.png holds several seeds: docs/PONG.md section 14 redraws it
 PY=${PY:-.venv/bin/python}
 BIN=$(dirname "$PY")
 
