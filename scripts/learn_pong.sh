@@ -5,7 +5,7 @@
 #   WORKERS=16 scripts/learn_pong.sh            # the mission's command on a 16-core GPU box
 #   SEED=2 LOGDIR=runs/pong-seed2 scripts/learn_pong.sh
 #   STOP= scripts/learn_pong.sh                 # the whole 20M-frame budget (the lr decays to 0 over it)
-#   scripts/learn_pong.sh --config configs/pong_per_step_cpu.yaml   # the earlier defaults
+#   scripts/learn_pong.sh --config pong_per_step_cpu                # the earlier defaults (a preset)
 #                                               # (flags after the script's own win)
 #
 # It runs launch_impala with its defaults (the settings in BENCHMARKS.md, "Pong") until the mean return of
