@@ -738,6 +738,17 @@ def test_config_preset_sets_run_launch_and_ppo_options_and_flags_win(tmp_path):
         parse_args(["--config", str(mine)])
 
 
+def test_a_budget_flag_replaces_the_presets_budget_in_the_other_unit():
+    """cartpole_ppo_sb3's budget is --total-steps; --total-frames on the command line replaces it (launch_ppo
+    says so in one line when it starts) instead of 'not both'."""
+    from learner.cli.launch_ppo import parse_args, resolve
+
+    args = parse_args(["--config", "cartpole_ppo_sb3", "--total-frames", "4000"])
+    assert args.preset_replaced == [("total_steps", 100000, "--total-frames")]
+    config = resolve(args).config
+    assert (config.total_frames, config.total_steps) == (4000, None)
+
+
 @pytest.mark.parametrize("preset, semantics", [("basic", "mlagents"), ("hybrid", "sb3")])
 def test_discrete_and_hybrid_unity_agents_train_over_grpc(tmp_path, preset, semantics):
     """A discrete behaviour (one masked branch of 3, like ML-Agents' Basic) and a hybrid one (2 continuous
