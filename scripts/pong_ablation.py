@@ -265,7 +265,9 @@ def plot(arms: dict[str, list[tuple[int, list[tuple[float, float]]]]], out: Path
         for j, (_, curve) in enumerate(runs):
             xs = [f / 1e6 for f, _ in curve if f <= 3.0e6]
             ys = [r for f, r in curve if f <= 3.0e6]
-            ax.plot(xs, ys, color=color, lw=1.4, alpha=0.9, label=arm if j == 0 else None)
+            reference = arm not in ARMS  # a peer's published run: dashed
+            label = (f"{arm} (published settings)" if reference else arm) if j == 0 else None
+            ax.plot(xs, ys, color=color, lw=1.4, alpha=0.9, ls="--" if reference else "-", label=label)
     ax.axhline(15, color="gray", ls=":", lw=1)
     ax.set_xlabel("env frames (millions)")
     ax.set_ylabel("mean return, last 100 episodes")
