@@ -379,11 +379,10 @@ class VTraceLearner:
         return batch
 
     def _observe_pixels(self, pixel_norm: Any, frames: torch.Tensor) -> None:
-        """Update the pixel statistics from this rank's frames; in a learner group every rank then takes
-        rank 0's statistics, so all ranks normalize (and publish) alike."""
-        pixel_norm.observe(frames)
-        if self.group is not None:
-            self.group.broadcast_module(pixel_norm)
+        """Update the pixel statistics from the batch's frames; in a learner group each rank holds some of the
+        unrolls and the moments are summed over the ranks, so every rank merges the whole batch's, as one
+        learner would (and all normalize and publish alike)."""
+        pixel_norm.observe(frames, allreduce=self.group.allreduce_sum if self.group is not None else None)
 
     def train(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
         """All the updates one batch gets: ``epochs`` passes, each over ``minibatches`` disjoint

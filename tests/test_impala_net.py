@@ -256,7 +256,7 @@ def test_pixel_normalizer_statistics_are_the_pooled_moments():
     for seed, stride in ((0, 4), (1, 1), (2, 3)):
         frames = _pong_like_frames(5, 3, seed) if seed != 1 else _frames(2, 3, seed)
         norm.observe(frames, stride=stride)
-        seen.append(frames.reshape(-1, *PONG_OBS)[::stride].double() / 255.0)
+        seen.append(frames[::stride].reshape(-1, *PONG_OBS).double() / 255.0)  # every stride-th step of T
     x = torch.cat(seen)
     n = x.shape[0] + 1  # with the prior sample
     mean = x.sum(0) / n  # the prior's mean is 0
@@ -318,3 +318,46 @@ def test_an_actor_normalizes_with_the_statistics_of_the_weights_it_loaded_last()
             got, want = actor.torso(frames), learner.torso(frames)
             assert torch.allclose(got, want, atol=1e-5), seed  # the statistics just loaded, not cached ones
         assert not torch.allclose(before, got)
+
+
+def _observe_a_share(rank: int, port: int, frames, out) -> None:
+    """One rank of a 2-rank gloo group: observe its half of the batch's unrolls with the group's sum."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+    def allreduce(t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    norm = impala_net.PixelNormalizer(PONG_OBS)
+    half = frames.shape[1] // 2
+    norm.observe(frames[:, rank * half : (rank + 1) * half], allreduce=allreduce)
+    out.put((rank, norm.mean.numpy().copy(), norm.var.numpy().copy(), float(norm.count)))
+    dist.destroy_process_group()
+
+
+def test_a_learner_group_merges_the_whole_batchs_pixel_statistics_on_every_rank():
+    """--learners 2: each rank holds half of a batch's unrolls; with the moments summed over the ranks, both
+    end with the statistics one learner gets from the whole batch (real processes, a real gloo group)."""
+    import multiprocessing
+
+    from procs import free_port_pair
+
+    frames = _pong_like_frames(9, 6, seed=3)
+    whole = impala_net.PixelNormalizer(PONG_OBS)
+    whole.observe(frames)
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port_pair()
+    ranks = [ctx.Process(target=_observe_a_share, args=(r, port, frames, out)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    got = [out.get(timeout=120) for _ in ranks]
+    for p in ranks:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in ranks)
+    for _, mean, var, count in got:
+        assert count == float(whole.count)
+        assert torch.allclose(torch.from_numpy(mean), whole.mean, atol=1e-6)
+        assert torch.allclose(torch.from_numpy(var), whole.var, atol=1e-6)
