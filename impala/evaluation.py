@@ -29,6 +29,7 @@ from impala.envs import EnvSpec, UnknownEnvError, check_env_id
 from impala.envs.protocols import ProtocolName
 from impala.options import ConfigError, check_fields, need, option
 from impala.run.checkpoint import CheckpointError, load_checkpoint
+from impala.run.config import POPART_BETA
 from impala.run.cpus import available_cpus
 from impala.transport.messages import AgentSpec, ImpalaAgentSpec, agent_spec_from_dict
 
@@ -162,7 +163,9 @@ def read_policy_checkpoint(path: str) -> PolicyCheckpoint:
             kind = "impala"
             env = EnvSpec(config["env"], kwargs)
             agent = ImpalaAgentSpec(
-                config["model"], bool(config.get("use_lstm", False)), float(config.get("popart_beta", 3e-4))
+                config["model"],
+                bool(config.get("use_lstm", False)),
+                float(config.get("popart_beta", POPART_BETA)),
             )
             weights = trainer["model"]
             legacy = True

@@ -1,64 +1,42 @@
 """The IMPALA learner: its compute (``VTraceLearner``: ``step(batch) -> metrics``; no I/O, no
 sockets, no threads) and its adapter to the runtime (``ImpalaTrainer``).
 
-One update: forward the network over ``[T+1, B]`` observations, V-trace from
-the behaviour and target logits, the (PopArt-)IMPALA loss, RMSProp with a
-global gradient-norm clip and a linearly decaying learning rate, then the
-PopArt statistics update (which rescales the value head so its unnormalized
-outputs are preserved).
+One update step (:meth:`VTraceLearner.step`): forward the network over the unrolls, V-trace's targets (from
+this network, or fixed for the batch's passes with ``--targets per_batch``), the one (PopArt-)IMPALA loss,
+backward, the gradients summed over a learner group and clipped by their global norm, the optimizer (Adam by
+default, RMSProp for the paper's preset) at a linearly decaying learning rate, then with ``--popart`` the
+statistics update, which rescales the value head so its unnormalized outputs are preserved. Without
+``--popart`` the value head keeps identity statistics, where the loss is IMPALA's, bit for bit. Around the
+step: the batch's staging (:mod:`learner.staging`), the health metrics (:mod:`learner.update_health`), the
+CPU heuristics (:mod:`learner.precision`) and the learner group's start (:mod:`learner.group_start`).
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
+import contextlib
+import functools
 import logging
-import multiprocessing
-import os
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from impala.algos.impala_losses import (
-    BatchTargets,
-    entropy_per_step,
-    impala_loss,
-    popart_impala_loss,
-    vtrace_targets,
-)
+from impala.algos.impala_losses import BatchTargets, ImpalaLoss, impala_loss, normalized, vtrace_targets
 from impala.algos.popart import unnormalize
-from impala.algos.task_gradients import task_gradient_stats, task_gradients
 from impala.envs.probe import EnvInfo
 from impala.nets.impala_net import ImpalaNet, build_model
 from impala.options import ConfigError
 from impala.run.config import ImpalaConfig, RunConfig, resolve_device
-from impala.run.orphans import exit_when_orphaned
 from impala.transport import wire
 from impala.transport.messages import ImpalaAgentSpec
 from impala.transport.params import state_dict_arrays
-from impala.transport.trajectory import (
-    TrajectorySchema,
-    impala_unroll_schema,
-    rebuild_frame_stacks,
-    stack_time_major,
-)
-from learner.group import (
-    STOP,
-    SYNC,
-    UPDATE,
-    LearnerGroup,
-    LearnerGroupError,
-    Membership,
-    init_group,
-    join_group,
-    lost_peer,
-    peer_error,
-)
+from impala.transport.trajectory import TrajectorySchema, impala_unroll_schema
+from learner.group import STOP, SYNC, UPDATE, LearnerGroup, LearnerGroupError, lost_peer, peer_error
+from learner.precision import bf16_torso_cost, cpu_has_native_bf16, torso_precision  # noqa: F401 (tests)
+from learner.staging import BatchStaging, core_state, select_unrolls, task_ids
+from learner.update_health import UpdateHealth
 
 log = logging.getLogger(__name__)
-
-IMPALA_UNROLL = 32  # T when --unroll-length is 0 (the learner picks)
 
 
 def make_optimizer(model: torch.nn.Module, config: ImpalaConfig) -> torch.optim.Optimizer:
@@ -79,46 +57,6 @@ def make_optimizer(model: torch.nn.Module, config: ImpalaConfig) -> torch.optim.
         eps=config.rmsprop_eps,
         momentum=config.rmsprop_momentum,
     )
-
-
-@torch.no_grad()
-def step_fraction(optimizer: torch.optim.Optimizer) -> float:
-    """How much of the learning rate the optimizer's last step used, averaged over all weights.
-
-    RMSprop steps ``lr * g / (sqrt(v) + eps)``: per weight, ``sqrt(v) / (sqrt(v) + eps)`` of
-    a sign step of size lr. Near 1, eps is negligible; near 0, eps dominates and the network
-    barely moves (measured on Pong, docs/PONG.md: 0.009 with the paper's eps on mean-reduced losses). Adam:
-    the
-    same with the bias-corrected ``v``.
-    """
-    total, count = 0.0, 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            if "square_avg" in state:
-                root, eps = state["square_avg"].sqrt(), group["eps"]
-            elif "exp_avg_sq" in state:
-                beta2 = group["betas"][1]
-                correction = 1.0 - beta2 ** float(state["step"])
-                root, eps = (state["exp_avg_sq"] / correction).sqrt(), group["eps"]
-            else:
-                continue
-            total += float((root / (root + eps)).sum())
-            count += root.numel()
-    return total / count if count else float("nan")
-
-
-def logit_spread(logits: torch.Tensor) -> float:
-    """Std across the batch's states of the log-policy, averaged over actions.
-
-    Zero when the policy ignores the state (the same distribution everywhere): the Pong
-    failed Pong run (docs/PONG.md) showed 0.0007 after 4M frames. Log-softmax first, so a shift of all
-    logits (which does not change the policy) does not count.
-    """
-    log_p = torch.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
-    return float(log_p.std(dim=0).mean()) if log_p.shape[0] > 1 else 0.0
 
 
 # The least behaviour log-probability of a taken action an unroll may carry. The update takes
@@ -143,92 +81,6 @@ def untrainable_behaviour(logits: np.ndarray, actions: np.ndarray) -> str | None
     return None
 
 
-# The learner's torch threads where --torch-threads is not given: the cores its local actors leave, and for
-# image observations with actors at the learner's own priority (--actor-nice 0) at least this many
-# (RunConfig.cpu_threads says why; launch_impala makes idle threads sleep, not spin).
-LEARNER_THREADS = 2
-
-
-def learner_threads(run: RunConfig, env: EnvInfo, ranks_here: int | None = None) -> int:
-    """Torch threads for one learner rank. Image observations (a conv net, whose update parallelizes) get
-    at least LEARNER_THREADS unless the actors were niced below the learner by ``--actor-nice`` alone: with
-    ``--cpu-affinity learner-first`` (opt-in) the second thread takes the actors' core
-    whenever the update can use it (Pong, 2 actors on 2 cores: 0.75-0.89 of the cost model's ceiling,
-    four runs of five at 0.83 or above, against 0.75-0.80 for one pinned thread, BENCHMARKS.md).
-    Vector observations (an MLP of small layers) keep the cores the actors leave, at least 1: there a
-    second thread only adds synchronization (CartPole, 2 actors on 2 cores: 18% fewer frames/s).
-    ``ranks_here``: the group's ranks that share this machine's CPUs (all --learners on one machine; a
-    group across hosts has one per host)."""
-    at_least = LEARNER_THREADS if len(env.obs_shape) == 3 else 1
-    return max(1, run.cpu_threads(at_least=at_least) // (ranks_here or run.learners))
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where oneDNN's bf16
-    convolutions beat float32 (2-core AMD EPYC: 14-16 vs 20-22 ms per minibatch step); elsewhere they
-    are emulated (on the 2-core Intel Xeon of the earlier benchmarks bf16 autocast was slower, 416 vs
-    336 ms per update)."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's own CPUID checks
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
-
-
-def bf16_torso_cost(model: ImpalaNet, frames: int = 32, repeats: int = 3) -> tuple[float, float]:
-    """(fp32 ms, bf16 ms): the best of ``repeats`` forward and backward passes of ``model``'s image torso over
-    ``frames`` observations on this CPU, in float32 and under bf16 autocast. A second or less at start, and
-    the real figure: whether torso bf16 pays depends on the kernels torch has for this CPU (oneDNN's native
-    bf16 with AVX512-BF16 or AMX; emulated bf16 elsewhere with AVX-512; ATen's slow convolution path on an
-    AVX2-only CPU, measured 7.8x slower than fp32 per minibatch step), more than on its flags."""
-    import copy
-    import time
-
-    torso = copy.deepcopy(model.torso).cpu()
-    obs = torch.randint(0, 256, (frames, *model.torso.obs_shape), dtype=torch.uint8)
-    times = {}
-    for dtype in (None, torch.bfloat16):
-        torso.compute_dtype = dtype
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first pass of each also warms up
-            torso.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            torso(obs).sum().backward()
-            best = min(best, time.perf_counter() - start)
-        times[dtype] = best * 1e3
-    return times[None], times[torch.bfloat16]
-
-
-def torso_precision(choice: str, device: torch.device, model: ImpalaNet) -> str:
-    """``--precision`` checked for this learner: bf16 covers an image torso only; asking for it with any
-    other torso is a :class:`ConfigError`. On a CPU, bf16 is timed against fp32 at start and a warning says
-    what it costs where it is slower (the user asked for it: it stays)."""
-    if choice == "bf16" and not hasattr(model.torso, "compute_dtype"):
-        raise ConfigError(
-            f"--precision bf16 runs an image torso's convolutions in bf16; this run's network has a "
-            f"{type(model.torso).__name__} torso (vector observations): use --precision fp32"
-        )
-    if choice == "bf16" and device.type == "cpu":
-        fp32_ms, bf16_ms = bf16_torso_cost(model)
-        native = cpu_has_native_bf16()
-        if bf16_ms > fp32_ms:
-            log.warning(
-                "--precision bf16 is slower than fp32 on this CPU: the torso's forward and backward pass "
-                "took %.1f ms in bf16 against %.1f ms in fp32 (%.1fx)%s; --precision fp32 trains faster here",
-                bf16_ms,
-                fp32_ms,
-                bf16_ms / fp32_ms,
-                "" if native else " (no native bf16, AVX512-BF16 or AMX)",
-            )
-        else:
-            log.info(
-                "learner precision: bf16 in the image torso (%.1f ms against %.1f ms in fp32 per forward and "
-                "backward pass on this CPU)",
-                bf16_ms,
-                fp32_ms,
-            )
-    elif choice == "bf16":
-        log.info("learner precision: bf16 in the image torso")
-    return choice
-
-
 def sync_rounds(config: ImpalaConfig, run: RunConfig) -> int:
     """``--sync``: the unrolls each local actor sends per update (0 without it). Every local env sends one
     unroll a round, so a batch is ``--batch-size / (workers x envs per worker)`` rounds of all of them."""
@@ -249,26 +101,8 @@ def sync_rounds(config: ImpalaConfig, run: RunConfig) -> int:
     return config.batch_size // envs
 
 
-def select_unrolls(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(1, idx)`` (unrolls ``idx`` of a time-major [T, B, ...] array) in ``x``'s own memory
-    layout: ``index_select`` returns a contiguous tensor, which would undo the frames' channels-last layout
-    (``prepare``) at every minibatch."""
-    if x.is_contiguous():
-        return x.index_select(1, idx)
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # x.permute(order) is contiguous
-    inverse = [order.index(d) for d in range(x.dim())]
-    return x.permute(order).index_select(order.index(1), idx).permute(inverse)
-
-
 class VTraceLearner:
     """Owns the model and optimizer; ``step`` runs one update on a time-major batch."""
-
-    HEALTH_EVERY = 10
-    # A multi-task run's per-task gradients take one backward pass per task: on every 200th update (about
-    # 3% more backward work; every few seconds on a CPU learner, so each 30-second row averages several);
-    # 0: never
-    TASK_GRADIENTS_EVERY = 200
-    TASK_GRADIENTS_WINDOW = 16  # measurements averaged in each report (about a minute on a CPU learner)
 
     def __init__(
         self,
@@ -303,19 +137,28 @@ class VTraceLearner:
             group.broadcast_module(self.model)
         self.optimizer = make_optimizer(self.model, config)
         self.updates = 0
-        self.skipped_updates = 0  # steps dropped because their loss or gradient was not finite
-        self._health: dict[str, float] = {}
-        self._task_sums: torch.Tensor | None = None  # multi-task: per-task sums since the last report
-        # multi-task: per task, its gradient share and cosine at the last TASK_GRADIENTS_WINDOW measurements
-        self._task_grads: collections.deque[torch.Tensor] = collections.deque(
-            maxlen=self.TASK_GRADIENTS_WINDOW
+        self.skipped_updates = 0  # steps dropped because their loss, gradient or targets were not finite
+        # --popart: the statistics follow the targets (ART) and the value head keeps its outputs (POP);
+        # without it they stay at identity, where the one loss is IMPALA's
+        self.moves_popart = config.popart
+        self._allreduce = group.allreduce_sum if group is not None else None  # sums over the group's ranks
+        pg_clip = config.pg_clip or None
+        self._target_settings = dict(
+            clip_rho_threshold=1.0, clip_pg_rho_threshold=1.0, pg_clip=pg_clip, lambda_=config.vtrace_lambda
         )
-        # the weights every task's steps reach (all but the per-task value heads)
-        self._shared_params = [p for n, p in self.model.named_parameters() if not n.startswith("baseline.")]
+        self._loss_settings = dict(
+            baseline_cost=config.baseline_cost,
+            entropy_cost=config.entropy_cost,
+            reduction=config.loss_reduction,
+            pg_clip=pg_clip,
+            # a learner group standardizes by the whole batch's moments, as one learner would
+            standardize=functools.partial(normalized, allreduce=self._allreduce)
+            if config.advantage_norm
+            else None,
+        )
+        self.staging = BatchStaging(self.model, device, group)
+        self.health = UpdateHealth(self.model, self.optimizer, self.task_names, config.pg_clip)
         self._shuffle = torch.Generator().manual_seed(seed)
-        self._staging: dict[int, dict[str, torch.Tensor]] = {}  # buffer set (slot) -> arrays
-        self._staging_b = 0
-        self._laid_out: dict[int, torch.Tensor] = {}  # slot -> the frames prepare laid out last
 
     def learning_rate(self, frames_done: int) -> float:
         if not self.config.lr_decay:
@@ -325,69 +168,24 @@ class VTraceLearner:
     def stage(
         self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema, slot: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Stack B unrolls time-major straight into staging buffers and move them to the device.
-
-        The buffers are allocated once per ``slot`` (page-locked on CUDA, so the host-to-device copy
-        is an asynchronous DMA, not a second staging copy); on CPU the batch is those buffers. Reusing
-        a slot is safe once the update that read it has returned (``step`` reads its losses back to
-        the host, which waits for the copy): a batch staged while another trains takes the other slot.
-        """
-        return self.prepare(self.stage_host(unrolls, schema, slot), slot)
+        """B unrolls stacked time-major into ``slot``'s staging buffers and prepared on the device
+        (:class:`learner.staging.BatchStaging` says when a slot may be reused)."""
+        return self.staging.prepare(self.staging.stage_host(unrolls, schema, slot), slot)
 
     def stage_host(
         self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema, slot: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Stack B unrolls time-major into the (reused, on CUDA page-locked) host staging buffers of
-        ``slot``."""
-        B = len(unrolls)
-        if self._staging_b != B:
-            self._staging, self._staging_b = {}, B
-        if slot not in self._staging:
-            pin = self.device.type == "cuda"
-            self._staging[slot] = {
-                a.name: torch.empty(
-                    (a.shape[0], B, *a.shape[1:]),
-                    dtype=torch.from_numpy(np.empty(0, dtype=a.dtype)).dtype,
-                    pin_memory=pin,
-                )
-                for a in schema.arrays
-            }
-        buffers = self._staging[slot]
-        stack_time_major(unrolls, schema, out={k: v.numpy() for k, v in buffers.items()})
-        return dict(buffers)
+        return self.staging.stage_host(unrolls, schema, slot)
 
     def prepare(self, staged: Mapping[str, torch.Tensor], slot: int | None = None) -> dict[str, torch.Tensor]:
-        """Host arrays -> the device, and each frame-once unroll's stacks rebuilt there, laid out for the
-        torso. With a ``slot``, the frames are laid out over the previous batch of that slot (the same
-        reuse rule as :meth:`stage`'s buffers); without one, into fresh memory."""
-        if self.device.type == "cpu":
-            batch = dict(staged)
-        else:
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in staged.items()}
-        if (
-            "frames" in batch
-        ):  # each frame travelled once: rebuild the stacks here (on the device, when there is one)
-            batch["obs"] = rebuild_frame_stacks(batch.pop("obs_head"), batch.pop("frames"), batch["first"])
-        pixel_norm = getattr(self.model.torso, "pixel_norm", None)
-        if pixel_norm is not None:  # --obs-norm: this batch's frames join the statistics it is normalized by
-            self._observe_pixels(pixel_norm, batch["obs"])
-        lay_out = getattr(self.model.torso, "lay_out", None)  # image torsos
-        if lay_out is not None:
-            batch["obs"] = lay_out(batch["obs"], out=self._laid_out.get(slot) if slot is not None else None)
-            if slot is not None:
-                self._laid_out[slot] = batch["obs"]
-        return batch
-
-    def _observe_pixels(self, pixel_norm: Any, frames: torch.Tensor) -> None:
-        """Update the pixel statistics from the batch's frames; in a learner group each rank holds some of the
-        unrolls and the moments are summed over the ranks, so every rank merges the whole batch's, as one
-        learner would (and all normalize and publish alike)."""
-        pixel_norm.observe(frames, allreduce=self.group.allreduce_sum if self.group is not None else None)
+        return self.staging.prepare(staged, slot)
 
     def train(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
         """All the updates one batch gets: ``epochs`` passes, each over ``minibatches`` disjoint
         sets of whole unrolls in a fresh random order (PPO's loop; 1 x 1 is IMPALA's single step).
-        Every pass recomputes V-trace against the current policy. Returns the last step's metrics."""
+        With ``--targets per_step`` every step recomputes V-trace against the current policy; with
+        ``per_batch`` the targets come once, from the network as the batch arrives. Returns the last
+        step's metrics."""
         cfg = self.config
         B = batch["actions"].shape[1]
         metrics: dict[str, float] = {}
@@ -404,180 +202,122 @@ class VTraceLearner:
                 )
         return metrics
 
-    def _rewards_discounts(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.config
+    def step(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
+        """One update. ``batch`` holds the impala_unroll_schema arrays stacked as [T(+1), B, ...], and
+        ``target_vs`` / ``target_pg_adv`` when the targets are fixed for the batch."""
+        measure = self.health.due(self.updates)
+        T = batch["actions"].shape[0]
+        tasks = task_ids(batch)  # [T+1, B], or None for one task
+        step_tasks = 0 if tasks is None else tasks[:T]
+        fixed = "target_vs" in batch
+        # Fixed targets need no bootstrap value: the forward pass (and so the backward) skips step T,
+        # 1/(T+1) of the update's network work. The outputs of steps 0..T-1 do not depend on step T.
+        logits, values = self._forward(batch, T if fixed else T + 1, tasks, measure)
+        if fixed:
+            targets = BatchTargets(batch["target_vs"], batch["target_pg_adv"])
+        else:
+            targets = self._targets(batch, logits, values, tasks)
+        loss = impala_loss(
+            batch["behaviour_logits"],
+            logits[:T],
+            batch["actions"],
+            values[:T],
+            targets,
+            self.model.baseline.state,
+            step_tasks,
+            **self._loss_settings,
+        )
+        self.health.before_backward(self.updates, loss.total, logits, values, tasks)
+        lr = self.learning_rate(frames_done)
+        grad_norm, finite = self._optimize(loss, lr)
+        if finite and self.moves_popart:
+            self.model.baseline.update(loss.vtrace.vs, step_tasks, allreduce=self._allreduce)
+        self.skipped_updates += not finite
+        self.updates += 1
+        metrics = self._metrics(loss, grad_norm, lr)
+        metrics.update(self.health.after_step(measure, loss, logits, values, tasks))
+        return metrics
+
+    def _forward(
+        self, batch: Mapping[str, torch.Tensor], steps: int, tasks: torch.Tensor | None, measure: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The network's logits and (normalized) values over the first ``steps`` steps, in float32; the
+        torso tracks its activity if ``measure``."""
+        torso = self.model.torso
+        torso.track_activity = measure
+        out, _ = self.model(
+            batch["obs"][:steps],
+            batch["first"][:steps],
+            core_state(batch),
+            None if tasks is None else tasks[:steps],
+        )
+        torso.track_activity = False
+        return out.policy_logits.float(), out.values.float()
+
+    def _targets(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        logits: torch.Tensor,
+        values: torch.Tensor,
+        tasks: torch.Tensor | None,
+    ) -> BatchTargets:
+        """V-trace's targets and advantages in return units, from logits and normalized values over steps
+        0..T (step T's value is the bootstrap), mapped back through the PopArt statistics."""
+        returns = unnormalize(self.model.baseline.state, values.detach(), 0 if tasks is None else tasks)
         rewards = batch["rewards"]
-        if cfg.reward_clip > 0:
-            rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
-        return rewards, (~batch["dones"]).float() * cfg.discount
-
-    @staticmethod
-    def _core_state(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if "core_state" not in batch:
-            return None
-        cs = batch["core_state"]  # [2, B, H] after time-major stacking of [2, H]
-        return cs[0].unsqueeze(0).contiguous(), cs[1].unsqueeze(0).contiguous()
-
-    @staticmethod
-    def _task_ids(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-        if "task" not in batch:  # [1, B]: one task per unroll, for every step of it and its bootstrap
-            return None
-        return batch["task"].expand(batch["first"].shape[0], -1)
+        if self.config.reward_clip > 0:
+            rewards = rewards.clamp(-self.config.reward_clip, self.config.reward_clip)
+        discounts = (~batch["dones"]).float() * self.config.discount
+        return vtrace_targets(
+            batch["behaviour_logits"],
+            logits[:-1],
+            batch["actions"],
+            discounts,
+            rewards,
+            returns[:-1],
+            returns[-1],
+            **self._target_settings,
+        )
 
     @torch.no_grad()
     def _batch_targets(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``--targets per_batch``: V-trace's targets and advantages from the network as the batch
         arrives, in return units, for every step of every pass (``target_vs``, ``target_pg_adv``)."""
-        cfg = self.config
-        task_ids = self._task_ids(batch)
-        out, _ = self.model(batch["obs"], batch["first"], self._core_state(batch), task_ids)
-        values = out.values.float()
-        if cfg.popart:
-            values = unnormalize(self.model.baseline.state, values, 0 if task_ids is None else task_ids)
-        rewards, discounts = self._rewards_discounts(batch)
-        targets = vtrace_targets(
-            batch["behaviour_logits"],
-            out.policy_logits.float()[:-1],
-            batch["actions"],
-            discounts,
-            rewards,
-            values[:-1],
-            values[-1],
-            pg_clip=cfg.pg_clip or None,
-            lambda_=cfg.vtrace_lambda,
-        )
+        tasks = task_ids(batch)
+        out, _ = self.model(batch["obs"], batch["first"], core_state(batch), tasks)
+        targets = self._targets(batch, out.policy_logits.float(), out.values.float(), tasks)
         return {"target_vs": targets.vs, "target_pg_adv": targets.pg_advantages}
 
-    def step(self, batch: Mapping[str, torch.Tensor], *, frames_done: int) -> dict[str, float]:
-        """One update. ``batch`` holds the impala_unroll_schema arrays stacked as [T(+1), B, ...]."""
-        # Health metrics cost ~10% of a small CPU update, and the console and CSV show one row
-        # every few seconds: measure them on every HEALTH_EVERY-th update and repeat the last values.
-        measure = self.updates % self.HEALTH_EVERY == 0
-        T = batch["actions"].shape[0]
-        task_ids = self._task_ids(batch)
-        fixed = BatchTargets(batch["target_vs"], batch["target_pg_adv"]) if "target_vs" in batch else None
-        logits, values = self._forward(batch, T, fixed, task_ids, measure)
-        loss = self._loss(batch, logits, values, T, fixed, task_ids)
-        every = self.TASK_GRADIENTS_EVERY  # 0: never
-        if self.task_names and every and self.updates % every == 0:
-            self._add_task_gradients(loss.total, logits, values, task_ids)
-        lr = self.learning_rate(frames_done)
-        grad_norm = self._apply(loss, lr, task_ids, T)
-        self.updates += 1
-        metrics = self._metrics(loss, grad_norm, lr)
-        if self.task_names:
-            self._add_task_health(loss, logits[:T], values[:T], task_ids[:T])
-        if measure:
-            self._health = self._measure_health(loss, logits, values, self.model.torso)
-            self._health.update(self._task_health())
-        metrics.update(self._health)
-        return metrics
-
-    def _forward(
-        self,
-        batch: Mapping[str, torch.Tensor],
-        T: int,
-        fixed: BatchTargets | None,
-        task_ids: torch.Tensor | None,
-        measure: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The network's logits and values over the unroll; the torso tracks its activity if ``measure``."""
-        core_state = self._core_state(batch)
-        torso = self.model.torso
-        torso.track_activity = measure
-        # Fixed targets need no bootstrap value: the forward pass (and so the backward) skips step T,
-        # 1/(T+1) of the update's network work. The outputs of steps 0..T-1 do not depend on step T.
-        steps = T if fixed is not None else T + 1
-        if task_ids is not None:
-            task_ids = task_ids[:steps]
-        out, _ = self.model(batch["obs"][:steps], batch["first"][:steps], core_state, task_ids)
-        torso.track_activity = False
-        return out.policy_logits.float(), out.values.float()
-
-    def _loss(
-        self,
-        batch: Mapping[str, torch.Tensor],
-        logits: torch.Tensor,
-        values: torch.Tensor,
-        T: int,
-        fixed: BatchTargets | None,
-        task_ids: torch.Tensor | None,
-    ) -> Any:
-        """The IMPALA loss (with PopArt's normalized values when ``--popart``) of this batch."""
-        cfg = self.config
-        # with fixed targets the bootstrap value is not read (impala_loss, popart_impala_loss)
-        bootstrap = values[T] if fixed is None else torch.zeros_like(values[0])
-        rewards, discounts = self._rewards_discounts(batch)
-        common = dict(
-            baseline_cost=cfg.baseline_cost,
-            entropy_cost=cfg.entropy_cost,
-            reduction=cfg.loss_reduction,
-            pg_clip=cfg.pg_clip or None,
-            normalize_advantages=cfg.advantage_norm,
-            lambda_=cfg.vtrace_lambda,
-            allreduce=self.group.allreduce_sum if self.group else None,
-            targets=fixed,
-        )
-        if cfg.popart:
-            return popart_impala_loss(
-                batch["behaviour_logits"],
-                logits[:T],
-                batch["actions"],
-                discounts,
-                rewards,
-                values[:T],
-                bootstrap,
-                self.model.baseline.state,
-                0 if task_ids is None else task_ids[:T],
-                **common,
-            )
-        return impala_loss(
-            batch["behaviour_logits"],
-            logits[:T],
-            batch["actions"],
-            discounts,
-            rewards,
-            values[:T],
-            bootstrap,
-            **common,
-        )
-
-    def _apply(self, loss: Any, lr: float, task_ids: torch.Tensor | None, T: int) -> torch.Tensor:
-        """Backward, gradients summed over the group and clipped, then the optimizer (and PopArt) step;
-        returns the gradient norm before clipping."""
-        cfg = self.config
+    def _optimize(self, loss: ImpalaLoss, lr: float) -> tuple[torch.Tensor, bool]:
+        """Backward, gradients summed over the group and clipped, then the optimizer's step; returns the
+        gradient norm before clipping and whether the step was taken."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         loss.total.backward()
         if self.group is not None:
-            self.group.sync_gradients(self.model.parameters(), cfg.loss_reduction)
+            self.group.sync_gradients(self.model.parameters(), self.config.loss_reduction)
+        clip = self.config.grad_norm_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), cfg.grad_norm_clip if cfg.grad_norm_clip > 0 else float("inf")
+            self.model.parameters(), clip if clip > 0 else float("inf")
         )
-        finite = bool(torch.isfinite(loss.total)) and bool(torch.isfinite(grad_norm))
-        if finite and cfg.popart:
-            finite = bool(torch.isfinite(loss.vtrace.vs).all())
+        finite = (
+            bool(torch.isfinite(loss.total))
+            and bool(torch.isfinite(grad_norm))
+            and bool(torch.isfinite(loss.vtrace.vs).all())  # PopArt's statistics follow the targets
+        )
         if self.group is not None:  # one rank's bad batch skips the step on every rank
             finite = self.group.all_true(finite, self.device)
         if finite:
             self.optimizer.step()
-            if cfg.popart:
-                self.model.baseline.update(
-                    loss.vtrace.vs,
-                    0 if task_ids is None else task_ids[:T],
-                    allreduce=self.group.allreduce_sum if self.group else None,
-                )
         else:
             # A batch whose loss or gradient is NaN/inf (finite but huge inputs overflow the forward
             # pass) must not reach the weights, the actors or a checkpoint: drop this step, go on.
             self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_updates += 1
-        return grad_norm
+        return grad_norm, finite
 
-    def _metrics(self, loss: Any, grad_norm: torch.Tensor, lr: float) -> dict[str, float]:
+    def _metrics(self, loss: ImpalaLoss, grad_norm: torch.Tensor, lr: float) -> dict[str, float]:
         """The update's losses, gradient norm, learning rate and PopArt statistics, by their log names."""
-        state = self.model.baseline.state
         metrics = {
             "losses/total": float(loss.total.detach()),
             # the names launch_ppo logs too (learner.ppo_learner.METRIC_KEYS): one scheme across launchers
@@ -588,109 +328,13 @@ class VTraceLearner:
             "learner/skipped_updates": float(self.skipped_updates),
             "charts/learning_rate": lr,
         }
-        if not self.config.popart:
-            pass  # no PopArt, no popart/ columns: its statistics would be an untouched mu 0, sigma 1
-        elif self.task_names:  # one value scale per task
-            for i, name in enumerate(self.task_names):
-                metrics[f"popart/mu/{name}"] = float(state.mu[i])
-                metrics[f"popart/sigma/{name}"] = float(state.sigma[i])
-        else:
-            metrics["popart/mu"] = float(state.mu[0])
-            metrics["popart/sigma"] = float(state.sigma[0])
+        if self.moves_popart:  # without PopArt no popart/ columns: they would be an untouched mu 0, sigma 1
+            state = self.model.baseline.state
+            for i, name in enumerate(self.task_names or ("",)):  # one value scale per task
+                suffix = f"/{name}" if name else ""
+                metrics[f"popart/mu{suffix}"] = float(state.mu[i])
+                metrics[f"popart/sigma{suffix}"] = float(state.sigma[i])
         return metrics
-
-    @torch.no_grad()
-    def _measure_health(
-        self, loss: Any, logits: torch.Tensor, values: torch.Tensor, torso: torch.nn.Module
-    ) -> dict[str, float]:
-        cfg = self.config
-        health = {
-            "health/step_fraction": step_fraction(self.optimizer),
-            "health/logit_spread": logit_spread(logits.detach()),
-        }
-        rho = loss.vtrace.log_rhos.exp()
-        # Off-policyness of the batch: how often V-trace truncates (rho > 1) and, with
-        # --pg-clip, how often the surrogate's ratio sits outside [1 - eps, 1 + eps].
-        health["health/rho_truncated"] = float((rho > 1.0).float().mean())
-        if cfg.pg_clip:
-            health["losses/clip_fraction"] = float(((rho - 1.0).abs() > cfg.pg_clip).float().mean())
-        # How much of the targets' variance the critic explains (PPO's explained_variance):
-        # near 0, the critic cannot see what predicts the return and advantages are noise.
-        target_var = loss.value_targets.var()
-        err_var = (loss.value_targets - values[: loss.value_targets.shape[0]].detach()).var()
-        health["health/explained_variance"] = (
-            float(1.0 - err_var / target_var) if target_var > 0 else float("nan")
-        )
-        for layer, alive in getattr(torso, "activity", {}).items():
-            health[f"health/alive_{layer}"] = alive
-        return health
-
-    @torch.no_grad()
-    def _add_task_health(
-        self, loss: Any, logits: torch.Tensor, values: torch.Tensor, task_ids: torch.Tensor
-    ) -> None:
-        """Add this minibatch's per-task sums to the ones :meth:`_task_health` reports (multi-task runs)."""
-        per_step = torch.stack(
-            [
-                entropy_per_step(logits.detach()),
-                loss.pg_advantages.abs(),
-                (loss.value_targets - values.detach()).abs(),
-                torch.ones_like(values),
-            ],
-            dim=-1,
-        ).reshape(-1, 4)
-        if self._task_sums is None:
-            self._task_sums = torch.zeros(
-                len(self.task_names), 4, dtype=torch.float64, device=per_step.device
-            )
-        self._task_sums.index_add_(0, task_ids.reshape(-1), per_step.double())
-
-    def _add_task_gradients(
-        self, total: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, task_ids: torch.Tensor
-    ) -> None:
-        """Keep this minibatch's per-task gradient share and cosine (on the shared weights) for
-        :meth:`_task_health`. Reads the graph the update's backward pass then uses; changes no
-        weight and no ``.grad``."""
-        rows = task_gradients(
-            total, (logits, values), task_ids[: logits.shape[0]], len(self.task_names), self._shared_params
-        )
-        share, cosine = task_gradient_stats(rows.float())
-        self._task_grads.append(torch.stack([share, cosine], dim=1).double().cpu())  # [K, 2]
-
-    def _task_health(self) -> dict[str, float]:
-        """Per task, over the minibatches since the last report: the policy's entropy; the mean |advantage|
-        that multiplies its log-probabilities in the policy term (after PopArt's scaling and the minibatch
-        standardization) and the task's share of their sum (its weight in the policy gradient); its share
-        of the steps trained; and the value error in the regression's units. A task the others crowd out
-        shows a weight share far below its step share. And, averaged over the last TASK_GRADIENTS_WINDOW
-        measurements (one every TASK_GRADIENTS_EVERY updates): the task's share of the summed per-task
-        gradient norms on the shared weights, and the cosine of its gradient with the other tasks' summed
-        gradient (below 0: it pulls the shared weights against them)."""
-        out = {}
-        if self._task_grads:
-            window = torch.stack(list(self._task_grads))  # [N, K, 2], NaN where a task had no step
-            mean = window.nansum(0) / torch.isfinite(window).sum(0).clamp(min=1)
-            seen = torch.isfinite(window).any(0)
-            for i, name in enumerate(self.task_names):
-                if seen[i, 0]:
-                    out[f"tasks/{name}/grad_share"] = float(mean[i, 0])
-                if seen[i, 1]:
-                    out[f"tasks/{name}/grad_cosine"] = float(mean[i, 1])
-        sums, self._task_sums = self._task_sums, None
-        if sums is None:
-            return out
-        sums = sums.cpu()
-        total_adv, total_steps = float(sums[:, 1].sum()), float(sums[:, 3].sum())
-        for i, name in enumerate(self.task_names):
-            entropy, adv, err, n = (float(x) for x in sums[i])
-            if not n:
-                continue
-            out[f"tasks/{name}/entropy"] = entropy / n
-            out[f"tasks/{name}/adv_abs"] = adv / n
-            out[f"tasks/{name}/pg_weight_share"] = adv / total_adv if total_adv > 0 else float("nan")
-            out[f"tasks/{name}/step_share"] = n / total_steps
-            out[f"tasks/{name}/value_error"] = err / n
-        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -826,19 +470,26 @@ class ImpalaTrainer:
         del self._pending[:B], self._sources[:B]
         return lambda: self._train(batch, sources, frames_done)
 
+    @contextlib.contextmanager
+    def _group_errors(self, when: str = "") -> Iterator[None]:
+        """A collective that fails because a learner rank is gone stops the run with one LearnerGroupError
+        (its checkpoint stays; --resume continues); any other error passes through."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.group is None or not lost_peer(e):
+                raise
+            self._closed = True  # the group is broken: there is no one to release
+            raise LearnerGroupError(f"a learner rank stopped{when} ({peer_error(e)})") from None
+
     def update(self, frames_done: int) -> dict[str, float]:
         B = self.config.batch_size
         if self.group is None:
             return self.stage_update(frames_done)()
-        try:
+        with self._group_errors():
             self.group.command(UPDATE, frames_done)
             staged = self.learner.stage_host(self._pending[:B], self.schema)
             batch = self.learner.prepare(self.group.scatter(staged, self.schema, B), slot=0)
-        except RuntimeError as e:
-            if not lost_peer(e):
-                raise
-            self._closed = True  # the group is broken: there is no one to release
-            raise LearnerGroupError(f"a learner rank stopped ({peer_error(e)})") from None
         sources = sorted(set(self._sources[:B]))
         del self._pending[:B], self._sources[:B]
         return self._train(batch, sources, frames_done)
@@ -847,13 +498,8 @@ class ImpalaTrainer:
         self, batch: Mapping[str, torch.Tensor], sources: list[int], frames_done: int
     ) -> dict[str, float]:
         skipped_before = self.learner.skipped_updates
-        try:
+        with self._group_errors(" during an update"):
             metrics = self.learner.train(batch, frames_done=frames_done)
-        except RuntimeError as e:
-            if self.group is None or not lost_peer(e):
-                raise
-            self._closed = True  # the group is broken: there is no one to release
-            raise LearnerGroupError(f"a learner rank stopped during an update ({peer_error(e)})") from None
         if self.learner.skipped_updates > skipped_before:
             log.warning(
                 "skipped %d update step(s) with a non-finite loss or gradient; the batch came from actors %s",
@@ -908,93 +554,6 @@ class ImpalaTrainer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.learner.load_state_dict(state)
         if self.group is not None and self.group.rank == 0:  # the followers resume from the same state
-            try:
+            with self._group_errors():
                 self.group.command(SYNC)
                 self.group.broadcast_state(self.learner.state_dict())
-            except RuntimeError as e:
-                if not lost_peer(e):
-                    raise
-                self._closed = True  # the group is broken: there is no one to release
-                raise LearnerGroupError(f"a learner rank stopped ({peer_error(e)})") from None
-
-
-def start_group(
-    impala: ImpalaConfig,
-    run: RunConfig,
-    env: EnvInfo,
-    tasks: Sequence[EnvInfo] = (),
-    member: Membership | None = None,
-) -> LearnerGroup | None:
-    """--learners G > 1: start G-1 follower processes here, each given this run's resolved settings, and join
-    the group as rank 0. ``member``: torchrun started the ranks (across hosts); join them and send them
-    this run's resolved settings (:func:`follower_settings` reads them)."""
-    if member is not None:
-        backend = "nccl" if resolve_device(run.device).type == "cuda" else "gloo"
-        try:
-            group = join_group(member, backend, run.bind)
-            group.broadcast_json({"run": dataclasses.asdict(run), "impala": dataclasses.asdict(impala)})
-        except RuntimeError as e:  # a rank that never joined (it stopped on bad input), or went at once
-            raise LearnerGroupError(f"the learner group did not form ({peer_error(e)})") from None
-        log.info(
-            "learner group: %d ranks across hosts (torchrun, rendezvous %s:%d), %s backend on %s; this is "
-            "rank 0",
-            member.world_size,
-            member.master_addr,
-            member.master_port,
-            backend,
-            os.environ.get("GLOO_SOCKET_IFNAME") or "the interface of this host's name",
-        )
-        return group
-    if run.learners == 1:
-        return None
-    store = os.path.join(os.path.abspath(run.logdir), ".learner_group")
-    if os.path.exists(store):
-        os.remove(store)  # a rendezvous file left by an earlier run would hang this one
-    ctx = multiprocessing.get_context("spawn")
-    backend = "nccl" if resolve_device(run.device).type == "cuda" else "gloo"
-    pids = []
-    for rank in range(1, run.learners):
-        proc = ctx.Process(
-            target=follower_main,
-            args=(rank, store, backend, impala, run, env, tuple(tasks), os.getpid()),
-            name=f"learner-{rank}",
-            daemon=True,
-        )
-        proc.start()
-        pids.append(proc.pid)
-    log.info(
-        "learner group: %d ranks, %s backend, rank 0 pid %d, followers %s",
-        run.learners,
-        backend,
-        os.getpid(),
-        ", ".join(f"rank {r} pid {p}" for r, p in enumerate(pids, start=1)),
-    )
-    return init_group(0, run.learners, store, backend)
-
-
-def follower_main(
-    rank: int,
-    store: str,
-    backend: str,
-    impala: ImpalaConfig,
-    run: RunConfig,
-    env: EnvInfo,
-    tasks: tuple[EnvInfo, ...],
-    parent_pid: int,
-) -> None:
-    """Learner rank > 0: the same trainer as rank 0 (same resolved settings), fed its share of each batch
-    by rank 0."""
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner-{rank} %(levelname)s %(message)s")
-    exit_when_orphaned(parent_pid)
-    torch.set_num_threads(learner_threads(run, env))
-    trainer = ImpalaTrainer(
-        impala, run, env, group=init_group(rank, run.learners, store, backend), tasks=tasks
-    )
-    trainer.follow()  # a resumed run's state comes from rank 0 (SYNC), as across hosts
-
-
-def follower_settings(group: LearnerGroup, **own: Any) -> tuple[ImpalaConfig, RunConfig]:
-    """A follower across hosts: rank 0's resolved settings (sent by :func:`start_group`), with ``own``
-    (this host's --bind, --device, ...) in place of rank 0's."""
-    sent = group.broadcast_json()
-    return ImpalaConfig(**sent["impala"]), RunConfig(**{**sent["run"], **own})

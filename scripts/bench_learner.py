@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from impala.algos import impala_losses  # noqa: E402
+from impala.algos import impala_losses, popart  # noqa: E402
 from impala.nets import impala_net  # noqa: E402
 
 OBS_SHAPE = (4, 84, 84)
@@ -141,17 +141,33 @@ def bench(kind: str, args: argparse.Namespace) -> dict:
         batch = {k: v.to(device, non_blocking=True) for k, v in host.items()} if args.h2d else host
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16):
             out, _ = model(batch["obs"], batch["first"])
-        loss = impala_losses.popart_impala_loss(
+        returns = popart.unnormalize(net.baseline.state, out.values.detach().float())
+        targets = impala_losses.vtrace_targets(
             batch["behaviour_logits"],
             out.policy_logits[:-1],
             batch["actions"],
             0.99 * (~batch["dones"]).float(),
             batch["rewards"],
+            returns[:-1],
+            returns[-1],
+            clip_rho_threshold=1.0,
+            clip_pg_rho_threshold=1.0,
+            pg_clip=None,
+            lambda_=1.0,
+        )
+        loss = impala_losses.impala_loss(
+            batch["behaviour_logits"],
+            out.policy_logits[:-1],
+            batch["actions"],
             out.values[:-1],
-            out.values[-1],
+            targets,
             net.baseline.state,
+            0,
             baseline_cost=0.5,
             entropy_cost=0.01,
+            reduction="sum",
+            pg_clip=None,
+            standardize=None,
         )
         opt.zero_grad(set_to_none=True)
         loss.total.backward()

@@ -175,14 +175,13 @@ def timed_update_parts(trainer, clock: Clock):
     patch(learner, "stage_host", "update: stack unrolls")
     patch(learner, "prepare", "update: rebuild frame stacks, layout")
     patch(learner.model, "forward", "update: forward")
-    patch(vtrace_learner, "popart_impala_loss", "update: V-trace + loss")
     patch(vtrace_learner, "impala_loss", "update: V-trace + loss")
-    patch(vtrace_learner, "vtrace_targets", "update: V-trace + loss")  # --targets per_batch, once a batch
+    patch(vtrace_learner, "vtrace_targets", "update: V-trace + loss")  # per step, or once a batch
     patch(torch.Tensor, "backward", "update: backward")
     patch(torch.nn.utils, "clip_grad_norm_", "update: clip grad norm")
     patch(learner.optimizer, "step", "update: optimizer step")
     patch(learner.model.baseline, "update", "update: PopArt statistics")
-    patch(learner, "_measure_health", "update: health metrics")
+    patch(learner.health, "measure", "update: health metrics")
     try:
         yield
     finally:

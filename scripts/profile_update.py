@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from impala.nets.impala_net import build_model
     from impala.run.config import ImpalaConfig
-    from learner.vtrace_learner import VTraceLearner, select_unrolls
+    from learner.staging import select_unrolls
+    from learner.vtrace_learner import VTraceLearner
 
     args = parse_args(argv)
     if args.no_onednn:

@@ -14,6 +14,7 @@ from impala.nets.impala_net import build_model
 from impala.options import ConfigError
 from impala.run.config import ImpalaConfig, RunConfig
 from learner.vtrace_learner import VTraceLearner
+from step_loss import step_loss
 
 # CartPole's spaces, as probe_env reports them (built here without stepping an env).
 CARTPOLE = EnvInfo(EnvSpec("CartPole-v1"), (4,), "float32", "Box", "Discrete", num_actions=2)
@@ -26,7 +27,7 @@ def test_clipped_surrogate_matches_the_ppo_formula_and_its_gradient():
     logp_pi = (logp_mu + torch.linspace(np.log(0.5), np.log(1.5), 50)).requires_grad_(True)
     adv = torch.randn(50, generator=g)
     eps = 0.2
-    loss = impala_losses.clipped_surrogate_loss(logp_pi, logp_mu, adv, eps, "sum")
+    loss = impala_losses.clipped_surrogate_loss(logp_pi, logp_mu, adv, clip=eps, reduction="sum")
     loss.backward()
     ratio = np.exp(logp_pi.detach().numpy() - logp_mu.numpy())
     a = adv.numpy()
@@ -38,7 +39,7 @@ def test_clipped_surrogate_matches_the_ppo_formula_and_its_gradient():
     np.testing.assert_allclose(logp_pi.grad.numpy(), want_grad, rtol=1e-5, atol=1e-7)
     assert clipped.any() and (~clipped).any()
     with pytest.raises(ValueError, match="clip must be > 0"):
-        impala_losses.clipped_surrogate_loss(logp_pi, logp_mu, adv, 0.0)
+        impala_losses.clipped_surrogate_loss(logp_pi, logp_mu, adv, clip=0.0, reduction="mean")
 
 
 def test_normalized_advantages():
@@ -63,13 +64,11 @@ def _loss_inputs(seed=0, T=6, B=4, A=3):
 
 def test_surrogate_uses_advantages_without_the_rho_factor():
     behaviour, target, actions, discounts, rewards, values, bootstrap = _loss_inputs()
-    out = impala_losses.impala_loss(
-        behaviour, target, actions, discounts, rewards, values, bootstrap, pg_clip=0.1
-    )
+    out = step_loss(behaviour, target, actions, discounts, rewards, values, bootstrap, pg_clip=0.1)
     vs_tp1 = torch.cat([out.vtrace.vs[1:], bootstrap[None]])
     want = rewards + discounts * vs_tp1 - values.detach()
     torch.testing.assert_close(out.pg_advantages, want)
-    plain = impala_losses.impala_loss(behaviour, target, actions, discounts, rewards, values, bootstrap)
+    plain = step_loss(behaviour, target, actions, discounts, rewards, values, bootstrap)
     rho_bar = out.vtrace.log_rhos.exp().clamp(max=1.0)
     torch.testing.assert_close(plain.pg_advantages, rho_bar * want)
 
@@ -82,12 +81,12 @@ def test_popart_surrogate_advantages_are_divided_by_sigma():
         nu=torch.tensor([4.25], dtype=torch.float64),
         sigma=torch.tensor([2.0], dtype=torch.float64),
     )
-    out = impala_losses.popart_impala_loss(*inputs, state, pg_clip=0.2, normalize_advantages=False)
+    out = step_loss(*inputs, state, pg_clip=0.2, normalize_advantages=False)
     v = values.detach() * 2.0 + 0.5
     boot = bootstrap * 2.0 + 0.5
     vs_tp1 = torch.cat([out.vtrace.vs[1:], boot[None]])
     torch.testing.assert_close(out.pg_advantages, (rewards + discounts * vs_tp1 - v) / 2.0)
-    normed = impala_losses.popart_impala_loss(*inputs, state, pg_clip=0.2, normalize_advantages=True)
+    normed = step_loss(*inputs, state, pg_clip=0.2, normalize_advantages=True)
     torch.testing.assert_close(normed.pg_advantages, impala_losses.normalized(out.pg_advantages))
 
 

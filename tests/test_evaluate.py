@@ -487,6 +487,27 @@ def test_old_format_checkpoint_falls_back_to_its_config_record(cartpole, tmp_pat
     assert max(data["episode_steps"]) <= 12
 
 
+def test_a_run_records_its_network_and_an_auto_checkpoint_still_plays(cartpole, pong, tmp_path):
+    """``--model auto`` is decided once, at start, from the observations: config.yaml and the checkpoint's
+    agent record name the network. A checkpoint written before that (agent model "auto") still loads and
+    plays, its network chosen by the same rule."""
+    import yaml
+
+    for checkpoint, network in ((cartpole, "mlp"), (pong, "shallow")):
+        recorded = yaml.safe_load((checkpoint.parent / "config.yaml").read_text())
+        state = torch.load(checkpoint, weights_only=True)
+        assert recorded["model"] == network and state["agent"]["model"] == network, checkpoint
+    state = torch.load(cartpole, weights_only=True)
+    state["agent"]["model"] = "auto"
+    state["config"]["model"] = "auto"
+    old = tmp_path / "checkpoint.pt"
+    torch.save(state, old)
+    assert read_policy_checkpoint(str(old)).agent.model == "auto"
+    out = tmp_path / "auto.json"
+    assert main([str(old), "--episodes", "2", "--workers", "0", "--out", str(out)]) == 0
+    assert len(json.loads(out.read_text())["returns"]) == 2
+
+
 def _foreign(tmp_path: Path, kind: str, cartpole: Path) -> str:
     path = tmp_path / f"{kind}.pt"
     if kind == "text":

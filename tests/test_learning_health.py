@@ -8,7 +8,8 @@ import torch
 
 from impala.nets.impala_net import build_model, initialize
 from impala.run.config import ImpalaConfig
-from learner.vtrace_learner import VTraceLearner, logit_spread, step_fraction
+from learner.update_health import logit_spread, step_fraction
+from learner.vtrace_learner import VTraceLearner
 
 
 def _frames(n: int = 6, seed: int = 0) -> torch.Tensor:

@@ -130,7 +130,7 @@ def test_the_next_batch_takes_the_other_staging_buffers():
         trainer.ingest(_Msg(u), 0)
     trainer.stage_update(0)
     trainer.stage_update(0)
-    first, second = trainer.learner._staging[0], trainer.learner._staging[1]
+    first, second = trainer.learner.staging.buffers[0], trainer.learner.staging.buffers[1]
     assert all(first[k].data_ptr() != second[k].data_ptr() for k in first)
 
 

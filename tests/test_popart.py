@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from impala.algos import impala_losses, popart, vtrace
+from impala.algos import popart, vtrace
+from step_loss import step_loss
+
+BOUNDS = dict(sigma_min=popart.DEFAULT_SIGMA_MIN, sigma_max=popart.DEFAULT_SIGMA_MAX)
 
 
 def test_normalize_unnormalize_identity():
@@ -27,14 +30,16 @@ def test_update_stats_is_one_ema_step_on_the_batch_mean():
     state = popart.init_state(3)
     targets = torch.tensor([1.0, 3.0, 10.0, 20.0, 30.0], dtype=torch.float64)
     tasks = torch.tensor([0, 0, 2, 2, 2])
-    new = popart.update_stats(state, targets, tasks, beta=0.1)
+    new = popart.update_stats(state, targets, tasks, beta=0.1, **BOUNDS)
     # Task 0: mean 2, mean square 5; task 1 absent (unchanged); task 2: mean 20, mean sq 1400/3.
     torch.testing.assert_close(new.mu, torch.tensor([0.2, 0.0, 2.0], dtype=torch.float64))
     torch.testing.assert_close(new.nu, torch.tensor([0.9 + 0.5, 1.0, 0.9 + 140.0 / 3], dtype=torch.float64))
     torch.testing.assert_close(new.sigma, (new.nu - new.mu**2).sqrt())
     assert state.mu.eq(0).all()  # the input state is untouched (immutable API)
     # Batch size does not change the step: repeating the batch gives the same state.
-    torch.testing.assert_close(popart.update_stats(state, targets.repeat(7), tasks.repeat(7), beta=0.1), new)
+    torch.testing.assert_close(
+        popart.update_stats(state, targets.repeat(7), tasks.repeat(7), beta=0.1, **BOUNDS), new
+    )
 
 
 def test_pop_preserves_unnormalized_outputs_across_scale_shift():
@@ -48,7 +53,7 @@ def test_pop_preserves_unnormalized_outputs_across_scale_shift():
         scale = 1000.0 ** (step / 99)  # target scale shifts 1 -> 1000
         targets = torch.randn(256, dtype=torch.float64) * scale + 0.5 * scale
         tasks = torch.randint(0, num_tasks, (256,))
-        new = popart.update_stats(state, targets, tasks, beta=0.05)
+        new = popart.update_stats(state, targets, tasks, beta=0.05, **BOUNDS)
         before = (h @ weight.double().T + bias.double()) * state.sigma + state.mu
         weight, bias = popart.rescale_linear(weight, bias, state, new)
         after = (h @ weight.double().T + bias.double()) * new.sigma + new.mu
@@ -110,11 +115,11 @@ def test_bad_beta_raises(beta):
     with pytest.raises(ValueError, match="beta"):
         popart.PopArtValueHead(8, beta=beta)
     with pytest.raises(ValueError, match="beta"):
-        popart.update_stats(popart.init_state(1), torch.zeros(3), 0, beta=beta)
+        popart.update_stats(popart.init_state(1), torch.zeros(3), 0, beta=beta, **BOUNDS)
 
 
 def test_value_head_is_float32_under_autocast_and_in_state_dict():
-    head = popart.PopArtValueHead(8, num_tasks=3)
+    head = popart.PopArtValueHead(8, num_tasks=3, beta=3e-4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = head(torch.randn(5, 8).bfloat16())
     assert out.dtype == torch.float32 and out.shape == (5, 3)
@@ -138,7 +143,7 @@ def test_popart_loss_matches_paper_formulas():
     state = popart.PopArtState(
         mu=torch.tensor([20.0]), nu=torch.tensor([400.0 + 9.0]), sigma=torch.tensor([3.0])
     )
-    out = impala_losses.popart_impala_loss(
+    out = step_loss(
         behaviour,
         target,
         actions,
@@ -170,17 +175,25 @@ def test_popart_loss_matches_paper_formulas():
     assert target.grad.abs().sum() > 0 and n_values.grad.abs().sum() > 0
 
 
-def test_identity_popart_loss_equals_plain_impala_loss():
-    inputs = _loss_inputs(seed=4)
-    n_values = inputs[5]
-    plain = impala_losses.impala_loss(*inputs)
-    pa = impala_losses.popart_impala_loss(*inputs, popart.init_state(1, dtype=torch.float32))
-    for name in ("total", "pg_loss", "baseline_loss", "entropy"):
-        torch.testing.assert_close(getattr(pa, name), getattr(plain, name))
-    # torchbeast-style terms, mean-reduced
-    v = plain.vtrace
-    torch.testing.assert_close(plain.pg_loss, -(v.target_action_log_probs * v.pg_advantages).mean())
-    torch.testing.assert_close(plain.baseline_loss, 0.5 * (v.vs - n_values).pow(2).mean())
+def test_at_identity_statistics_the_loss_is_impalas():
+    """A run without PopArt trains with the same loss at mu 0, sigma 1: IMPALA's terms, from V-trace on the
+    critic's values as they are."""
+    behaviour, target, actions, discounts, rewards, values, boot = _loss_inputs(seed=4)
+    out = step_loss(
+        behaviour, target, actions, discounts, rewards, values, boot, baseline_cost=0.5, entropy_cost=0.01
+    )
+    ref = vtrace.from_logits(behaviour, target, actions, discounts, rewards, values.detach(), boot)
+    torch.testing.assert_close(out.vtrace.vs, ref.vs)
+    torch.testing.assert_close(out.pg_loss, -(ref.target_action_log_probs * ref.pg_advantages).mean())
+    torch.testing.assert_close(out.baseline_loss, 0.5 * (ref.vs - values).pow(2).mean())
+    p = torch.softmax(target, -1)
+    ent = -(p * p.log()).sum(-1).mean()
+    torch.testing.assert_close(out.total, out.pg_loss + 0.5 * out.baseline_loss - 0.01 * ent)
+    for dtype in (torch.float32, torch.float64):  # the state's dtype changes no bit
+        same = step_loss(
+            behaviour, target, actions, discounts, rewards, values, boot, popart.init_state(1, dtype=dtype)
+        )
+        assert torch.equal(same.total, out.total)
 
 
 def test_popart_loss_with_task_ids():
@@ -189,11 +202,9 @@ def test_popart_loss_with_task_ids():
         mu=torch.tensor([0.0, 100.0]), nu=torch.tensor([1.0, 1e4 + 100.0]), sigma=torch.tensor([1.0, 10.0])
     )
     tasks = torch.tensor([0, 1, 1, 0]).expand(7, 4)
-    out = impala_losses.popart_impala_loss(
-        behaviour, target, actions, discounts, rewards, n_values, n_boot, state, tasks
-    )
+    out = step_loss(behaviour, target, actions, discounts, rewards, n_values, n_boot, state, tasks)
     for b in range(4):
-        single = impala_losses.popart_impala_loss(
+        single = step_loss(
             behaviour[:, b : b + 1],
             target[:, b : b + 1],
             actions[:, b : b + 1],

@@ -107,7 +107,7 @@ def test_the_learner_reports_them_and_the_update_is_unchanged(popart):
         torch.manual_seed(1)
         model = build_model("mlp", (3,), 2, num_tasks=2, beta=cfg.popart_beta)
         learner = VTraceLearner(model, cfg, torch.device("cpu"), total_frames=10_000, task_names=names)
-        learner.TASK_GRADIENTS_EVERY = every
+        learner.health.TASK_GRADIENTS_EVERY = every
         metrics = learner.step(batch, frames_done=0)
         after.append([p.detach().clone() for p in learner.model.parameters()])
         if every == 1:

@@ -16,13 +16,13 @@ run in the units its numbers were published in; :mod:`impala.run.config` says wh
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from impala.algos import vtrace
-from impala.algos.popart import Allreduce, PopArtState, normalize, task_stat, unnormalize
+from impala.algos.popart import Allreduce, PopArtState, normalize, task_stat
 
 __all__ = [
     "ImpalaLoss",
@@ -34,7 +34,6 @@ __all__ = [
     "clipped_surrogate_loss",
     "normalized",
     "impala_loss",
-    "popart_impala_loss",
     "BatchTargets",
     "vtrace_targets",
 ]
@@ -85,7 +84,7 @@ def _reduce(x: torch.Tensor, reduction: str) -> torch.Tensor:
 
 
 def policy_gradient_loss(
-    action_log_probs: torch.Tensor, advantages: torch.Tensor, reduction: str = "mean"
+    action_log_probs: torch.Tensor, advantages: torch.Tensor, *, reduction: str
 ) -> torch.Tensor:
     """``-reduce(log pi(a_t|x_t) * A_t)``; advantages are constants (detached).
 
@@ -97,7 +96,7 @@ def policy_gradient_loss(
     return -_reduce(action_log_probs * advantages.detach(), reduction)
 
 
-def baseline_loss(targets: torch.Tensor, values: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def baseline_loss(targets: torch.Tensor, values: torch.Tensor, *, reduction: str) -> torch.Tensor:
     """``0.5 * reduce((targets - values)^2)``; targets are constants (detached).
 
     Args:
@@ -116,7 +115,7 @@ def entropy_per_step(logits: torch.Tensor) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum(-1)
 
 
-def entropy(logits: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def entropy(logits: torch.Tensor, *, reduction: str) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` reduced over all leading dims; logits shape [..., A]."""
     return _reduce(entropy_per_step(logits), reduction)
 
@@ -143,8 +142,9 @@ def clipped_surrogate_loss(
     action_log_probs: torch.Tensor,
     behaviour_action_log_probs: torch.Tensor,
     advantages: torch.Tensor,
+    *,
     clip: float,
-    reduction: str = "mean",
+    reduction: str,
 ) -> torch.Tensor:
     """PPO's clipped surrogate against the behaviour policy (APPO: RLlib, Sample Factory).
 
@@ -189,15 +189,16 @@ def vtrace_targets(
     values: torch.Tensor,
     bootstrap_value: torch.Tensor,
     *,
-    clip_rho_threshold: float | None = 1.0,
-    clip_pg_rho_threshold: float | None = 1.0,
-    pg_clip: float | None = None,
-    lambda_: float = 1.0,
+    clip_rho_threshold: float | None,
+    clip_pg_rho_threshold: float | None,
+    pg_clip: float | None,
+    lambda_: float,
 ) -> BatchTargets:
-    """The targets and advantages :func:`impala_loss` would use with these logits and (unnormalized)
-    values: V-trace's ``vs``, and its ``pg_advantages`` (IMPALA's term) or, with ``pg_clip``, the
-    advantages without the rho factor that the clipped surrogate takes. Pass the result as
-    ``targets=`` to the losses to hold them fixed while the network moves."""
+    """V-trace's value targets ``vs`` and the policy term's advantages, in return units, from values in
+    return units (under PopArt, ``unnormalize`` the critic's output first): V-trace's own
+    ``pg_advantages`` (IMPALA's term), or with ``pg_clip`` the advantages without the rho factor that the
+    clipped surrogate takes. The caller decides when: before every step (IMPALA) or once per batch and
+    held fixed over its passes and minibatches (PPO's rule). No gradient flows through them."""
     with torch.no_grad():
         v = vtrace.from_logits(
             behaviour_policy_logits,
@@ -219,222 +220,63 @@ def vtrace_targets(
     return BatchTargets(v.vs, adv)
 
 
-def _fixed(
-    behaviour_policy_logits: torch.Tensor,
-    target_policy_logits: torch.Tensor,
-    actions: torch.Tensor,
-    targets: BatchTargets,
-) -> vtrace.VTraceFromLogitsReturns:
-    """V-trace's outputs with the given targets: only the log-probabilities (and so the ratio the
-    clipped surrogate uses) come from the current policy."""
-    actions = actions.long()
-    # In float32 under autocast, as V-trace takes them: the ratio divides small probabilities.
-    target_lp = vtrace.action_log_probs(target_policy_logits.float(), actions)
-    behaviour_lp = vtrace.action_log_probs(behaviour_policy_logits.float(), actions)
-    return vtrace.VTraceFromLogitsReturns(
-        targets.vs.detach(), targets.pg_advantages.detach(), target_lp - behaviour_lp, behaviour_lp, target_lp
-    )
-
-
-def _assemble(
-    v: vtrace.VTraceFromLogitsReturns,
-    target_policy_logits: torch.Tensor,
-    pg_advantages: torch.Tensor,
-    value_targets: torch.Tensor,
-    values: torch.Tensor,
-    baseline_cost: float,
-    entropy_cost: float,
-    reduction: str,
-    pg_clip: float | None = None,
-    normalize_advantages: bool = False,
-    allreduce: Allreduce | None = None,
-) -> ImpalaLoss:
-    """The policy term is IMPALA's ``-rho_bar A grad log pi`` by default; with ``pg_clip`` it is
-    the clipped surrogate on advantages without the rho factor; ``normalize_advantages``
-    standardizes whichever advantages the term uses over the batch (over a learner group's whole
-    batch with ``allreduce``)."""
-    adv = normalized(pg_advantages.detach(), allreduce) if normalize_advantages else pg_advantages
-    if pg_clip:
-        pg = clipped_surrogate_loss(
-            v.target_action_log_probs, v.behaviour_action_log_probs, adv, pg_clip, reduction
-        )
-    else:
-        pg = policy_gradient_loss(v.target_action_log_probs, adv, reduction)
-    bl = baseline_loss(value_targets, values, reduction)
-    per_step = entropy_per_step(target_policy_logits)
-    ent = _reduce(per_step, reduction)
-    total = pg + baseline_cost * bl - entropy_cost * ent
-    return ImpalaLoss(total, pg, bl, ent, per_step.mean().detach(), v, adv.detach(), value_targets.detach())
-
-
 def impala_loss(
     behaviour_policy_logits: torch.Tensor,
     target_policy_logits: torch.Tensor,
     actions: torch.Tensor,
-    discounts: torch.Tensor,
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    bootstrap_value: torch.Tensor,
-    *,
-    baseline_cost: float = 0.5,
-    entropy_cost: float = 0.01,
-    clip_rho_threshold: float | None = 1.0,
-    clip_pg_rho_threshold: float | None = 1.0,
-    reduction: str = "mean",
-    pg_clip: float | None = None,
-    normalize_advantages: bool = False,
-    lambda_: float = 1.0,
-    allreduce: Allreduce | None = None,
-    targets: BatchTargets | None = None,
-) -> ImpalaLoss:
-    """IMPALA loss (Espeholt et al. 2018), reduced over T*B by ``reduction``.
-
-    Args:
-      behaviour_policy_logits: actor logits, shape [T, B, A].
-      target_policy_logits: learner logits, shape [T, B, A], differentiable.
-      actions: int64, shape [T, B].
-      discounts: ``gamma * (1 - done)``, shape [T, B].
-      rewards: shape [T, B] (already clipped/scaled as the learner wants).
-      values: ``V(x_t)``, shape [T, B], differentiable.
-      bootstrap_value: ``V(x_T)``, shape [B].
-      baseline_cost, entropy_cost: coefficients of the value loss and entropy bonus.
-      clip_rho_threshold, clip_pg_rho_threshold: V-trace clips (``None`` = no clip).
-      reduction: "sum" (the paper's and TorchBeast's units) or "mean" over T*B.
-      pg_clip, normalize_advantages: the APPO variant of the policy term, see :func:`_assemble`.
-      lambda_: V-trace's trace decay (:func:`impala.algos.vtrace.from_importance_weights`).
-      allreduce: sums a tensor over a learner group (advantage normalization over the whole batch).
-      targets: :func:`vtrace_targets` computed earlier (PPO's fixed targets); then ``bootstrap_value``,
-        the clips and ``lambda_`` are not used and ``values`` only enters the regression.
-
-    Returns:
-      :class:`ImpalaLoss`.
-    """
-    if targets is None:
-        targets = vtrace_targets(
-            behaviour_policy_logits,
-            target_policy_logits,
-            actions,
-            discounts,
-            rewards,
-            values.detach(),
-            bootstrap_value,
-            clip_rho_threshold=clip_rho_threshold,
-            clip_pg_rho_threshold=clip_pg_rho_threshold,
-            pg_clip=pg_clip,
-            lambda_=lambda_,
-        )
-    v = _fixed(behaviour_policy_logits, target_policy_logits, actions, targets)
-    pg_advantages = targets.pg_advantages
-    return _assemble(
-        v,
-        target_policy_logits,
-        pg_advantages,
-        v.vs,
-        values,
-        baseline_cost,
-        entropy_cost,
-        reduction,
-        pg_clip,
-        normalize_advantages,
-        allreduce,
-    )
-
-
-def _return_units(
-    state: PopArtState,
     normalized_values: torch.Tensor,
-    normalized_bootstrap_value: torch.Tensor,
+    targets: BatchTargets,
+    popart: PopArtState,
     task_ids: int | torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The critic's values and bootstrap value in return units (``V = sigma * n + mu``), for V-trace."""
-    if isinstance(task_ids, torch.Tensor):
-        boot_task = task_ids[-1]
-    else:
-        boot_task = task_ids
-    # The critic's output is detached inside V-trace; only the regression sees n(x_s).
-    return (
-        unnormalize(state, normalized_values.detach(), task_ids),
-        unnormalize(state, normalized_bootstrap_value.detach(), boot_task),
-    )
-
-
-def popart_impala_loss(
-    behaviour_policy_logits: torch.Tensor,
-    target_policy_logits: torch.Tensor,
-    actions: torch.Tensor,
-    discounts: torch.Tensor,
-    rewards: torch.Tensor,
-    normalized_values: torch.Tensor,
-    normalized_bootstrap_value: torch.Tensor,
-    state: PopArtState,
-    task_ids: int | torch.Tensor = 0,
     *,
-    baseline_cost: float = 0.5,
-    entropy_cost: float = 0.01,
-    clip_rho_threshold: float | None = 1.0,
-    clip_pg_rho_threshold: float | None = 1.0,
-    reduction: str = "mean",
-    pg_clip: float | None = None,
-    normalize_advantages: bool = False,
-    lambda_: float = 1.0,
-    allreduce: Allreduce | None = None,
-    targets: BatchTargets | None = None,
+    baseline_cost: float,
+    entropy_cost: float,
+    reduction: str,
+    pg_clip: float | None,
+    standardize: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> ImpalaLoss:
-    """PopArt-IMPALA loss (Hessel et al. 2018, Sec. 3), reduced over T*B by ``reduction``.
+    """The IMPALA loss (Espeholt et al. 2018) in PopArt's normalized form (Hessel et al. 2018, Sec. 3),
+    reduced over T*B by ``reduction``; at identity statistics (mu 0, sigma 1: a run without PopArt) it is
+    IMPALA's loss, bit for bit.
 
-    V-trace runs in return units on ``V = sigma * n + mu``. Then:
-      value loss: ``0.5 * mean(((vs - mu) / sigma - n(x_s))^2)``;
-      advantage: ``rho^pg_s * ((r_s + gamma_s v_{s+1} - mu) / sigma - n(x_s))``, which
-      equals V-trace's ``pg_advantages / sigma`` (since ``V = sigma n + mu``), so it
-      is computed that way.
+      value loss: ``0.5 * reduce(((vs - mu) / sigma - n(x_s))^2)``;
+      advantage: ``rho^pg_s * ((r_s + gamma_s v_{s+1} - mu) / sigma - n(x_s))``, which equals V-trace's
+      ``pg_advantages / sigma`` (since ``V = sigma n + mu``), so it is computed that way.
 
     Args:
       behaviour_policy_logits: actor logits, shape [T, B, A].
       target_policy_logits: learner logits, shape [T, B, A], differentiable.
       actions: int64, shape [T, B].
-      discounts: ``gamma * (1 - done)``, shape [T, B].
-      rewards: shape [T, B], unnormalized.
-      normalized_values: ``n(x_t)`` for each step's task, shape [T, B], differentiable.
-      normalized_bootstrap_value: ``n(x_T)``, shape [B].
-      state: PopArt statistics used to produce the values (before this update's ART).
+      normalized_values: the critic's ``n(x_t)`` for each step's task, shape [T, B], differentiable.
+      targets: :func:`vtrace_targets`, in return units.
+      popart: the statistics ``normalized_values`` were produced with (before this update's ART).
       task_ids: an int for all steps, or an integer tensor of shape [T, B].
       baseline_cost, entropy_cost: coefficients of the value loss and entropy bonus.
-      clip_rho_threshold, clip_pg_rho_threshold: V-trace clips (``None`` = no clip).
       reduction: "sum" (the paper's and TorchBeast's units) or "mean" over T*B.
-      pg_clip, normalize_advantages: the APPO variant of the policy term, see :func:`_assemble`.
-      lambda_: V-trace's trace decay (:func:`impala.algos.vtrace.from_importance_weights`).
-      targets: :func:`vtrace_targets` in return units computed earlier (PPO's fixed targets); they are
-        normalized with today's ``state``.
+      pg_clip: the clipped surrogate (APPO) with this clip on advantages without the rho factor
+        (``targets`` made with the same ``pg_clip``); None or 0: IMPALA's ``-rho_bar A grad log pi``.
+      standardize: applied to the advantages the policy term uses (:func:`normalized`, over a learner
+        group's whole batch where the caller has one); None: used as they are.
 
     Returns:
-      :class:`ImpalaLoss`; ``vtrace.vs`` are unnormalized targets for the ART update.
+      :class:`ImpalaLoss`; ``vtrace.vs`` are the unnormalized targets for the ART update.
     """
-    if targets is None:
-        targets = vtrace_targets(
-            behaviour_policy_logits,
-            target_policy_logits,
-            actions,
-            discounts,
-            rewards,
-            *_return_units(state, normalized_values, normalized_bootstrap_value, task_ids),
-            clip_rho_threshold=clip_rho_threshold,
-            clip_pg_rho_threshold=clip_pg_rho_threshold,
-            pg_clip=pg_clip,
-            lambda_=lambda_,
-        )
-    v = _fixed(behaviour_policy_logits, target_policy_logits, actions, targets)
-    pg_advantages = targets.pg_advantages / task_stat(state.sigma, task_ids, targets.pg_advantages)
-    value_targets = normalize(state, v.vs, task_ids)
-    return _assemble(
-        v,
-        target_policy_logits,
-        pg_advantages,
-        value_targets,
-        normalized_values,
-        baseline_cost,
-        entropy_cost,
-        reduction,
-        pg_clip,
-        normalize_advantages,
-        allreduce,
+    actions = actions.long()
+    # In float32 under autocast, as V-trace takes them: the ratio divides small probabilities.
+    target_lp = vtrace.action_log_probs(target_policy_logits.float(), actions)
+    behaviour_lp = vtrace.action_log_probs(behaviour_policy_logits.float(), actions)
+    v = vtrace.VTraceFromLogitsReturns(
+        targets.vs.detach(), targets.pg_advantages.detach(), target_lp - behaviour_lp, behaviour_lp, target_lp
     )
+    pg_advantages = v.pg_advantages / task_stat(popart.sigma, task_ids, v.pg_advantages)
+    value_targets = normalize(popart, v.vs, task_ids).detach()
+    adv = standardize(pg_advantages.detach()) if standardize is not None else pg_advantages
+    if pg_clip:
+        pg = clipped_surrogate_loss(target_lp, behaviour_lp, adv, clip=pg_clip, reduction=reduction)
+    else:
+        pg = policy_gradient_loss(target_lp, adv, reduction=reduction)
+    bl = baseline_loss(value_targets, normalized_values, reduction=reduction)
+    per_step = entropy_per_step(target_policy_logits)
+    ent = _reduce(per_step, reduction)
+    total = pg + baseline_cost * bl - entropy_cost * ent
+    return ImpalaLoss(total, pg, bl, ent, per_step.mean().detach(), v, adv.detach(), value_targets)

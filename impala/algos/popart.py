@@ -51,7 +51,8 @@ __all__ = [
 # Sums a tensor over a learner group's ranks (torch.distributed.all_reduce); None: one learner.
 Allreduce = Callable[[torch.Tensor], torch.Tensor]
 
-DEFAULT_BETA = 3e-4
+# sigma's bounds (not options): below, a constant-return task would blow up normalized values; above, a
+# diverging one would run away
 DEFAULT_SIGMA_MIN = 1e-4
 DEFAULT_SIGMA_MAX = 1e6
 
@@ -122,9 +123,9 @@ def update_stats(
     targets: torch.Tensor,
     task_ids: int | torch.Tensor = 0,
     *,
-    beta: float = DEFAULT_BETA,
-    sigma_min: float = DEFAULT_SIGMA_MIN,
-    sigma_max: float = DEFAULT_SIGMA_MAX,
+    beta: float,
+    sigma_min: float,
+    sigma_max: float,
     allreduce: Allreduce | None = None,
 ) -> PopArtState:
     """ART: one EMA step per task present in the batch, on the batch's mean (module doc).
@@ -224,7 +225,7 @@ class PopArtValueHead(nn.Module):
         in_features: int,
         num_tasks: int = 1,
         *,
-        beta: float = DEFAULT_BETA,
+        beta: float,
         sigma_min: float = DEFAULT_SIGMA_MIN,
         sigma_max: float = DEFAULT_SIGMA_MAX,
     ) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from impala.algos.popart import PopArtValueHead
 from impala.nets.onednn_linear import linear
+from impala.run.config import POPART_BETA, model_for
 
 __all__ = [
     "CoreState",
@@ -427,7 +428,8 @@ class ImpalaNet(nn.Module):
         at each step flagged ``first``.
       num_tasks: outputs of the PopArt value head.
       core_size: LSTM width.
-      popart_kwargs: ``beta``, ``sigma_min``, ``sigma_max`` for :class:`PopArtValueHead`.
+      beta: PopArt's statistics step size (the value head moves its statistics only when the learner
+        runs with --popart).
     """
 
     def __init__(
@@ -438,7 +440,7 @@ class ImpalaNet(nn.Module):
         use_lstm: bool = False,
         num_tasks: int = 1,
         core_size: int = 256,
-        **popart_kwargs: float,
+        beta: float = POPART_BETA,
     ) -> None:
         super().__init__()
         if num_actions < 1:
@@ -451,7 +453,7 @@ class ImpalaNet(nn.Module):
         if use_lstm:
             out = core_size
         self.policy = nn.Linear(out, num_actions)
-        self.baseline = PopArtValueHead(out, num_tasks, **popart_kwargs)
+        self.baseline = PopArtValueHead(out, num_tasks, beta=beta)
 
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> CoreState:
         """Zero LSTM state ``(h, c)``, each [1, batch_size, core_size]; ``()`` without LSTM."""
@@ -579,17 +581,7 @@ def build_model(
         (:class:`PixelNormalizer`); vector observations are not affected.
     """
     obs_shape = tuple(int(d) for d in obs_shape)
-    if kind == "auto":
-        if len(obs_shape) == 1:
-            kind = "mlp"
-        elif len(obs_shape) == 3:
-            kind = "shallow"
-        else:
-            raise ValueError(
-                f"model kind 'auto' cannot choose for obs_shape {obs_shape}: expected 1-D vectors or [C, H, "
-                "W] "
-                f"images; pass kind='mlp' with flattened observations instead"
-            )
+    kind = model_for(kind, obs_shape)  # "auto": a checkpoint written before runs recorded the network
     if kind in ("shallow", "nature", "deep") and len(obs_shape) != 3:
         raise ValueError(
             f"model kind {kind!r} needs image observations [C, H, W], got obs_shape {obs_shape}; use 'mlp'"

@@ -31,6 +31,10 @@ from typing import Any, Iterable, Literal, Mapping, Optional
 from impala.options import ConfigError, capped, check_fields, need, option, option_values, read_yaml
 from impala.run.cpus import available_cpus, split_cpus
 
+# PopArt's statistics step size per learner update (Hessel et al. 2018): --popart-beta's default, and the
+# value a checkpoint that predates the option was trained with
+POPART_BETA = 3e-4
+
 # --------------------------------------------------------------------------- resume: the run as it was
 
 # What a resumed run takes from this command line, not from its config.yaml: where the run folder is, how
@@ -706,7 +710,7 @@ class ImpalaConfig:
     )
     reward_clip: float = option(1.0, "Clip rewards to [-c, c] in the learner; 0 disables.")
     grad_norm_clip: float = option(0.5, "Global gradient-norm clip; 0 disables.")
-    popart_beta: float = option(3e-4, "PopArt statistics step size.")
+    popart_beta: float = option(POPART_BETA, "PopArt statistics step size.")
     precision: Literal["fp32", "bf16"] = option(
         "fp32",
         "The learner's arithmetic in an image torso (its convolutions and fc layer): 'fp32', or 'bf16' "
@@ -764,6 +768,43 @@ class ImpalaConfig:
         need(
             self.grad_norm_clip >= 0, f"--grad-norm-clip must be >= 0 (0 disables), got {self.grad_norm_clip}"
         )
+
+
+IMPALA_UNROLL = 32  # T where --unroll-length is 0 (the learner picks)
+
+
+def model_for(kind: str, obs_shape: tuple[int, ...]) -> str:
+    """The network ``--model`` names for these observations: ``auto`` is an MLP for 1-D vectors and the
+    shallow IMPALA CNN for [C, H, W] images; other kinds as given. ValueError where ``auto`` cannot choose."""
+    if kind != "auto":
+        return kind
+    if len(obs_shape) == 1:
+        return "mlp"
+    if len(obs_shape) == 3:
+        return "shallow"
+    raise ValueError(
+        f"model kind 'auto' cannot choose for obs_shape {tuple(obs_shape)}: expected 1-D vectors or "
+        "[C, H, W] images; pass kind='mlp' with flattened observations instead"
+    )
+
+
+def settle(
+    run: RunConfig, impala: ImpalaConfig, obs_shape: tuple[int, ...]
+) -> tuple[RunConfig, ImpalaConfig]:
+    """Every setting whose default depends on the run's other settings or its env, decided once, after the env
+    probe measured the observations and the CPUs were claimed: the unroll length (0: IMPALA_UNROLL), the
+    actors' weights delay (``--publish-delay`` unset: :meth:`RunConfig.weights_delay`) and the network
+    (``--model auto``: :func:`model_for`). The values go to config.yaml and to the checkpoint's agent record
+    as they are, so a run and its checkpoints say what they are and nothing downstream decides again (a rule
+    changed later cannot rebuild an old run's network differently)."""
+    try:
+        model = model_for(impala.model, tuple(obs_shape))
+    except ValueError as e:
+        raise ConfigError(f"--model {impala.model}: {e}") from None
+    run = dataclasses.replace(
+        run, unroll_length=run.unroll_length or IMPALA_UNROLL, publish_delay=run.weights_delay()
+    )
+    return run, dataclasses.replace(impala, model=model)
 
 
 def resolve_device(name: str) -> Any:

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Union
 
 from impala.envs import EnvSpec
 from impala.envs.obs_layout import ObsLayout
-from impala.run.config import MAX_TASKS
+from impala.run.config import MAX_TASKS, POPART_BETA
 from impala.run.ppo_config import PPOConfig
 
 
@@ -43,7 +43,7 @@ class ImpalaAgentSpec:
 
     model: str
     use_lstm: bool = False
-    popart_beta: float = 3e-4
+    popart_beta: float = POPART_BETA
     frame_stack: int = 0  # > 1: send each frame once (impala.transport.trajectory.impala_unroll_schema)
     num_tasks: int = 1  # > 1: multi-task; PopArt value heads, and every unroll carries its task index
     obs_norm: bool = False  # the image torso standardizes pixels by running statistics (in the weights)

@@ -43,6 +43,7 @@ from impala.options import (
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
     IMPALA_BRIEF,
+    IMPALA_UNROLL,
     RUN_BRIEF,
     ImpalaConfig,
     RunConfig,
@@ -52,6 +53,7 @@ from impala.run.config import (
     resume_folder,
     resume_record,
     saved_settings,
+    settle,
 )
 from impala.run.cpus import CpuClaim
 from impala.run.metrics import LOG_FORMAT
@@ -60,6 +62,8 @@ from learner import group as learner_group
 from learner.cli import hosts
 from learner.cli.console import console_main, ending
 from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
+from learner.group_start import follower_settings, start_group
+from learner.precision import learner_threads
 from learner.run.runtime import (
     START_ERRORS,
     LaunchError,
@@ -70,13 +74,7 @@ from learner.run.runtime import (
     claim_cpus,
     run,
 )
-from learner.vtrace_learner import (
-    IMPALA_UNROLL,
-    ImpalaTrainer,
-    follower_settings,
-    learner_threads,
-    start_group,
-)
+from learner.vtrace_learner import ImpalaTrainer
 
 log = logging.getLogger("launch_impala")
 
@@ -177,8 +175,6 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
     config = from_flags(RunConfig, args)
     if config.env is None:
         raise ConfigError("--env is required (for example PongDeterministic-v4 or CartPole-v1)")
-    if config.unroll_length == 0:  # 0: the learner picks
-        config = dataclasses.replace(config, unroll_length=IMPALA_UNROLL)
     if config.total_frames is None and config.total_steps is None:
         config = dataclasses.replace(config, total_frames=DEFAULT_TOTAL_FRAMES)
     config = config.with_run_folder(config.env)
@@ -358,7 +354,7 @@ def launch(argv: list[str] | None) -> Outcome:
         created = prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         env, tasks, note = probe_run_envs(config)
         config = claim_cpus(config, claim, env)
-        config = dataclasses.replace(config, publish_delay=config.weights_delay())  # config.yaml says which
+        config, impala = settle(config, impala, env.obs_shape)  # what config.yaml and checkpoints record
         ranks_here = member.local_world_size if member is not None else None
         torch.set_num_threads(learner_threads(config, env, ranks_here))
         trainer = ImpalaTrainer(
