@@ -23,7 +23,7 @@ from impala.envs import EnvSpec
 from impala.envs.atari import human_normalized_score
 from impala.envs.probe import probe_tasks
 from impala.nets.impala_net import build_model
-from impala.run.config import ImpalaConfig
+from impala.run.config import ImpalaConfig, balanced_envs_per_worker, settle
 from impala.transport import wire
 from impala.transport.messages import ImpalaAgentSpec, RunInfo, deal_task, task_shares
 from impala.transport.trajectory import impala_unroll_schema
@@ -311,6 +311,14 @@ def test_every_task_gets_its_share_of_envs_however_few_actors(workers, envs, tas
     assert [dealt.count(t) for t in range(tasks)] == shares
 
 
+def settled(argv) -> tuple:
+    """launch_impala's settings for ``argv`` as a run starts with them: resolved from the flags, then every
+    derived default settled (for Atari-shaped observations)."""
+    args = launch_impala.parse_args(list(argv))
+    config, impala = launch_impala.resolve(args)
+    return settle(config, impala, (4, 84, 84), chosen=launch_impala.chosen_options(args))
+
+
 @pytest.mark.parametrize(
     "workers, tasks, expected",
     [
@@ -326,7 +334,7 @@ def test_every_task_gets_its_share_of_envs_however_few_actors(workers, envs, tas
     ],
 )
 def test_a_multi_task_run_picks_envs_per_actor_that_deal_the_tasks_evenly(workers, tasks, expected):
-    k = launch_impala.balanced_envs_per_worker(workers, tasks, 4)
+    k = balanced_envs_per_worker(workers, tasks, 4)
     assert k == expected
     if workers:
         shares = task_shares(workers, k, tasks)
@@ -339,9 +347,7 @@ def test_the_launcher_deals_five_games_over_two_actors_evenly_unless_told(tmp_pa
     )
 
     def resolved(*argv):
-        config, _ = launch_impala.resolve(
-            launch_impala.parse_args(["--env", games, "--logdir", str(tmp_path), *argv])
-        )
+        config, _ = settled(["--env", games, "--logdir", str(tmp_path), *argv])
         return config.envs_per_worker
 
     assert resolved() == 20  # 8 envs per game
@@ -428,7 +434,7 @@ def test_multi_task_defaults_yield_to_flags_and_presets(tmp_path):
     """PopArt on and rewards unclipped for several tasks, unless a flag or a preset says otherwise."""
 
     def resolved(*argv):
-        _, impala = launch_impala.resolve(launch_impala.parse_args(list(argv)))
+        _, impala = settled(argv)
         return impala.popart, impala.reward_clip
 
     assert resolved("--env", "CartPole-v1") == (False, 1.0)  # one task: the single-task defaults
@@ -444,10 +450,8 @@ def test_the_start_says_how_tasks_share_the_envs_and_warns_where_it_is_unusual(t
     infos, note = probe_tasks([EnvSpec("PongDeterministic-v4"), EnvSpec("BreakoutDeterministic-v4")])
 
     def start_lines(*argv):
-        config, impala = launch_impala.resolve(
-            launch_impala.parse_args(
-                ["--env", "PongDeterministic-v4,BreakoutDeterministic-v4", "--logdir", str(tmp_path), *argv]
-            )
+        config, impala = settled(
+            ["--env", "PongDeterministic-v4,BreakoutDeterministic-v4", "--logdir", str(tmp_path), *argv]
         )
         caplog.clear()
         with caplog.at_level("INFO", logger="launch_impala"):
@@ -473,10 +477,8 @@ def test_the_start_says_how_tasks_share_the_envs_and_warns_where_it_is_unusual(t
 def test_a_game_without_a_human_score_is_said_at_start(tmp_path, caplog):
     """Pooyan has no human reference score: the start says it is left out of the median and mean."""
     infos, note = probe_tasks([EnvSpec("PongDeterministic-v4"), EnvSpec("PooyanDeterministic-v4")])
-    config, impala = launch_impala.resolve(
-        launch_impala.parse_args(
-            ["--env", "PongDeterministic-v4,PooyanDeterministic-v4", "--logdir", str(tmp_path)]
-        )
+    config, impala = settled(
+        ["--env", "PongDeterministic-v4,PooyanDeterministic-v4", "--logdir", str(tmp_path)]
     )
     with caplog.at_level("INFO", logger="launch_impala"):
         launch_impala.log_multi_task(config, impala, tuple(infos), note)

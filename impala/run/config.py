@@ -771,6 +771,45 @@ class ImpalaConfig:
 
 
 IMPALA_UNROLL = 32  # T where --unroll-length is 0 (the learner picks)
+DEFAULT_TOTAL_FRAMES = (
+    20_000_000  # launch_impala's budget where neither --total-frames nor --total-steps is given
+)
+
+
+# A multi-task run's defaults where they differ from one task's: the PopArt-IMPALA paper's agent
+# (Hessel et al. 2018) normalizes each task's values with PopArt and trains on unclipped rewards,
+# since clipping is what made tasks' reward scales look alike before PopArt.
+MULTI_TASK_DEFAULTS = {"popart": True, "reward_clip": 0.0}
+
+
+# Env streams per task a multi-task run aims for where --envs-per-worker is not given: as many as a
+# single-task run on the default 2 actors x 4 envs has. With 2 streams per game (2 actors x 5 envs, five
+# games) each game's share of a batch came from 2 episodes at a time, and Breakout and SpaceInvaders stayed
+# under half of their single-task scores; with 8 they did not (docs/MULTITASK.md, section 2).
+ENVS_PER_TASK = 8
+MAX_ENVS_PER_ACTOR = 32  # past this an actor's unrolls wait long for its turn: the policy lag grows
+
+
+def balanced_envs_per_worker(workers: int, num_tasks: int, default: int) -> int:
+    """Envs per actor for a multi-task run where ``--envs-per-worker`` is not set: the smallest count from
+    ``default`` up that deals every task the same number of envs (``workers * K`` a multiple of the tasks)
+    and gives each at least ENVS_PER_TASK (2 actors and 5 games: 20 envs each, 8 per game; 16 actors: 5
+    each, 16 per game). Where that is over MAX_ENVS_PER_ACTOR, the largest even count under it (1 actor and
+    5 games: 30); where none is, the smallest even count, unless that needs more than twice the envs every
+    task needs at least one of; then that many, and the tasks' shares differ by one env."""
+    if workers < 1:
+        return default
+    step = num_tasks // math.gcd(workers, num_tasks)
+    wanted = max(default, -(-ENVS_PER_TASK * num_tasks // workers))
+    full = -(-wanted // step) * step
+    if full <= MAX_ENVS_PER_ACTOR:
+        return full
+    capped = MAX_ENVS_PER_ACTOR // step * step
+    if capped >= max(default, step):
+        return capped
+    balanced = max(step, -(-default // step) * step)
+    enough = max(default, -(-num_tasks // workers))
+    return balanced if balanced <= max(8, 2 * enough) else enough
 
 
 def model_for(kind: str, obs_shape: tuple[int, ...]) -> str:
@@ -789,14 +828,28 @@ def model_for(kind: str, obs_shape: tuple[int, ...]) -> str:
 
 
 def settle(
-    run: RunConfig, impala: ImpalaConfig, obs_shape: tuple[int, ...]
+    run: RunConfig, impala: ImpalaConfig, obs_shape: tuple[int, ...], *, chosen: Iterable[str] = ()
 ) -> tuple[RunConfig, ImpalaConfig]:
     """Every setting whose default depends on the run's other settings or its env, decided once, after the env
-    probe measured the observations and the CPUs were claimed: the unroll length (0: IMPALA_UNROLL), the
-    actors' weights delay (``--publish-delay`` unset: :meth:`RunConfig.weights_delay`) and the network
-    (``--model auto``: :func:`model_for`). The values go to config.yaml and to the checkpoint's agent record
-    as they are, so a run and its checkpoints say what they are and nothing downstream decides again (a rule
-    changed later cannot rebuild an old run's network differently)."""
+    probe measured the observations and the CPUs were claimed (``--cpu-affinity auto``, which takes a claim on
+    the machine's CPUs, is ``learner.run.runtime.claim_cpus``): the budget (neither --total-frames nor
+    --total-steps: DEFAULT_TOTAL_FRAMES), a multi-task run's PopArt, reward clip and envs per actor
+    (MULTI_TASK_DEFAULTS and :func:`balanced_envs_per_worker`, for the options not in ``chosen``: the ones a
+    flag, a preset or the resumed run set), the unroll length (0: IMPALA_UNROLL), the actors' weights delay
+    (``--publish-delay`` unset: :meth:`RunConfig.weights_delay`) and the network (``--model auto``:
+    :func:`model_for`). The values go to config.yaml and to the checkpoint's agent record as they are, so a
+    run and its checkpoints say what they are and nothing downstream decides again (a rule changed later
+    cannot rebuild an old run's network differently)."""
+    chosen = set(chosen)
+    if run.total_frames is None and run.total_steps is None:
+        run = dataclasses.replace(run, total_frames=DEFAULT_TOTAL_FRAMES)
+    if len(run.tasks) > 1:
+        impala = dataclasses.replace(
+            impala, **{k: v for k, v in MULTI_TASK_DEFAULTS.items() if k not in chosen}
+        )
+        if "envs_per_worker" not in chosen:
+            k = balanced_envs_per_worker(run.workers, len(run.tasks), run.envs_per_worker)
+            run = dataclasses.replace(run, envs_per_worker=k)
     try:
         model = model_for(impala.model, tuple(obs_shape))
     except ValueError as e:

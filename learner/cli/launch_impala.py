@@ -42,6 +42,7 @@ from impala.options import (
 )
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
+    DEFAULT_TOTAL_FRAMES,
     IMPALA_BRIEF,
     IMPALA_UNROLL,
     RUN_BRIEF,
@@ -78,7 +79,6 @@ from learner.vtrace_learner import ImpalaTrainer
 
 log = logging.getLogger("launch_impala")
 
-DEFAULT_TOTAL_FRAMES = 20_000_000
 RUN_BRIEFS = {
     **RUN_BRIEF,
     "total_frames": f"Budget in env frames (agent steps x frame skip); unset: {DEFAULT_TOTAL_FRAMES:,}.",
@@ -116,42 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# A multi-task run's defaults where they differ from one task's: the PopArt-IMPALA paper's agent
-# (Hessel et al. 2018) normalizes each task's values with PopArt and trains on unclipped rewards,
-# since clipping is what made tasks' reward scales look alike before PopArt.
-MULTI_TASK_DEFAULTS = {"popart": True, "reward_clip": 0.0}
-
-
-# Env streams per task a multi-task run aims for where --envs-per-worker is not given: as many as a
-# single-task run on the default 2 actors x 4 envs has. With 2 streams per game (2 actors x 5 envs, five
-# games) each game's share of a batch came from 2 episodes at a time, and Breakout and SpaceInvaders stayed
-# under half of their single-task scores; with 8 they did not (docs/MULTITASK.md, section 2).
-ENVS_PER_TASK = 8
-MAX_ENVS_PER_ACTOR = 32  # past this an actor's unrolls wait long for its turn: the policy lag grows
-
-
-def balanced_envs_per_worker(workers: int, num_tasks: int, default: int) -> int:
-    """Envs per actor for a multi-task run where ``--envs-per-worker`` is not set: the smallest count from
-    ``default`` up that deals every task the same number of envs (``workers * K`` a multiple of the tasks)
-    and gives each at least ENVS_PER_TASK (2 actors and 5 games: 20 envs each, 8 per game; 16 actors: 5
-    each, 16 per game). Where that is over MAX_ENVS_PER_ACTOR, the largest even count under it (1 actor and
-    5 games: 30); where none is, the smallest even count, unless that needs more than twice the envs every
-    task needs at least one of; then that many, and the tasks' shares differ by one env."""
-    if workers < 1:
-        return default
-    step = num_tasks // math.gcd(workers, num_tasks)
-    wanted = max(default, -(-ENVS_PER_TASK * num_tasks // workers))
-    full = -(-wanted // step) * step
-    if full <= MAX_ENVS_PER_ACTOR:
-        return full
-    capped = MAX_ENVS_PER_ACTOR // step * step
-    if capped >= max(default, step):
-        return capped
-    balanced = max(step, -(-default // step) * step)
-    enough = max(default, -(-num_tasks // workers))
-    return balanced if balanced <= max(8, 2 * enough) else enough
-
-
 # What a resumed run cannot change: what it plays and the shape of its network (and PopArt's value head).
 FIXED_ON_RESUME = ("env", "env_kwargs", "env_package", "model", "use_lstm", "popart", "obs_norm")
 
@@ -175,8 +139,6 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
     config = from_flags(RunConfig, args)
     if config.env is None:
         raise ConfigError("--env is required (for example PongDeterministic-v4 or CartPole-v1)")
-    if config.total_frames is None and config.total_steps is None:
-        config = dataclasses.replace(config, total_frames=DEFAULT_TOTAL_FRAMES)
     config = config.with_run_folder(config.env)
     impala = from_flags(ImpalaConfig, args)
     if len(config.tasks) > 1 and config.stop_at_return is not None:
@@ -185,14 +147,6 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
             "multi-task "
             "run stops at --total-frames or --max-seconds"
         )
-    if len(config.tasks) > 1:
-        chosen = args.given | getattr(args, "preset", set())
-        impala = dataclasses.replace(
-            impala, **{k: v for k, v in MULTI_TASK_DEFAULTS.items() if k not in chosen}
-        )
-        if "envs_per_worker" not in chosen:
-            k = balanced_envs_per_worker(config.workers, len(config.tasks), config.envs_per_worker)
-            config = dataclasses.replace(config, envs_per_worker=k)
     args.resume_changes = resume_changes(
         args.saved, {**dataclasses.asdict(config), **dataclasses.asdict(impala)}, FIXED_ON_RESUME
     )
@@ -203,6 +157,11 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, ImpalaConfig]:
             f"and each share by --minibatches {impala.minibatches}"
         )
     return config, impala
+
+
+def chosen_options(args: argparse.Namespace) -> set[str]:
+    """The options a flag, a preset or the resumed run set (the derived defaults leave them as they are)."""
+    return set(args.given) | set(getattr(args, "preset", set()))
 
 
 def probe_run_envs(config: RunConfig) -> tuple[EnvInfo, tuple[EnvInfo, ...], str]:
@@ -354,7 +313,8 @@ def launch(argv: list[str] | None) -> Outcome:
         created = prepare_run_folder(config.logdir, resume=config.resume, force=config.force)
         env, tasks, note = probe_run_envs(config)
         config = claim_cpus(config, claim, env)
-        config, impala = settle(config, impala, env.obs_shape)  # what config.yaml and checkpoints record
+        # every derived default, decided once: config.yaml and the checkpoints record the values
+        config, impala = settle(config, impala, env.obs_shape, chosen=chosen_options(args))
         ranks_here = member.local_world_size if member is not None else None
         torch.set_num_threads(learner_threads(config, env, ranks_here))
         trainer = ImpalaTrainer(
