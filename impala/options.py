@@ -41,9 +41,10 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------- the flags helper
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with its ``--help`` text."""
-    return field(default=default, metadata={"help": help})
+def option(default: Any, help: str, *, brief: str = "") -> Any:
+    """A dataclass field with its help: ``help`` the whole text (``--help-all``, the docs), ``brief`` its one
+    line in ``--help`` (unset: the text's first sentence). Both written here, once, beside the default."""
+    return field(default=default, metadata={"help": help, "brief": brief})
 
 
 def flag_name(name: str) -> str:
@@ -284,8 +285,9 @@ def add_flags(
     """One ``--flag`` per field of ``cls`` (``only`` / ``skip`` select fields); ``aliases`` gives a field
     more flag names (``{"device": ["--torch-device"]}``), each setting the same destination; ``names``
     gives a field another main flag (``{"beta": "--entropy-cost"}``: one vocabulary across the launchers,
-    the field's own name then an alias). ``briefs``: each field's one line for ``--help`` (``--help-all``
-    shows its whole text; without a brief, ``--help`` shows the text's first sentence).
+    the field's own name then an alias). ``briefs``: an entry point's own one line for ``--help`` in place of
+    the field's (``--help-all`` shows its whole text; without a brief, ``--help`` shows the text's first
+    sentence).
 
     ``defaults`` and ``helps`` let an entry point give a shared field its own default or text (a default
     of ``argparse.SUPPRESS`` leaves no attribute when the flag is not given: for options whose default
@@ -317,8 +319,9 @@ def add_flags(
         main = names.get(f.name, flag_name(f.name))
         others = [flag_name(f.name)] if main != flag_name(f.name) else []
         action = parser.add_argument(main, *others, *aliases.get(f.name, ()), **kw)
-        if f.name in briefs:
-            action.brief = briefs[f.name]
+        brief = briefs.get(f.name) or f.metadata.get("brief")
+        if brief:
+            action.brief = brief
 
 
 def from_flags(cls: type, args: argparse.Namespace, *, dest_prefix: str = "", **extra: Any) -> Any:

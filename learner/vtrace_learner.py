@@ -7,8 +7,8 @@ backward, the gradients summed over a learner group and clipped by their global 
 default, RMSProp for the paper's preset) at a linearly decaying learning rate, then with ``--popart`` the
 statistics update, which rescales the value head so its unnormalized outputs are preserved. Without
 ``--popart`` the value head keeps identity statistics, where the loss is IMPALA's, bit for bit. Around the
-step: the batch's staging (:mod:`learner.staging`), the health metrics (:mod:`learner.update_health`), the
-CPU heuristics (:mod:`learner.precision`) and the learner group's start (:mod:`learner.group_start`).
+step: the batch's staging, the health metrics and the CPU heuristics (:mod:`learner.update`), and the
+learner group's start (:mod:`learner.cli.group_start`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from impala.transport.messages import ImpalaAgentSpec
 from impala.transport.params import state_dict_arrays
 from impala.transport.trajectory import TrajectorySchema, impala_unroll_schema
 from learner.group import STOP, SYNC, UPDATE, LearnerGroup, LearnerGroupError, lost_peer, peer_error
-from learner.precision import bf16_torso_cost, cpu_has_native_bf16, torso_precision  # noqa: F401 (tests)
-from learner.staging import BatchStaging, core_state, select_unrolls, task_ids
-from learner.update_health import UpdateHealth
+from learner.update.health import UpdateHealth
+from learner.update.precision import bf16_torso_cost, cpu_has_native_bf16, torso_precision  # noqa: F401 (tests)
+from learner.update.staging import BatchStaging, core_state, select_unrolls, task_ids
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class VTraceLearner:
         self, unrolls: list[Mapping[str, np.ndarray]], schema: TrajectorySchema, slot: int = 0
     ) -> dict[str, torch.Tensor]:
         """B unrolls stacked time-major into ``slot``'s staging buffers and prepared on the device
-        (:class:`learner.staging.BatchStaging` says when a slot may be reused)."""
+        (:class:`learner.update.staging.BatchStaging` says when a slot may be reused)."""
         return self.staging.prepare(self.staging.stage_host(unrolls, schema, slot), slot)
 
     def stage_host(

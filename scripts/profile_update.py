@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from impala.nets.impala_net import build_model
     from impala.run.config import ImpalaConfig
-    from learner.staging import select_unrolls
+    from learner.update.staging import select_unrolls
     from learner.vtrace_learner import VTraceLearner
 
     args = parse_args(argv)

@@ -140,7 +140,7 @@ def test_the_impala_learner_takes_the_cores_its_actors_leave_and_at_least_two_fo
         pytest.skip("needs 2 cores")
     code = (
         "import os, learner.cli.launch_impala\n"
-        "from learner.precision import learner_threads\n"
+        "from learner.update.precision import learner_threads\n"
         "from impala.envs import EnvSpec\n"
         "from impala.envs.probe import EnvInfo\n"
         "from impala.run.config import RunConfig\n"

@@ -651,6 +651,15 @@ BUT_FOR = {
 }
 
 
+def settled(argv: list[str]) -> tuple:
+    """launch_impala's settings for ``argv`` as a Pong run starts with them: every derived default settled."""
+    from impala.run.config import settle
+    from learner.cli.launch_impala import chosen_options, parse_args, resolve
+
+    args = parse_args(argv)
+    return settle(*resolve(args), (4, 84, 84), chosen=chosen_options(args))
+
+
 @pytest.mark.parametrize(
     "name",
     (
@@ -684,15 +693,16 @@ def test_shipped_presets_load_and_validate(name):
     assert impala.model == expected_model
     if name == "pong_small_cpu.yaml":
         # the file pins today's defaults; if a default moves, this file (and docs/PONG.md) must say so
-        default_run, default_impala = resolve(parse_args(["--env", "PongDeterministic-v4"]))
-        assert dataclasses.replace(impala, model="auto") == default_impala
-        assert run_config == default_run
+        assert settled(["--config", path]) == settled(["--env", "PongDeterministic-v4"])
     elif name in BUT_FOR:  # the defaults but for what its comment names
-        default_run, default_impala = resolve(parse_args(["--env", "PongDeterministic-v4"]))
+        (run_config, impala), (default_run, default_impala) = (
+            settled(["--config", path]),
+            settled(["--env", "PongDeterministic-v4"]),
+        )
         differs = BUT_FOR[name]
         assert {k: getattr(impala, k) for k in differs} == differs
         back = {k: getattr(default_impala, k) for k in differs}
-        assert dataclasses.replace(impala, model="auto", **back) == default_impala
+        assert dataclasses.replace(impala, **back) == default_impala
         assert run_config == default_run
     elif name.startswith("atari"):
         assert (impala.loss_reduction, impala.optimizer, impala.learning_rate, run_config.unroll_length) == (

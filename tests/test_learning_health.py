@@ -8,7 +8,7 @@ import torch
 
 from impala.nets.impala_net import build_model, initialize
 from impala.run.config import ImpalaConfig
-from learner.update_health import logit_spread, step_fraction
+from learner.update.health import logit_spread, step_fraction
 from learner.vtrace_learner import VTraceLearner
 
 

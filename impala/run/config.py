@@ -189,6 +189,7 @@ class RunConfig:
         "as CartPole-v1). launch_impala also takes a comma-separated list for one multi-task agent "
         "(PopArt-IMPALA), e.g. PongDeterministic-v4,BreakoutDeterministic-v4: the tasks are dealt over the "
         "actors' envs in turn, each task the same number of envs where --envs-per-worker allows.",
+        brief="Env id: Atari (PongDeterministic-v4), gymnasium (CartPole-v1), mypkg.envs:Id-v0.",
     )
     env_package: str = option(
         "",
@@ -196,17 +197,24 @@ class RunConfig:
         "packages that register their envs with gymnasium on import. Imported in the learner and in every "
         "actor (the run sends the names; remote actors need them installed). --env mypkg.envs:MyEnv-v0 "
         "(gymnasium's module:id) imports one such package for its id.",
+        brief="Packages to import (learner and actors) that register their envs.",
     )
     env_kwargs: str = option(
         "",
         "Env constructor overrides as a JSON object, e.g. '{\"frameskip\": 4}' for PongNoFrameskip-v4 with a "
         "4-frame skip; checked in every worker like the registry settings.",
+        brief="Env constructor overrides, JSON ('{\"frameskip\": 4}'); checked in every actor.",
     )
     workers: int = option(
-        2, "Local actor processes; 0 runs no local actors and waits for remote ones (impala-actors)."
+        2,
+        "Local actor processes; 0 runs no local actors and waits for remote ones (impala-actors).",
+        brief="Local actor processes; 0: remote actors only (impala-actors).",
     )
     envs_per_worker: int = option(
-        4, "Environments stepped by each actor with one batched forward pass per step."
+        4,
+        "Environments stepped by each actor with one batched forward pass per step.",
+        brief="Envs each actor steps with one batched forward pass (without it a multi-task run gives "
+        "every task the same number of envs, at least 8 where 32 per actor allow).",
     )
     learners: int = option(
         1,
@@ -214,6 +222,7 @@ class RunConfig:
         "one GPU per rank): processes on this machine, or with --node-rank and --rdzv-endpoint one rank per "
         "host; each update's batch is split over them, --batch-size must divide. Rank 0 receives the "
         "unrolls, publishes weights and writes checkpoints.",
+        brief="Data-parallel learner processes (each batch split over them).",
     )
     cpu_affinity: Literal["auto", "off", "split", "learner-first"] = option(
         "auto",
@@ -234,6 +243,7 @@ class RunConfig:
         "behind on SpaceInvaders (449.9 against 507.1), one seed each (docs/ATARI.md). "
         "Containers that share cores but not a temp folder cannot see each other's claims: give them "
         "'off', CPU sets of their own, or a common folder in IMPALA_CPU_CLAIMS_DIR.",
+        brief="Learner/actor CPU placement; auto: pinned for images on a CPU learner.",
     )
     actor_nice: int = option(
         0,
@@ -243,6 +253,7 @@ class RunConfig:
         "Pong at 0.78-0.80 of the ceiling on a 2-core box. --cpu-affinity learner-first uses 19 when "
         "this is 0, with a second learner thread. Other programs at niceness 0 in the same session come "
         "before the actors too.",
+        brief="Niceness added to the local actors (0-19): the learner first.",
     )
     overlap_updates: bool = option(
         False,
@@ -250,25 +261,38 @@ class RunConfig:
         "frame-stack rebuild, layout: ~7%% of a CPU learner's work); the updates and their order are the "
         "same, bit for bit (tests/test_overlap_updates.py). Off by default until measured end to end; a "
         "learner group and PPO stage in step either way.",
+        brief="Train each batch on a thread while the next one is staged (same updates).",
     )
     in_process: bool = option(
         False,
         "Run the local actors as threads of the learner process (same actor code and sockets; for debugging "
         "and tiny machines).",
+        brief="Run the local actors as threads of the learner (debugging).",
     )
-    unroll_length: int = option(32, "Steps per env per unroll (T); 0: the learner picks.")
+    unroll_length: int = option(
+        32, "Steps per env per unroll (T); 0: the learner picks.", brief="Agent steps per env per unroll (T)."
+    )
     total_frames: Optional[int] = option(
-        None, "Stop after this many environment frames (agent steps x frame skip)."
+        None,
+        "Stop after this many environment frames (agent steps x frame skip).",
+        brief="Budget in env frames (agent steps x frame skip), absolute.",
     )
     total_steps: Optional[int] = option(
-        None, "Stop after this many agent steps (absolute, also with --resume)."
+        None,
+        "Stop after this many agent steps (absolute, also with --resume).",
+        brief="Budget in agent steps instead, absolute.",
     )
     stop_at_return: Optional[float] = option(
         None,
         "Stop early once the mean return of the last 100 episodes reaches this (counted only after 100 "
         "episodes have finished); unset: run to the step budget.",
+        brief="Stop once the mean return of the last 100 episodes reaches this.",
     )
-    max_seconds: float = option(0.0, "Stop after this many seconds of training; 0 means no limit.")
+    max_seconds: float = option(
+        0.0,
+        "Stop after this many seconds of training; 0 means no limit.",
+        brief="Stop after this many seconds of training; 0: no limit.",
+    )
     eval_every: int = option(
         0,
         "Every this many env frames, play --eval-episodes greedy episodes of the current weights (the "
@@ -276,79 +300,121 @@ class RunConfig:
         "rows; 0: off. One evaluation plays at a time: one falling due while another plays starts when that "
         "one ends, with the weights of then; at the end of the run the one playing gets 30 s to finish "
         "(its row then comes after the training's last).",
+        brief="Evaluate (greedy, apart) every this many frames, one at a time; 0: off.",
     )
-    eval_episodes: int = option(5, "Episodes per --eval-every evaluation.")
+    eval_episodes: int = option(
+        5, "Episodes per --eval-every evaluation.", brief="Episodes per --eval-every evaluation."
+    )
     eval_video: bool = option(
         False,
         "Record the first 600 frames of each evaluation's first episode to LOGDIR/eval-FRAMES.mp4 (the raw "
         "screen; needs an env that renders RGB, e.g. Atari); with --track also to Weights & Biases.",
+        brief="Record each evaluation's first 600 frames to LOGDIR/eval-FRAMES.mp4.",
     )
     seed: int = option(
-        0, "Base seed: the network's initialization, and actor i's envs use seed + 1000 * i (+ restarts)."
+        0,
+        "Base seed: the network's initialization, and actor i's envs use seed + 1000 * i (+ restarts).",
+        brief="Base seed: the network's init; actor i's envs use seed + 1000 i.",
     )
-    device: str = option("auto", "Learner device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.")
+    device: str = option(
+        "auto",
+        "Learner device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.",
+        brief="Learner device: auto, cpu, cuda, cuda:N.",
+    )
     torch_threads: int = option(
         0,
         "CPU threads for the learner's torch ops; 0 = the cores left after the actors (launch_impala with "
         "image observations: at least 2 where there are 2, its idle threads sleeping instead of spinning; "
         "otherwise at least 1). More would fight the actors for cores.",
+        brief="Learner CPU threads; 0: the cores the actors leave.",
     )
     logdir: Optional[str] = option(
         None,
         "Run folder (TensorBoard events, metrics.csv, config.yaml, checkpoints); default: RUNS_DIR/RUN_ID.",
+        brief="Run folder; unset: RUNS_DIR/RUN_ID.",
     )
-    runs_dir: str = option("runs", "Folder holding the run folders.")
+    runs_dir: str = option("runs", "Folder holding the run folders.", brief="Folder holding the run folders.")
     run_id: Optional[str] = option(
         None,
         "Name of this run's folder under --runs-dir; default: the env id and the start time "
         "(CartPole-v1-20261201-083000). A folder that holds a run is refused unless --resume or --force.",
+        brief="Run folder name under --runs-dir; unset: <env>-<start time>.",
     )
     force: bool = option(
         False,
         "Start over in a run folder that holds a run: its checkpoints, metrics, events, config and finished "
         "marker are deleted first.",
+        brief="Start over in a folder that holds a run (deletes the run's files).",
     )
     resume: bool = option(
         False,
         "Continue the run in the run folder from its checkpoint.pt (weights, optimizer, normalizers, "
         "counters, the last 100 episodes' returns); needs --run-id or --logdir.",
+        brief="Continue the run in the folder with its own settings (its config.yaml).",
     )
-    checkpoint_minutes: float = option(10.0, "Minutes between checkpoints (one is always written at exit).")
+    checkpoint_minutes: float = option(
+        10.0,
+        "Minutes between checkpoints (one is always written at exit).",
+        brief="Minutes between checkpoints (and one at exit).",
+    )
     log_interval: float = option(
-        5.0, "Seconds between console/CSV/TensorBoard rows (0: a row after every update)."
+        5.0,
+        "Seconds between console/CSV/TensorBoard rows (0: a row after every update).",
+        brief="Seconds between log rows (console, metrics.csv, TensorBoard).",
     )
-    progress: bool = option(True, "Show the live console progress display (when stdout is a terminal).")
-    log_level: LogLevel = option("INFO", "Python logging level.")
+    progress: bool = option(
+        True,
+        "Show the live console progress display (when stdout is a terminal).",
+        brief="Live console display when stdout is a terminal.",
+    )
+    log_level: LogLevel = option("INFO", "Python logging level.", brief="Python logging level.")
     track: bool = option(
         False,
         "Also log every metric row, the resolved config and the git commit to Weights & Biases (pip install "
         "-e '.[track]'; WANDB_MODE=offline logs without a network).",
+        brief="Also log to Weights & Biases (the track extra).",
     )
-    track_project: str = option("impala-rl", "Weights & Biases project for --track.")
+    track_project: str = option(
+        "impala-rl", "Weights & Biases project for --track.", brief="Weights & Biases project for --track."
+    )
     bind: str = option(
         "127.0.0.1",
         "Address the learner binds. Binding anything else exposes the learner; use with a firewall or CURVE "
         "keys.",
+        brief="Address the learner binds (public needs --curve or --insecure-bind).",
     )
-    port: int = option(0, "Trajectory port (weights use port+1); 0 picks free ports.")
+    port: int = option(
+        0,
+        "Trajectory port (weights use port+1); 0 picks free ports.",
+        brief="Trajectory port (weights: port + 1); 0: free ports.",
+    )
     curve: str = option(
         "",
         "Directory of ZeroMQ CURVE keys (created if missing): only actors with an authorized key may "
         "connect; traffic is encrypted. Use with a public --bind.",
+        brief="Folder of CURVE keys: only authorized actors connect, encrypted.",
     )
     insecure_bind: bool = option(
-        False, "Allow a non-loopback --bind without --curve (only on a network you trust)."
+        False,
+        "Allow a non-loopback --bind without --curve (only on a network you trust).",
+        brief="Allow a public --bind without --curve (a trusted network only).",
     )
-    start_method: StartMethod = option("spawn", "Multiprocessing start method for actors.")
+    start_method: StartMethod = option(
+        "spawn",
+        "Multiprocessing start method for actors.",
+        brief="Multiprocessing start method of the actor processes.",
+    )
     queue_size: int = option(
         0,
         "Unrolls buffered in the learner; 0 lets the learner pick (IMPALA: one batch; more only adds policy "
         "lag).",
+        brief="Unrolls buffered in the learner; 0: the learner picks.",
     )
     max_policy_lag: Optional[int] = option(
         None,
         "Drop unrolls collected with weights more than this many updates old (0: on-policy only); unset "
         "keeps all.",
+        brief="Drop unrolls this many updates old or older; unset: keep all.",
     )
     publish_delay: Optional[int] = option(
         None,
@@ -358,12 +424,14 @@ class RunConfig:
         "0.6-0.8 updates old, and its Pong runs took 7.6-8.9M frames to 18 against 4.7M and 6.0M with 1, "
         "BENCHMARKS.md), else 0; never above --max-policy-lag. launch_ppo: 0 (its actors wait for each "
         "update's weights).",
+        brief="Updates the actors' weights lag the learner's; unset: by --cpu-affinity.",
     )
     max_abs_value: float = option(
         1e6,
         "Unrolls holding a float (observation, logits, action, log-prob, reward) above this in absolute "
         "value are dropped on receipt (transport/dropped_schema): finite but huge values would overflow the "
         "update.",
+        brief="Drop unrolls holding a float above this in absolute value.",
     )
 
     def __post_init__(self) -> None:
@@ -637,44 +705,55 @@ class RunConfig:
 class ImpalaConfig:
     """IMPALA's algorithm and model settings (the process-level ones are :class:`RunConfig`)."""
 
-    batch_size: int = option(32, "Unrolls per learner update (B).")
+    batch_size: int = option(
+        32, "Unrolls per learner update (B).", brief="Unrolls per learner update (B; T x B agent steps each)."
+    )
     model: Literal["auto", "shallow", "nature", "deep", "mlp"] = option(
         "auto",
         "Network: 'shallow' or 'deep' IMPALA CNN or 'nature' (Mnih et al. 2015) for images, 'mlp' for "
         "vectors, 'auto' to pick by observation rank.",
+        brief="Network: shallow/deep IMPALA CNN, nature CNN, mlp; auto by observation.",
     )
-    use_lstm: bool = option(False, "Add an LSTM-256 core (state resets at episode starts).")
+    use_lstm: bool = option(
+        False, "Add an LSTM-256 core (state resets at episode starts).", brief="Add an LSTM-256 core."
+    )
     popart: bool = option(
         False,
         "Normalize value targets with PopArt (Hessel et al. 2018). Off by default: the measured small-box "
         "Pong recipe (docs/PONG.md) ran without it, and with clipped rewards one task has one value scale; "
         "turn it on for unclipped or multi-task rewards.",
+        brief="PopArt value normalization (per task); on for several --env.",
     )
     init: Literal["orthogonal", "torch"] = option(
         "orthogonal",
         "Weight init: 'orthogonal' (gain sqrt(2) torso, 0.01 policy head, zero biases; baselines/cleanrl) or "
         "'torch' (PyTorch defaults, as TorchBeast).",
+        brief="Weight init: orthogonal (cleanrl) or torch (TorchBeast).",
     )
     loss_reduction: Literal["sum", "mean"] = option(
         "mean",
         "Reduce the losses over T x B by 'sum' (the IMPALA paper's and TorchBeast's units, in which lr 6e-4 "
         "/ eps 0.01 / clip 40 are published) or 'mean' (A2C/PPO units).",
+        brief="Losses summed (the paper's units) or averaged over T x B.",
     )
     optimizer: Literal["rmsprop", "adam"] = option(
         "adam",
         "'rmsprop' (torch.optim.RMSprop: eps added to sqrt(v), no bias correction) or 'adam' "
         "(bias-corrected; uses --adam-eps).",
+        brief="Optimizer: adam or rmsprop (TorchBeast's).",
     )
-    adam_eps: float = option(1e-5, "Adam epsilon (with --optimizer adam).")
+    adam_eps: float = option(1e-5, "Adam epsilon (with --optimizer adam).", brief="Adam epsilon.")
     epochs: int = option(
         4,
         "Passes over each batch (1 = IMPALA). More passes reuse each frame for more updates; V-trace "
         "re-corrects every pass. Use with --pg-clip.",
+        brief="Passes over each batch (1: IMPALA; PPO's num_epoch).",
     )
     minibatches: int = option(
         8,
         "Split each batch into this many minibatches of whole unrolls per pass (PPO-style); must divide "
         "--batch-size.",
+        brief="Minibatches of whole unrolls per pass; divides --batch-size.",
     )
     targets: Literal["per_step", "per_batch"] = option(
         "per_batch",
@@ -682,35 +761,60 @@ class ImpalaConfig:
         "'per_step' recomputes them with the current network at every minibatch step (APPO, as Sample "
         "Factory); 'per_batch' computes them once per batch with the network as the batch arrives and "
         "holds them fixed over every pass (PPO's advantages and returns, computed once per rollout).",
+        brief="V-trace targets once per batch, or at every minibatch step (APPO).",
     )
     pg_clip: float = option(
         0.1,
         "0: IMPALA's policy gradient. >0: PPO's clipped surrogate against the behaviour policy with this "
         "epsilon (APPO, as RLlib and Sample Factory).",
+        brief="PPO clip epsilon against the behaviour policy; 0: IMPALA's gradient.",
     )
     advantage_norm: bool = option(
-        True, "Standardize the policy-gradient advantages over each minibatch (as PPO does)."
+        True,
+        "Standardize the policy-gradient advantages over each minibatch (as PPO does).",
+        brief="Standardize advantages per minibatch.",
     )
     learning_rate: float = option(
-        5e-4, "Learning rate; decays linearly to 0 over the run's frames (--no-lr-decay keeps it)."
+        5e-4,
+        "Learning rate; decays linearly to 0 over the run's frames (--no-lr-decay keeps it).",
+        brief="Learning rate, decaying linearly to 0 over the run.",
     )
-    lr_decay: bool = option(True, "Decay the learning rate linearly to 0 over the run.")
-    rmsprop_eps: float = option(0.01, "RMSProp epsilon.")
-    rmsprop_alpha: float = option(0.99, "RMSProp decay.")
-    rmsprop_momentum: float = option(0.0, "RMSProp momentum.")
-    entropy_cost: float = option(0.01, "Entropy bonus coefficient.")
+    lr_decay: bool = option(
+        True,
+        "Decay the learning rate linearly to 0 over the run.",
+        brief="Decay the learning rate to 0 over the run.",
+    )
+    rmsprop_eps: float = option(0.01, "RMSProp epsilon.", brief="RMSProp epsilon.")
+    rmsprop_alpha: float = option(0.99, "RMSProp decay.", brief="RMSProp decay.")
+    rmsprop_momentum: float = option(0.0, "RMSProp momentum.", brief="RMSProp momentum.")
+    entropy_cost: float = option(
+        0.01,
+        "Entropy bonus coefficient.",
+        brief="Entropy bonus coefficient (PPO's ent_coef, ML-Agents' beta).",
+    )
     baseline_cost: float = option(
-        1.0, "Value loss coefficient, on 0.5 * squared error (so 1.0 here is PPO's vf_coef 0.5 on the MSE)."
+        1.0,
+        "Value loss coefficient, on 0.5 * squared error (so 1.0 here is PPO's vf_coef 0.5 on the MSE).",
+        brief="Value loss coefficient on 0.5 x squared error.",
     )
-    discount: float = option(0.99, "Discount factor gamma.")
+    discount: float = option(0.99, "Discount factor gamma.", brief="Discount gamma.")
     vtrace_lambda: float = option(
         0.95,
         "V-trace trace decay lambda in [0, 1] (rlax's lambda_): 1 is the paper's V-trace; on-policy, lambda "
         "< 1 gives GAE(lambda) advantages.",
+        brief="V-trace lambda; 1: the paper's V-trace.",
     )
-    reward_clip: float = option(1.0, "Clip rewards to [-c, c] in the learner; 0 disables.")
-    grad_norm_clip: float = option(0.5, "Global gradient-norm clip; 0 disables.")
-    popart_beta: float = option(POPART_BETA, "PopArt statistics step size.")
+    reward_clip: float = option(
+        1.0,
+        "Clip rewards to [-c, c] in the learner; 0 disables.",
+        brief="Clip rewards to [-c, c]; 0: raw (several --env: 0).",
+    )
+    grad_norm_clip: float = option(
+        0.5, "Global gradient-norm clip; 0 disables.", brief="Gradient norm clip; 0: none."
+    )
+    popart_beta: float = option(
+        POPART_BETA, "PopArt statistics step size.", brief="PopArt statistics step size."
+    )
     precision: Literal["fp32", "bf16"] = option(
         "fp32",
         "The learner's arithmetic in an image torso (its convolutions and fc layer): 'fp32', or 'bf16' "
@@ -719,6 +823,7 @@ class ImpalaConfig:
         "EPYC) but its three Pong seeds needed 7.3-8.7M frames to 18 against fp32's 5.1-5.3M "
         "(BENCHMARKS.md), so it is not the default. Elsewhere it is slower (7.8x per minibatch step on an "
         "AVX2-only CPU): a CPU learner times both at start and warns with the figures when bf16 loses.",
+        brief="Learner arithmetic in image torsos: fp32 or bf16 (autocast).",
     )
     sync: bool = option(
         False,
@@ -726,6 +831,7 @@ class ImpalaConfig:
         "a batch with the newest weights, then waits for the update's weights, so every batch is on-policy "
         "(policy lag 0) while the actors and the learner take turns (fewer frames/s). --batch-size must be "
         "a multiple of the local envs (--workers x --envs-per-worker).",
+        brief="Actors wait for each update's weights: on-policy batches, fewer frames/s.",
     )
     obs_norm: bool = option(
         True,
@@ -733,12 +839,14 @@ class ImpalaConfig:
         "learner from every batch, sent to the actors with the weights) and clip to +-5, as Sample "
         "Factory's normalize_input; vector observations are unaffected. On Pong it took the mean return "
         "to -10 in a third of the frames plain 1/255 scaling needed (docs/PONG_ABLATION.md).",
+        brief="Images: standardize each pixel by running statistics (clip +-5); off: x/255.",
     )
     frame_dedup: bool = option(
         True,
         "Atari: send each frame once (the newest frame per step) and rebuild the 4-frame stacks in the "
         "learner, about 4x fewer bytes per unroll; the actors check that their env stacks as the learner "
         "assumes.",
+        brief="Atari: send each frame once; the learner rebuilds the stacks.",
     )
 
     def __post_init__(self) -> None:
@@ -874,82 +982,3 @@ def resolve_device(name: str) -> Any:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
-
-
-# --help's one line per option (--help-all and the dataclasses' field texts have the whole story).
-RUN_BRIEF = {
-    "env": "Env id: Atari (PongDeterministic-v4), gymnasium (CartPole-v1), mypkg.envs:Id-v0.",
-    "env_package": "Packages to import (learner and actors) that register their envs.",
-    "env_kwargs": "Env constructor overrides, JSON ('{\"frameskip\": 4}'); checked in every actor.",
-    "workers": "Local actor processes; 0: remote actors only (impala-actors).",
-    "envs_per_worker": "Envs each actor steps with one batched forward pass (without it a multi-task run "
-    "gives every task the same number of envs, at least 8 where 32 per actor allow).",
-    "learners": "Data-parallel learner processes (each batch split over them).",
-    "cpu_affinity": "Learner/actor CPU placement; auto: pinned for images on a CPU learner.",
-    "actor_nice": "Niceness added to the local actors (0-19): the learner first.",
-    "overlap_updates": "Train each batch on a thread while the next one is staged (same updates).",
-    "in_process": "Run the local actors as threads of the learner (debugging).",
-    "unroll_length": "Agent steps per env per unroll (T).",
-    "total_frames": "Budget in env frames (agent steps x frame skip), absolute.",
-    "total_steps": "Budget in agent steps instead, absolute.",
-    "stop_at_return": "Stop once the mean return of the last 100 episodes reaches this.",
-    "max_seconds": "Stop after this many seconds of training; 0: no limit.",
-    "eval_every": "Evaluate (greedy, apart) every this many frames, one at a time; 0: off.",
-    "eval_episodes": "Episodes per --eval-every evaluation.",
-    "eval_video": "Record each evaluation's first 600 frames to LOGDIR/eval-FRAMES.mp4.",
-    "seed": "Base seed: the network's init; actor i's envs use seed + 1000 i.",
-    "device": "Learner device: auto, cpu, cuda, cuda:N.",
-    "torch_threads": "Learner CPU threads; 0: the cores the actors leave.",
-    "logdir": "Run folder; unset: RUNS_DIR/RUN_ID.",
-    "runs_dir": "Folder holding the run folders.",
-    "run_id": "Run folder name under --runs-dir; unset: <env>-<start time>.",
-    "force": "Start over in a folder that holds a run (deletes the run's files).",
-    "resume": "Continue the run in the folder with its own settings (its config.yaml).",
-    "checkpoint_minutes": "Minutes between checkpoints (and one at exit).",
-    "log_interval": "Seconds between log rows (console, metrics.csv, TensorBoard).",
-    "progress": "Live console display when stdout is a terminal.",
-    "log_level": "Python logging level.",
-    "track": "Also log to Weights & Biases (the track extra).",
-    "track_project": "Weights & Biases project for --track.",
-    "bind": "Address the learner binds (public needs --curve or --insecure-bind).",
-    "port": "Trajectory port (weights: port + 1); 0: free ports.",
-    "curve": "Folder of CURVE keys: only authorized actors connect, encrypted.",
-    "insecure_bind": "Allow a public --bind without --curve (a trusted network only).",
-    "start_method": "Multiprocessing start method of the actor processes.",
-    "queue_size": "Unrolls buffered in the learner; 0: the learner picks.",
-    "max_policy_lag": "Drop unrolls this many updates old or older; unset: keep all.",
-    "publish_delay": "Updates the actors' weights lag the learner's; unset: by --cpu-affinity.",
-    "max_abs_value": "Drop unrolls holding a float above this in absolute value.",
-}
-
-IMPALA_BRIEF = {
-    "batch_size": "Unrolls per learner update (B; T x B agent steps each).",
-    "model": "Network: shallow/deep IMPALA CNN, nature CNN, mlp; auto by observation.",
-    "use_lstm": "Add an LSTM-256 core.",
-    "popart": "PopArt value normalization (per task); on for several --env.",
-    "init": "Weight init: orthogonal (cleanrl) or torch (TorchBeast).",
-    "loss_reduction": "Losses summed (the paper's units) or averaged over T x B.",
-    "optimizer": "Optimizer: adam or rmsprop (TorchBeast's).",
-    "adam_eps": "Adam epsilon.",
-    "epochs": "Passes over each batch (1: IMPALA; PPO's num_epoch).",
-    "minibatches": "Minibatches of whole unrolls per pass; divides --batch-size.",
-    "targets": "V-trace targets once per batch, or at every minibatch step (APPO).",
-    "pg_clip": "PPO clip epsilon against the behaviour policy; 0: IMPALA's gradient.",
-    "advantage_norm": "Standardize advantages per minibatch.",
-    "learning_rate": "Learning rate, decaying linearly to 0 over the run.",
-    "lr_decay": "Decay the learning rate to 0 over the run.",
-    "rmsprop_eps": "RMSProp epsilon.",
-    "rmsprop_alpha": "RMSProp decay.",
-    "rmsprop_momentum": "RMSProp momentum.",
-    "entropy_cost": "Entropy bonus coefficient (PPO's ent_coef, ML-Agents' beta).",
-    "baseline_cost": "Value loss coefficient on 0.5 x squared error.",
-    "discount": "Discount gamma.",
-    "vtrace_lambda": "V-trace lambda; 1: the paper's V-trace.",
-    "reward_clip": "Clip rewards to [-c, c]; 0: raw (several --env: 0).",
-    "grad_norm_clip": "Gradient norm clip; 0: none.",
-    "popart_beta": "PopArt statistics step size.",
-    "precision": "Learner arithmetic in image torsos: fp32 or bf16 (autocast).",
-    "sync": "Actors wait for each update's weights: on-policy batches, fewer frames/s.",
-    "obs_norm": "Images: standardize each pixel by running statistics (clip +-5); off: x/255.",
-    "frame_dedup": "Atari: send each frame once; the learner rebuilds the stacks.",
-}

@@ -43,9 +43,7 @@ from impala.options import (
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
 from impala.run.config import (
     DEFAULT_TOTAL_FRAMES,
-    IMPALA_BRIEF,
     IMPALA_UNROLL,
-    RUN_BRIEF,
     ImpalaConfig,
     RunConfig,
     apply_saved,
@@ -62,9 +60,8 @@ from impala.transport.messages import task_shares
 from learner import group as learner_group
 from learner.cli import hosts
 from learner.cli.console import console_main, ending
+from learner.cli.group_start import follower_settings, start_group
 from learner.group import LearnerGroupError, Membership, join_group, lost_peer, membership, peer_error
-from learner.group_start import follower_settings, start_group
-from learner.precision import learner_threads
 from learner.run.runtime import (
     START_ERRORS,
     LaunchError,
@@ -75,12 +72,12 @@ from learner.run.runtime import (
     claim_cpus,
     run,
 )
+from learner.update.precision import learner_threads
 from learner.vtrace_learner import ImpalaTrainer
 
 log = logging.getLogger("launch_impala")
 
-RUN_BRIEFS = {
-    **RUN_BRIEF,
+RUN_BRIEFS = {  # where launch_impala's defaults differ from the options' own
     "total_frames": f"Budget in env frames (agent steps x frame skip); unset: {DEFAULT_TOTAL_FRAMES:,}.",
     "queue_size": "Unrolls buffered in the learner; 0: --batch-size.",
     "max_policy_lag": "Drop unrolls this many updates old or older; unset: keep all (V-trace).",
@@ -111,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="A preset by name (atari, atari_deep, cartpole, ...) or a YAML file of options.",
     )
     add_flags(parser.add_argument_group("run"), RunConfig, helps=RUN_HELP, briefs=RUN_BRIEFS)
-    add_flags(parser.add_argument_group("IMPALA"), ImpalaConfig, briefs=IMPALA_BRIEF)
+    add_flags(parser.add_argument_group("IMPALA"), ImpalaConfig)
     hosts.add_flags(parser)
     return parser
 

@@ -90,15 +90,7 @@ from impala.options import (
     say_preset_replaced,
 )
 from impala.run.checkpoint import drop_unused_run_folder, prepare_run_folder, release_run_folders
-from impala.run.config import (
-    RUN_BRIEF,
-    RUN_ID,
-    RunConfig,
-    apply_saved,
-    resume_changes,
-    resume_record,
-    saved_settings,
-)
+from impala.run.config import RUN_ID, RunConfig, apply_saved, resume_changes, resume_record, saved_settings
 from impala.run.metrics import LOG_FORMAT
 from impala.run.ppo_config import (
     MAX_UNROLL,
@@ -137,8 +129,7 @@ ENGINE_OPTIONS = (
     "graphics",
     "env_args",
 )
-RUN_BRIEFS = {
-    **RUN_BRIEF,
+RUN_BRIEFS = {  # where launch_ppo's options differ from launch_impala's
     "env": "A gymnasium id or a Unity build's path; unset: the Crawler job.",
     "workers": "Local actor processes (Unity: one instance each; mlagents-learn's --num-envs).",
     "envs_per_worker": "Gym envs per actor (Unity: the build's agents).",

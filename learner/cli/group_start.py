@@ -16,7 +16,7 @@ from impala.envs.probe import EnvInfo
 from impala.run.config import ImpalaConfig, RunConfig, resolve_device
 from impala.run.orphans import exit_when_orphaned
 from learner.group import LearnerGroup, LearnerGroupError, Membership, init_group, join_group, peer_error
-from learner.precision import learner_threads
+from learner.update.precision import learner_threads
 from learner.vtrace_learner import ImpalaTrainer
 
 log = logging.getLogger(__name__)
