@@ -34,34 +34,24 @@ PINNED = os.path.join(os.path.dirname(__file__), "data", "update_pinned.pt")
 T, B, A = 16, 8, 5
 OBS = (6,)
 
+# The IMPALA paper's single step: one pass, the plain policy gradient, losses summed over T x B, RMSProp
+PAPER_STEP = {
+    "epochs": 1,
+    "minibatches": 1,
+    "pg_clip": 0.0,
+    "advantage_norm": False,
+    "loss_reduction": "sum",
+    "optimizer": "rmsprop",
+    "learning_rate": 6e-4,
+    "grad_norm_clip": 40.0,
+}
 CASES = {
     "defaults": {},
     "defaults_popart": {"popart": True},
     "per_step": {"targets": "per_step"},
     "per_step_popart": {"targets": "per_step", "popart": True},
-    "paper_single_step": {
-        "epochs": 1,
-        "minibatches": 1,
-        "pg_clip": 0.0,
-        "advantage_norm": False,
-        "loss_reduction": "sum",
-        "optimizer": "rmsprop",
-        "learning_rate": 6e-4,
-        "grad_norm_clip": 40.0,
-        "baseline_cost": 0.5,
-    },
-    "paper_single_step_popart": {
-        "epochs": 1,
-        "minibatches": 1,
-        "pg_clip": 0.0,
-        "advantage_norm": False,
-        "loss_reduction": "sum",
-        "optimizer": "rmsprop",
-        "learning_rate": 6e-4,
-        "grad_norm_clip": 40.0,
-        "popart": True,
-        "reward_clip": 0.0,
-    },
+    "paper_single_step": {**PAPER_STEP, "baseline_cost": 0.5},
+    "paper_single_step_popart": {**PAPER_STEP, "popart": True, "reward_clip": 0.0},
     "two_tasks_popart": {"popart": True, "reward_clip": 0.0, "_tasks": 2},
     "two_tasks_clipped": {"_tasks": 2},
 }
