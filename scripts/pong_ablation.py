@@ -23,6 +23,7 @@ import argparse
 import csv
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,6 +157,14 @@ def write_curve(path: Path, rows: list[dict[str, float]]) -> None:
             )
 
 
+def arm_curves(arm: str, data: Path = DATA) -> list[tuple[int, Path]]:
+    """(seed, curve file) of each committed run of ``arm``, by seed. Matched by the whole name: a glob on
+    ``pong_obs_norm_s*`` also took ``pong_obs_norm_sync_s1.csv`` (another arm's run) as a seed of obs_norm."""
+    pattern = re.compile(rf"pong_{re.escape(arm)}_s(\d+)\.csv")
+    found = [(int(m.group(1)), p) for p in data.glob("pong_*.csv") if (m := pattern.fullmatch(p.name))]
+    return sorted(found)
+
+
 def read_curve(path: Path) -> list[tuple[float, float]]:
     with open(path, newline="") as f:
         return [
@@ -191,8 +200,7 @@ def report(references: dict[str, Path], out: Path | None, data: Path = DATA) -> 
     ``out``."""
     arms: dict[str, list[tuple[int, list[tuple[float, float]]]]] = {}
     for arm in ARMS:
-        for path in sorted(data.glob(f"pong_{arm}_s*.csv")):
-            seed = int(path.stem.rsplit("_s", 1)[1])
+        for seed, path in arm_curves(arm, data):
             arms.setdefault(arm, []).append((seed, read_curve(path)))
     for label, path in references.items():
         if path.is_file():

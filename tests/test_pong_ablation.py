@@ -51,6 +51,21 @@ def test_a_planted_wrong_figure_is_caught(tmp_path):
     assert _page_table(page) == table and page.read_text().startswith("x\n")
 
 
+def test_an_arm_takes_its_own_runs_only(tmp_path):
+    """obs_norm's seeds are pong_obs_norm_s<N>.csv, not obs_norm_sync's pong_obs_norm_sync_s1.csv."""
+    for name in (
+        "pong_obs_norm_s1.csv",
+        "pong_obs_norm_s12.csv",
+        "pong_obs_norm_sync_s1.csv",
+        "pong_obs_norm_s2.txt",
+    ):
+        (tmp_path / name).write_text("frames,time,mean_return_100,fps\n")
+    assert [seed for seed, _ in pong_ablation.arm_curves("obs_norm", tmp_path)] == [1, 12]
+    assert [p.name for _, p in pong_ablation.arm_curves("obs_norm_sync", tmp_path)] == [
+        "pong_obs_norm_sync_s1.csv"
+    ]
+
+
 def test_frames_to_a_threshold_and_the_return_at_a_budget_read_the_curve_as_written():
     curve = [(0.5e6, -20.0), (1.0e6, -12.0), (1.6e6, 0.5), (2.49e6, 16.0)]
     assert pong_ablation.first_reach(curve, -10) == 1.6e6 and pong_ablation.first_reach(curve, 18) is None
