@@ -83,6 +83,7 @@ def build(args: argparse.Namespace):
     """The run's configs, env info and trainer exactly as launch_impala resolves them."""
     from impala.envs import EnvSpec
     from impala.envs.probe import probe_env
+    from impala.run.config import settle
     from learner.cli import launch_impala
     from learner.vtrace_learner import ImpalaTrainer
 
@@ -95,8 +96,10 @@ def build(args: argparse.Namespace):
         "cpu",
         *args.extra,
     ]
-    run, impala = launch_impala.resolve(launch_impala.parse_args(flags))
+    parsed = launch_impala.parse_args(flags)
+    run, impala = launch_impala.resolve(parsed)
     env = probe_env(EnvSpec(args.env), seed=0)
+    run, impala = settle(run, impala, env.obs_shape, chosen=launch_impala.chosen_options(parsed))
     return run, impala, env, ImpalaTrainer(impala, run, env)
 
 
